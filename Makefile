@@ -1,0 +1,29 @@
+# Two entry points, each installing what it needs on first use:
+#   make demo   run the main job (GRPO-shaped rollout through vLLM-Omni, cache off / stock / ours)
+#   make test   run the test suite
+VENV ?= .venv
+PYTHON ?= python3
+# vLLM-Omni 0.30 needs the PyPI torch build that vLLM 0.30 pins. Some machines point pip at a
+# local CPU-only torch wheel (PIP_FIND_LINKS, a pip config file); hide both so the install is the
+# one a user gets. On a machine without them this changes nothing.
+PIP_INSTALL = env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(VENV)/bin/python -m pip install
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) -e '.[vllm-omni,demo,dev]'
+	touch $@
+
+.PHONY: install demo test lint bench
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/bench_keys.py
+
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/bench_keys.py

@@ -1,0 +1,114 @@
+"""How settings resolve: env var over keyword argument over default; bad values named clearly."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_omni_prompt_cache.config import (
+    ENABLE,
+    MAX_BYTES,
+    MAX_SIZE,
+    VERIFY,
+    PromptEmbedCacheConfigError,
+    resolve_prompt_embed_cache_config,
+    resolve_prompt_embed_cache_settings,
+)
+
+
+@pytest.fixture(autouse=True)
+def no_cache_env(monkeypatch) -> None:
+    for setting in (ENABLE, MAX_SIZE, MAX_BYTES, VERIFY):
+        monkeypatch.delenv(setting.env, raising=False)
+
+
+def test_defaults_match_upstream() -> None:
+    assert resolve_prompt_embed_cache_config() == (False, 32)
+    settings = resolve_prompt_embed_cache_settings()
+    assert (settings.max_bytes, settings.verify) == (None, True)
+    assert set(settings.sources.values()) == {"default"}
+
+
+def test_keyword_arguments_apply() -> None:
+    assert resolve_prompt_embed_cache_config(enable=True, max_size=64) == (True, 64)
+
+
+def test_environment_overrides_keyword_arguments(monkeypatch) -> None:
+    monkeypatch.setenv(ENABLE.env, "off")
+    monkeypatch.setenv(MAX_SIZE.env, "8")
+    monkeypatch.setenv(MAX_BYTES.env, "1.5GiB")
+    monkeypatch.setenv(VERIFY.env, "no")
+    settings = resolve_prompt_embed_cache_settings(enable=True, max_size=64, max_bytes=10, verify=True)
+    assert (settings.enabled, settings.max_size, settings.max_bytes, settings.verify) == (
+        False,
+        8,
+        int(1.5 * 2**30),
+        False,
+    )
+    assert settings.sources[MAX_SIZE.name] == f"environment variable {MAX_SIZE.env}"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1", True), ("TRUE", True), (" yes ", True), ("on", True), ("0", False), ("False", False)],
+)
+def test_boolean_spellings(monkeypatch, text, expected) -> None:
+    monkeypatch.setenv(ENABLE.env, text)
+    assert resolve_prompt_embed_cache_config()[0] is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1", 1), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("4096", 4096), ("none", None), ("1 kib", 1024)],
+)
+def test_byte_budget_spellings(monkeypatch, text, expected) -> None:
+    monkeypatch.setenv(MAX_BYTES.env, text)
+    assert resolve_prompt_embed_cache_settings().max_bytes == expected
+
+
+@pytest.mark.parametrize(
+    ("setting", "bad"),
+    [
+        (MAX_SIZE, "0"),
+        (MAX_SIZE, "-1"),
+        (MAX_SIZE, "abc"),
+        (MAX_SIZE, ""),
+        (MAX_SIZE, "1.5"),
+        (ENABLE, "maybe"),
+        (ENABLE, ""),
+        (VERIFY, "2"),
+        (MAX_BYTES, "0"),
+        (MAX_BYTES, "-5"),
+        (MAX_BYTES, "12 parsecs"),
+        (MAX_BYTES, "0.1"),
+    ],
+)
+def test_bad_environment_values_name_setting_source_and_allowed(monkeypatch, setting, bad) -> None:
+    monkeypatch.setenv(setting.env, bad)
+    with pytest.raises(PromptEmbedCacheConfigError) as raised:
+        resolve_prompt_embed_cache_settings()
+    message = str(raised.value)
+    assert setting.name in message
+    assert f"environment variable {setting.env}" in message
+    assert setting.allowed in message
+    assert repr(bad) in message
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_size": 0},
+        {"max_size": -1},
+        {"max_size": True},
+        {"max_size": 2.0},
+        {"enable": "maybe"},
+        {"enable": 2},
+    ],
+)
+def test_bad_keyword_values_are_rejected(kwargs) -> None:
+    with pytest.raises(PromptEmbedCacheConfigError, match="from keyword argument"):
+        resolve_prompt_embed_cache_config(**kwargs)
+
+
+def test_the_error_is_a_value_error_as_callers_of_upstream_expect() -> None:
+    with pytest.raises(ValueError):
+        resolve_prompt_embed_cache_config(max_size=0)

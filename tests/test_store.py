@@ -1,0 +1,204 @@
+"""Where entries live: LRU order, entry and byte budgets, statistics, single-flight, failures."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import pytest
+import torch
+
+from vllm_omni_prompt_cache.keys import CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.store import COLLISION_REASON, PromptEmbedCache, detach_value, value_nbytes
+
+
+def _signature(prompt_ids):
+    pass
+
+
+BUILDER = CallKeyBuilder(inspect.signature(_signature), "tiny")
+
+
+def key(token: int, length: int = 4) -> CallKey:
+    return BUILDER.build((torch.full((1, length), token),), {})
+
+
+def embedding(token: int, width: int = 8) -> torch.Tensor:
+    return torch.full((1, width), float(token))
+
+
+def test_hit_returns_the_stored_value_and_counts() -> None:
+    cache = PromptEmbedCache(max_size=4)
+    first = cache.get_or_compute(key(1), lambda: embedding(1))
+    again = cache.get_or_compute(key(1), lambda: pytest.fail("must not recompute"))
+    assert torch.equal(first, again)
+    assert cache.info()[:3] == (1, 1, 0)
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    cache = PromptEmbedCache(max_size=2)
+    cache.get_or_compute(key(1), lambda: embedding(1))
+    cache.get_or_compute(key(2), lambda: embedding(2))
+    cache.get_or_compute(key(1), lambda: pytest.fail("1 is cached"))  # 1 becomes most recent
+    cache.get_or_compute(key(3), lambda: embedding(3))  # evicts 2
+    computed = []
+    cache.get_or_compute(key(2), lambda: computed.append(2) or embedding(2))
+    assert computed == [2]
+    stats = cache.stats()
+    assert stats["evictions"] == 2
+    assert stats["size"] == 2
+
+
+def test_byte_budget_counts_values_and_witness_and_is_never_exceeded() -> None:
+    # Each entry: a 1x64 float32 value (256 B) + a 1x4 int64 witness (32 B) = 288 B.
+    cache = PromptEmbedCache(max_size=100, max_bytes=3 * 288)
+    for token in range(10):
+        cache.get_or_compute(key(token), lambda token=token: embedding(token, width=64))
+        assert cache.stats()["bytes"] <= 3 * 288
+    stats = cache.stats()
+    assert stats["size"] == 3
+    assert stats["bytes"] == 3 * 288
+    assert stats["evictions"] == 7
+
+
+def test_a_value_larger_than_the_budget_is_returned_but_not_stored() -> None:
+    cache = PromptEmbedCache(max_size=4, max_bytes=100)
+    value = cache.get_or_compute(key(1), lambda: embedding(1, width=64))
+    assert value.shape == (1, 64)
+    stats = cache.stats()
+    assert (stats["size"], stats["bytes"], stats["oversize_rejections"]) == (0, 0, 1)
+
+
+def test_shared_storage_is_counted_once() -> None:
+    base = torch.zeros(10, 10)
+    assert value_nbytes((base, base[1:], [base[:2]])) == base.untyped_storage().nbytes()
+
+
+def test_values_are_detached_and_named_tuples_survive() -> None:
+    from collections import namedtuple
+
+    Output = namedtuple("Output", "embeds mask")
+    leaf = torch.ones(2, requires_grad=True)
+    detached = detach_value(Output(leaf * 2, [leaf]))
+    assert isinstance(detached, Output)
+    assert not detached.embeds.requires_grad
+    assert not detached.mask[0].requires_grad
+
+
+def test_clear_drops_entries_and_keeps_counters() -> None:
+    cache = PromptEmbedCache(max_size=4)
+    cache.get_or_compute(key(1), lambda: embedding(1))
+    cache.clear()
+    stats = cache.stats()
+    assert (stats["size"], stats["bytes"], stats["misses"]) == (0, 0, 1)
+
+
+def test_upstream_stat_keys_are_kept() -> None:
+    stats = PromptEmbedCache().stats()
+    assert {"size", "max_size", "hits", "misses", "bypassed"} <= stats.keys()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8"])
+def test_bad_sizes_are_rejected(bad) -> None:
+    with pytest.raises(ValueError, match="max_size"):
+        PromptEmbedCache(max_size=bad)
+    with pytest.raises(ValueError, match="max_bytes"):
+        PromptEmbedCache(max_bytes=bad)
+
+
+def test_a_failed_compute_reaches_its_caller_and_caches_nothing() -> None:
+    cache = PromptEmbedCache()
+
+    def boom():
+        raise RuntimeError("encoder failed")
+
+    with pytest.raises(RuntimeError, match="encoder failed"):
+        cache.get_or_compute(key(1), boom)
+    assert cache.stats()["size"] == 0
+    assert torch.equal(cache.get_or_compute(key(1), lambda: embedding(1)), embedding(1))
+
+
+def test_identity_match_with_different_bytes_is_a_counted_bypass() -> None:
+    weak = CallKeyBuilder(inspect.signature(_signature), "tiny", digest=lambda buffer: b"x")
+    cache = PromptEmbedCache()
+    first = weak.build((torch.tensor([1]),), {})
+    other = weak.build((torch.tensor([2]),), {})
+    assert first.identity == other.identity
+    cache.get_or_compute(first, lambda: embedding(1))
+    assert torch.equal(cache.get_or_compute(other, lambda: embedding(2)), embedding(2))
+    assert cache.stats()["bypass_reasons"] == {COLLISION_REASON: 1}
+
+
+def test_single_flight_runs_one_encode_for_concurrent_identical_misses() -> None:
+    cache = PromptEmbedCache()
+    started = threading.Event()
+    release = threading.Event()
+    runs = []
+
+    def slow_encode():
+        runs.append(1)
+        started.set()
+        release.wait(5)
+        return embedding(7)
+
+    results = []
+    owner = threading.Thread(target=lambda: results.append(cache.get_or_compute(key(7), slow_encode)))
+    owner.start()
+    started.wait(5)
+    waiters = [
+        threading.Thread(target=lambda: results.append(cache.get_or_compute(key(7), slow_encode)))
+        for _ in range(5)
+    ]
+    for thread in waiters:
+        thread.start()
+    release.set()
+    for thread in [owner, *waiters]:
+        thread.join(10)
+    assert len(runs) == 1
+    assert len(results) == 6 and all(torch.equal(r, embedding(7)) for r in results)
+    assert cache.info()[:2] == (5, 1)
+
+
+def test_waiters_retry_when_the_single_flight_owner_fails() -> None:
+    cache = PromptEmbedCache()
+    started = threading.Event()
+    release = threading.Event()
+    attempts = []
+
+    def flaky_encode():
+        attempts.append(threading.get_ident())
+        if len(attempts) == 1:
+            started.set()
+            release.wait(5)
+            raise RuntimeError("first run fails")
+        return embedding(3)
+
+    errors, results = [], []
+
+    def call():
+        try:
+            results.append(cache.get_or_compute(key(3), flaky_encode))
+        except RuntimeError as error:
+            errors.append(error)
+
+    owner = threading.Thread(target=call)
+    owner.start()
+    started.wait(5)
+    waiter = threading.Thread(target=call)
+    waiter.start()
+    release.set()
+    owner.join(10)
+    waiter.join(10)
+    assert len(errors) == 1 and len(results) == 1
+    assert len(attempts) == 2
+    assert cache.stats()["size"] == 1
+
+
+def test_reentrant_identical_call_computes_instead_of_deadlocking() -> None:
+    cache = PromptEmbedCache()
+
+    def outer():
+        return cache.get_or_compute(key(1), lambda: embedding(1))
+
+    assert torch.equal(cache.get_or_compute(key(1), outer), embedding(1))
+    assert sum(cache.stats()["bypass_reasons"].values()) == 1

@@ -1,0 +1,210 @@
+"""How encode_prompt is intercepted, on a real (tiny, random-weight) transformers text encoder."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from vllm_omni_prompt_cache import (
+    PromptEmbedCache,
+    install_prompt_embed_cache,
+    uninstall_prompt_embed_cache,
+)
+from vllm_omni_prompt_cache.store import COLLISION_REASON
+from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+from vllm_omni_prompt_cache.wrapper import DISABLED_REASON
+
+PROMPTS = 8
+GROUP_SIZE = 16
+LENGTH = 24
+
+
+@pytest.fixture(scope="module")
+def encoder() -> torch.nn.Module:
+    return build_qwen2_encoder()
+
+
+@pytest.fixture
+def pipeline(encoder) -> TokenIdTextPipeline:
+    return TokenIdTextPipeline(encoder)
+
+
+def prompt_token_ids(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1024) for _ in range(rng.randrange(8, LENGTH))] for _ in range(count)]
+
+
+def collate(token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh right-padded int64 ids tensor and bool mask, as verl-omni's adapter builds them."""
+    ids = torch.zeros(1, LENGTH, dtype=torch.int64)
+    ids[0, : len(token_ids)] = torch.tensor(token_ids)
+    return ids, ids != 0
+
+
+def test_install_is_idempotent_and_uninstall_restores(pipeline) -> None:
+    cache = install_prompt_embed_cache(pipeline, max_size=4)
+    assert isinstance(cache, PromptEmbedCache)
+    assert install_prompt_embed_cache(pipeline, max_size=99) is cache
+    assert pipeline._prompt_embed_cache is cache
+    assert pipeline._prompt_embed_cache_original_fn.__func__ is TokenIdTextPipeline.encode_prompt
+    uninstall_prompt_embed_cache(pipeline)
+    assert pipeline.encode_prompt.__func__ is TokenIdTextPipeline.encode_prompt
+    assert not hasattr(pipeline, "_prompt_embed_cache")
+    uninstall_prompt_embed_cache(pipeline)  # a second uninstall is harmless
+
+
+def test_install_returns_none_without_a_callable_encode_prompt() -> None:
+    class NoEncoder:
+        encode_prompt = None
+
+    assert install_prompt_embed_cache(object()) is None
+    assert install_prompt_embed_cache(NoEncoder()) is None
+
+
+def run_rollout(pipeline, token_ids, negative_ids=None):
+    """Every sibling request collates fresh tensors and calls encode_prompt, like an RL adapter."""
+    outputs = []
+    for _ in range(GROUP_SIZE):
+        for ids_list in token_ids:
+            ids, mask = collate(ids_list)
+            outputs.append((ids_list, pipeline.encode_prompt(ids, mask, num_images_per_prompt=1)))
+            if negative_ids is not None:
+                negative, negative_mask = collate(negative_ids)
+                pipeline.encode_prompt(negative, negative_mask, num_images_per_prompt=1)
+    return outputs
+
+
+def test_rl_rollout_encodes_each_prompt_once_and_matches_uncached(encoder) -> None:
+    token_ids = prompt_token_ids(PROMPTS)
+    reference = TokenIdTextPipeline(encoder)
+    cached = TokenIdTextPipeline(encoder)
+    cache = install_prompt_embed_cache(cached, max_size=64)
+
+    outputs = run_rollout(cached, token_ids)
+
+    assert cached.encoder_runs == PROMPTS
+    stats = cache.stats()
+    assert (stats["hits"], stats["misses"], stats["bypassed"]) == (PROMPTS * GROUP_SIZE - PROMPTS, PROMPTS, 0)
+    for ids_list, (embeds, mask) in outputs:
+        expected_embeds, expected_mask = reference.encode_prompt(*collate(ids_list))
+        assert torch.equal(embeds, expected_embeds)  # bit-identical
+        assert torch.equal(mask, expected_mask)
+
+
+def test_rl_rollout_with_a_shared_negative_prompt(pipeline) -> None:
+    cache = install_prompt_embed_cache(pipeline, max_size=64)
+    run_rollout(pipeline, prompt_token_ids(PROMPTS), negative_ids=[7, 7, 7])
+    calls = 2 * PROMPTS * GROUP_SIZE
+    assert pipeline.encoder_runs == PROMPTS + 1
+    assert cache.stats()["hits"] == calls - PROMPTS - 1
+
+
+def test_stock_style_list_calls_still_hit(pipeline) -> None:
+    """Calls that upstream already cached (lists of ints) keep hitting, now keyed by content too."""
+
+    def by_list(p, ids_list):
+        return p.encode_prompt(torch.tensor([ids_list]))
+
+    cache = install_prompt_embed_cache(pipeline)
+    by_list(pipeline, [1, 2, 3])
+    by_list(pipeline, [1, 2, 3])
+    assert cache.stats()["hits"] == 1
+
+
+def test_gpu_style_device_does_not_enter_the_key(pipeline) -> None:
+    """Device is not part of the key: the same ids on 'cpu' twice and via .to('cpu') hit."""
+    cache = install_prompt_embed_cache(pipeline)
+    ids, mask = collate([4, 5, 6])
+    pipeline.encode_prompt(ids.to("cpu"), mask)
+    pipeline.encode_prompt(ids.clone().to(torch.device("cpu")), mask.clone())
+    assert cache.stats()["hits"] == 1
+
+
+def test_disabled_cache_counts_bypasses_and_never_stores(pipeline) -> None:
+    cache = install_prompt_embed_cache(pipeline, enabled=False)
+    for _ in range(3):
+        pipeline.encode_prompt(*collate([1, 2]))
+    assert pipeline.encoder_runs == 3
+    assert cache.stats()["bypass_reasons"] == {DISABLED_REASON: 3}
+
+
+def test_unkeyable_argument_bypasses_with_its_reason(pipeline) -> None:
+    class TracedMask(torch.Tensor):
+        """A tensor subclass such as a tracing or distributed wrapper: not read exactly."""
+
+    cache = install_prompt_embed_cache(pipeline)
+    ids, mask = collate([1, 2])
+    pipeline.encode_prompt(ids, mask.as_subclass(TracedMask))
+    (reason,) = cache.stats()["bypass_reasons"]
+    assert reason.startswith("argument 'attention_mask': tensor subclass")
+    assert pipeline.encoder_runs == 1
+
+
+def test_forced_digest_collisions_never_return_a_wrong_embedding(encoder) -> None:
+    reference = TokenIdTextPipeline(encoder)
+    pipeline = TokenIdTextPipeline(encoder)
+    # Every tensor digests to the same 16 bytes: all ids collide on identity.
+    cache = install_prompt_embed_cache(pipeline, max_size=64, digest=lambda buffer: bytes(16))
+    token_ids = prompt_token_ids(20, seed=3)
+    wrong = 0
+    for _ in range(3):
+        for ids_list in token_ids:
+            embeds, _ = pipeline.encode_prompt(*collate(ids_list))
+            expected, _ = reference.encode_prompt(*collate(ids_list))
+            wrong += not torch.equal(embeds, expected)
+    assert wrong == 0
+    stats = cache.stats()
+    assert stats["bypass_reasons"].get(COLLISION_REASON, 0) > 0
+    assert stats["hits"] + stats["misses"] + stats["bypassed"] == 60
+
+
+def test_concurrent_threads_get_correct_results_and_stats_add_up(encoder) -> None:
+    reference = TokenIdTextPipeline(encoder)
+    pipeline = TokenIdTextPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=3)  # smaller than the key set: evictions too
+    token_ids = prompt_token_ids(5, seed=11)
+    expected = {tuple(ids): reference.encode_prompt(*collate(ids))[0] for ids in token_ids}
+    calls_per_thread = 40
+    wrong = []
+    barrier = threading.Barrier(8)
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        barrier.wait()
+        for _ in range(calls_per_thread):
+            ids = rng.choice(token_ids)
+            embeds, _ = pipeline.encode_prompt(*collate(ids))
+            if not torch.equal(embeds, expected[tuple(ids)]):
+                wrong.append(ids)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    stats = cache.stats()
+    assert wrong == []
+    assert stats["hits"] + stats["misses"] + stats["bypassed"] == 8 * calls_per_thread
+    assert stats["bypassed"] == 0
+    assert pipeline.encoder_runs == stats["misses"]  # single-flight: one run per miss
+    assert stats["size"] <= 3
+
+
+def test_byte_budget_holds_through_the_wrapper(pipeline) -> None:
+    ids, mask = collate([1, 2, 3])
+    embeds, out_mask = pipeline.encode_prompt(ids, mask)
+    per_entry = (
+        embeds.untyped_storage().nbytes()
+        + out_mask.untyped_storage().nbytes()
+        + ids.numel() * 8
+        + mask.numel()
+    )
+    pipeline = TokenIdTextPipeline(pipeline.text_encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=100, max_bytes=2 * per_entry + per_entry // 2)
+    for ids_list in prompt_token_ids(6, seed=5):
+        pipeline.encode_prompt(*collate(ids_list))
+        assert cache.stats()["bytes"] <= cache.max_bytes
+    assert cache.stats()["size"] == 2
