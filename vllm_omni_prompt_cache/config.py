@@ -85,9 +85,7 @@ _BYTES_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def _invalid(setting: Setting, value: Any, source: str) -> PromptEmbedCacheConfigError:
-    return PromptEmbedCacheConfigError(
-        f"invalid {setting.name}={value!r} from {source}: expected {setting.allowed}"
-    )
+    return PromptEmbedCacheConfigError(f"invalid {setting.name}={value!r} from {source}: expected {setting.allowed}")
 
 
 def parse_bool(setting: Setting, value: Any, source: str) -> bool:
@@ -101,6 +99,21 @@ def parse_bool(setting: Setting, value: Any, source: str) -> bool:
         if text in _FALSE:
             return False
     raise _invalid(setting, value, source)
+
+
+def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """Return the boolean environment variable ``name`` (``default`` when unset); raise if malformed."""
+    environ = os.environ if environ is None else environ
+    if name not in environ:
+        return default
+    text = environ[name].strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise PromptEmbedCacheConfigError(
+        f"invalid {name}={environ[name]!r} from the environment: expected 1/0, true/false, yes/no or on/off"
+    )
 
 
 def parse_positive_int(setting: Setting, value: Any, source: str) -> int:

@@ -57,9 +57,7 @@ class TokenIdTextPipeline(torch.nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
         attention_mask = attention_mask[:, :max_sequence_length]
-        hidden = self.text_encoder(
-            input_ids=prompt_ids, attention_mask=attention_mask.long()
-        ).last_hidden_state
+        hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=attention_mask.long()).last_hidden_state
         embeds = hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (
             embeds.repeat_interleave(num_images_per_prompt, dim=0),

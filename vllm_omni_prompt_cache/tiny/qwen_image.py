@@ -1,0 +1,245 @@
+"""A tiny Qwen-Image checkpoint: the real diffusers / transformers architectures, random weights.
+
+:func:`ensure_tiny_qwen_image` builds it once per :class:`TinyQwenImageSpec` into a cache
+directory and reuses it afterwards. Tests, benchmarks and the demo share it; the demo picks a
+larger text encoder so that encoding costs what it does in real rollouts. Nothing is downloaded:
+configs are written here, weights come from a fixed seed, and the tokenizer is a byte-level BPE
+trained locally on a few sentences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The chat template Qwen-Image wraps every prompt in; its first 34 tokens are dropped after
+#: encoding, so the template alone must tokenize to more than 34 tokens.
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+    "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+    "<|im_end|>\n<|im_start|>assistant\n"
+)
+TEMPLATE_DROP_TOKENS = 34
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BUILD_FORMAT = 1  # bump when the layout written below changes
+
+# Text the tokenizer is trained on: enough for merges that make prompts a few dozen tokens long.
+_TRAINING_TEXT = [
+    PROMPT_TEMPLATE,
+    "a red fox sitting in a snowy forest at dawn, soft light, detailed fur",
+    "a watercolor painting of a lighthouse on a cliff above a stormy sea",
+    "a bowl of ramen with a soft boiled egg, steam rising, studio photograph",
+    "an astronaut riding a horse across a desert of glass, cinematic lighting",
+    "a small wooden cabin beside a mountain lake, reflections, golden hour",
+    "a robot reading a book in a library full of plants, isometric illustration",
+    "blurry, low quality, distorted, watermark, text, bad anatomy",
+]
+
+
+@dataclass(frozen=True)
+class TinyQwenImageSpec:
+    """Sizes of the tiny checkpoint; every field changes the cache directory it is built in."""
+
+    text_hidden_size: int = 64
+    text_layers: int = 2
+    text_heads: int = 4
+    text_intermediate_size: int = 128
+    vocab_size: int = 512
+    transformer_layers: int = 2
+    transformer_heads: int = 2
+    transformer_head_dim: int = 32
+    vae_base_dim: int = 16
+    seed: int = 0
+
+    def digest(self) -> str:
+        """Return a short stable name for this spec (used as the directory name)."""
+        payload = json.dumps({"format": BUILD_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """Return where built models are kept: $VLLM_OMNI_PROMPT_CACHE_HOME or ~/.cache/vllm-omni-prompt-cache."""
+    explicit = os.environ.get("VLLM_OMNI_PROMPT_CACHE_HOME")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vllm-omni-prompt-cache"
+
+
+def ensure_tiny_qwen_image(spec: TinyQwenImageSpec | None = None, cache_dir: Path | None = None) -> Path:
+    """Return the directory of the tiny checkpoint for ``spec``, building it on first use."""
+    spec = spec or TinyQwenImageSpec()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / "models" / f"tiny-qwen-image-{spec.digest()}"
+    if (target / "model_index.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        _build(spec, staging)
+        try:
+            staging.rename(target)  # atomic: concurrent builders race, one wins, all see a whole model
+        except OSError:
+            if not (target / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def check_model_dir(path: str | os.PathLike) -> Path:
+    """Return ``path`` if it holds a readable diffusers Qwen-Image checkpoint; raise a clear error if not."""
+    directory = Path(path)
+    if not directory.exists():
+        raise FileNotFoundError(f"model directory {str(directory)!r} does not exist")
+    if not directory.is_dir():
+        raise NotADirectoryError(f"model path {str(directory)!r} is not a directory")
+    index = directory / "model_index.json"
+    if not os.access(directory, os.R_OK | os.X_OK) or (index.exists() and not os.access(index, os.R_OK)):
+        raise PermissionError(f"model directory {str(directory)!r} is not readable")
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"model directory {str(directory)!r} has no model_index.json: not a diffusers pipeline checkpoint"
+        )
+    missing = [
+        name
+        for name in ("text_encoder", "tokenizer", "transformer", "vae", "scheduler")
+        if not (directory / name).is_dir()
+    ]
+    if missing:
+        raise FileNotFoundError(f"model directory {str(directory)!r} lacks the sub-folders {missing}")
+    return directory
+
+
+def _build(spec: TinyQwenImageSpec, out: Path) -> None:
+    import torch
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(spec.seed)
+    tokenizer = _build_tokenizer(spec.vocab_size)
+    tokenizer.save_pretrained(out / "tokenizer")
+
+    head_dim = spec.text_hidden_size // spec.text_heads
+    rope_half = head_dim // 2  # mrope sections split the rotary half-dimension into (t, h, w)
+    mrope = [rope_half - 2 * (rope_half * 3 // 8), rope_half * 3 // 8, rope_half * 3 // 8]
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": spec.text_hidden_size,
+        "intermediate_size": spec.text_intermediate_size,
+        "num_hidden_layers": spec.text_layers,
+        "num_attention_heads": spec.text_heads,
+        "num_key_value_heads": max(1, spec.text_heads // 2),
+        "max_position_embeddings": 4096,
+        "rope_scaling": {"type": "mrope", "mrope_section": mrope},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope},
+        "torch_dtype": "bfloat16",
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": spec.text_hidden_size,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "fullatt_block_indexes": [0],
+        "window_size": 112,
+    }
+    config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **text_config)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+    text_encoder.save_pretrained(out / "text_encoder", safe_serialization=True)
+
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=spec.transformer_layers,
+        attention_head_dim=spec.transformer_head_dim,
+        num_attention_heads=spec.transformer_heads,
+        joint_attention_dim=spec.text_hidden_size,
+        axes_dims_rope=(8, 12, 12),
+    ).to(torch.bfloat16)
+    transformer.save_pretrained(out / "transformer", safe_serialization=True)
+
+    vae = AutoencoderKLQwenImage(
+        base_dim=spec.vae_base_dim,
+        z_dim=4,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    ).to(torch.bfloat16)
+    vae.save_pretrained(out / "vae", safe_serialization=True)
+
+    FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    ).save_pretrained(out / "scheduler")
+
+    import diffusers
+
+    index = {
+        "_class_name": "QwenImagePipeline",
+        "_diffusers_version": diffusers.__version__,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    }
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    (out / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
+
+
+def _build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(_TRAINING_TEXT, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """Return the checkpoint's tokenizer (what an RL client uses to build prompt token ids)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(model_dir) / "tokenizer", local_files_only=True)
+
+
+def prompt_token_ids(tokenizer, prompt: str) -> list[int]:
+    """Return the token ids of ``prompt`` wrapped in Qwen-Image's template, as verl-omni sends them."""
+    return tokenizer(PROMPT_TEMPLATE.format(prompt), add_special_tokens=False)["input_ids"]

@@ -1,0 +1,175 @@
+"""A token-ID Qwen-Image pipeline: our stand-in for an RL rollout adapter inside vLLM-Omni.
+
+verl-omni's Qwen-Image rollout adapter receives requests that carry pre-tokenized prompts
+(``prompt_ids`` / ``prompt_token_ids``, optionally ``prompt_mask``, and ``negative_prompt_ids``),
+collates them into an int64 ``[B, L]`` tensor and a bool ``[B, L]`` mask on the worker's device, and
+calls a token-ID ``encode_prompt(prompt_ids, attention_mask, ...)``. This subclass of vLLM-Omni's
+``QwenImagePipeline`` does exactly that, then denoises and decodes as the stock pipeline does.
+Load it with ``custom_pipeline_args={"pipeline_class": PIPELINE_CLASS}``.
+
+Every request collates *fresh* tensors, so with stock vLLM-Omni every ``encode_prompt`` call
+bypasses the prompt-embed cache; with this package installed, siblings hit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+from vllm_omni.diffusion.models.qwen_image.rope_utils import txt_seq_lens_from_embeds
+from vllm_omni.diffusion.utils.size_utils import normalize_min_aligned_size
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch, split_diffusion_output_by_request
+
+PIPELINE_CLASS = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
+
+_ID_KEYS = {"prompt": ("prompt_ids", "prompt_token_ids"), "negative_prompt": ("negative_prompt_ids",)}
+_MASK_KEYS = {"prompt": "prompt_mask", "negative_prompt": "negative_prompt_mask"}
+
+
+class TokenIdQwenImagePipeline(QwenImagePipeline):
+    """Qwen-Image that encodes pre-tokenized prompts (template already applied by the client)."""
+
+    # The step-wise execution path calls encode_prompt with the text signature.
+    supports_step_execution: ClassVar[bool] = False
+
+    def encode_prompt(
+        self,
+        prompt_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_images_per_prompt: int = 1,
+        max_sequence_length: int = 1024,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(prompt_embeds, prompt_embeds_mask)`` for int64 ids and a bool mask ``[B, L]``."""
+        mask = attention_mask.to(torch.long)
+        outputs = self.text_encoder(input_ids=prompt_ids, attention_mask=mask, output_hidden_states=True)
+        per_prompt = self._extract_masked_hidden(outputs.hidden_states[-1], mask)
+        per_prompt = [hidden[self.prompt_template_encode_start_idx :] for hidden in per_prompt]
+        longest = max(hidden.size(0) for hidden in per_prompt)
+        embeds = torch.stack([torch.cat([h, h.new_zeros(longest - h.size(0), h.size(1))]) for h in per_prompt]).to(
+            self.text_encoder.dtype
+        )
+        embeds_mask = torch.stack(
+            [
+                torch.cat(
+                    [
+                        h.new_ones(h.size(0), dtype=torch.long),
+                        h.new_zeros(longest - h.size(0), dtype=torch.long),
+                    ]
+                )
+                for h in per_prompt
+            ]
+        )
+        embeds = embeds[:, :max_sequence_length]
+        embeds_mask = embeds_mask[:, :max_sequence_length]
+        # Same row order for embeddings and mask: prompt 0's copies first, then prompt 1's.
+        return (
+            embeds.repeat_interleave(num_images_per_prompt, dim=0),
+            embeds_mask.repeat_interleave(num_images_per_prompt, dim=0),
+        )
+
+    def collate_token_ids(self, prompts: list[Any], kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Return fresh right-padded int64 ids and a bool mask on this worker's device, or None."""
+        rows: list[list[int]] = []
+        masks: list[Any] = []
+        for prompt in prompts:
+            ids = next((prompt[key] for key in _ID_KEYS[kind] if isinstance(prompt, dict) and key in prompt), None)
+            if ids is None:
+                ids = self._tokenize_text(prompt, kind)
+            if ids is None:
+                return None
+            if ids and isinstance(ids[0], list):  # one request carries one prompt
+                (ids,) = ids
+            rows.append([int(token) for token in ids])
+            masks.append(prompt.get(_MASK_KEYS[kind]))
+        pad_id = self.tokenizer.pad_token_id or 0
+        length = max(len(row) for row in rows)
+        ids_tensor = torch.full((len(rows), length), pad_id, dtype=torch.int64)
+        mask_tensor = torch.zeros((len(rows), length), dtype=torch.int64)
+        for index, (row, given_mask) in enumerate(zip(rows, masks, strict=True)):
+            ids_tensor[index, : len(row)] = torch.tensor(row, dtype=torch.int64)
+            if given_mask is None:
+                mask_tensor[index, : len(row)] = 1
+            else:
+                mask_tensor[index, : len(row)] = torch.as_tensor(given_mask).reshape(-1)[: len(row)].to(torch.int64)
+        return ids_tensor.to(self.device), (mask_tensor != 0).to(self.device)
+
+    def _tokenize_text(self, prompt: Any, kind: str) -> list[int] | None:
+        """Token ids for a request that carries text instead (the engine's warm-up request does)."""
+        text = prompt if isinstance(prompt, str) and kind == "prompt" else None
+        if isinstance(prompt, dict):
+            text = prompt.get(kind)
+        if text is None:
+            return None
+        templated = self.prompt_template_encode.format(text)
+        return self.tokenizer(templated, add_special_tokens=False)["input_ids"]
+
+    def forward(self, req: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        sampling = req.sampling_params_list[0]
+        height = sampling.height or self.default_sample_size * self.vae_scale_factor
+        width = sampling.width or self.default_sample_size * self.vae_scale_factor
+        height, width = normalize_min_aligned_size(height, width, self.vae_scale_factor * 2)
+        images_per_prompt = sampling.num_outputs_per_prompt if sampling.num_outputs_per_prompt > 0 else 1
+        max_sequence_length = sampling.max_sequence_length or self.tokenizer_max_length
+        true_cfg_scale = sampling.true_cfg_scale or 4.0
+
+        positive = self.collate_token_ids(req.prompts, "prompt")
+        if positive is None:
+            raise ValueError(
+                "TokenIdQwenImagePipeline needs every request to carry 'prompt_ids', 'prompt_token_ids' or 'prompt'"
+            )
+        prompt_embeds, prompt_embeds_mask = self.encode_prompt(
+            *positive, num_images_per_prompt=images_per_prompt, max_sequence_length=max_sequence_length
+        )
+        negative = self.collate_token_ids(req.prompts, "negative_prompt")
+        do_true_cfg = true_cfg_scale > 1 and negative is not None
+        self.check_cfg_parallel_validity(true_cfg_scale, negative is not None)
+        negative_embeds = negative_mask = None
+        if do_true_cfg:
+            negative_embeds, negative_mask = self.encode_prompt(
+                *negative, num_images_per_prompt=images_per_prompt, max_sequence_length=max_sequence_length
+            )
+
+        self._guidance_scale = sampling.guidance_scale if sampling.guidance_scale_provided else 1.0
+        self._attention_kwargs = {}
+        self._current_timestep = None
+        self._interrupt = False
+        batch_size = len(req.prompts)
+        latents = self.prepare_latents(
+            batch_size * images_per_prompt,
+            self.transformer.in_channels // 4,
+            height,
+            width,
+            prompt_embeds.dtype,
+            self.device,
+            req.collate_request_generators(images_per_prompt, None),
+            req.collate_request_tensors("latents", None),
+        )
+        img_shapes = [[(1, height // self.vae_scale_factor // 2, width // self.vae_scale_factor // 2)]] * batch_size
+        timesteps, _ = self.prepare_timesteps(sampling.num_inference_steps or 50, sampling.sigmas, latents.shape[1])
+        self._num_timesteps = len(timesteps)
+        guidance = None
+        if self.transformer.guidance_embeds:
+            guidance = torch.full([1], self._guidance_scale, dtype=torch.float32).expand(latents.shape[0])
+
+        latents = self.diffuse(
+            prompt_embeds,
+            prompt_embeds_mask,
+            negative_embeds,
+            negative_mask,
+            latents,
+            img_shapes,
+            txt_seq_lens_from_embeds(prompt_embeds),
+            txt_seq_lens_from_embeds(negative_embeds),
+            timesteps,
+            do_true_cfg,
+            guidance,
+            true_cfg_scale,
+            image_latents=None,
+            cfg_normalize=True,
+            additional_transformer_kwargs={"return_dict": False, "attention_kwargs": self.attention_kwargs},
+        )
+        self._current_timestep = None
+        result = self._decode_latents(latents, height, width, sampling.output_type or "pil")
+        return split_diffusion_output_by_request(result, req, num_outputs_per_prompt=images_per_prompt)

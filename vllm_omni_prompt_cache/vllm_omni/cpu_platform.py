@@ -1,0 +1,154 @@
+"""An opt-in CPU platform for vLLM-Omni's diffusion engine.
+
+vLLM-Omni 0.30 has no CPU platform: on a machine without an accelerator its diffusion worker
+fails in ``set_device``. With ``VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM=1`` the entry points in
+:mod:`.platform_plugins` select vLLM's own ``CpuPlatform`` and :class:`CpuOmniPlatform` below, so
+the real engine (``Omni`` / ``AsyncOmni`` -> diffusion worker -> model runner) runs small models
+on the CPU. That is how this project's tests and demo go through the engine users run.
+
+It never activates by itself, and refuses to start where an accelerator platform is present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import psutil
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.cpu import CpuPlatform
+from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
+
+from vllm_omni_prompt_cache.vllm_omni.platform_plugins import (
+    CPU_PLATFORM_ENV,
+    active_accelerators,
+    cpu_platform_requested,
+)
+
+logger = init_logger(__name__)
+
+
+class HostMemoryAllocator:
+    """Stands in for vLLM's CuMemAllocator, which needs CUDA: on the CPU there is no device pool
+    to release, so sleep and wake keep their stock control flow with nothing to move."""
+
+    _instance: HostMemoryAllocator | None = None
+
+    @classmethod
+    def get_instance(cls) -> HostMemoryAllocator:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def get_current_usage(self) -> int:
+        return 0
+
+    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
+        return None
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        return None
+
+    def use_memory_pool(self, tag: str | None = None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+class CpuOmniPlatform(OmniPlatform, CpuPlatform):
+    """vLLM's CpuPlatform plus what vLLM-Omni's diffusion worker and runner ask of a platform."""
+
+    _omni_enum = OmniPlatformEnum.OOT
+
+    def __init__(self) -> None:
+        cpu_platform_requested()  # raises on a malformed value
+        conflicts = active_accelerators("vllm_omni")
+        if conflicts:
+            raise RuntimeError(
+                f"{CPU_PLATFORM_ENV}=1 asks vLLM-Omni to run on the CPU, but the accelerator "
+                f"platform(s) {conflicts} are present on this machine. Unset {CPU_PLATFORM_ENV} "
+                "to use the accelerator; the CPU platform is only for machines without one."
+            )
+        super().__init__()
+
+    # --- device -----------------------------------------------------------------------------
+    @classmethod
+    def get_torch_device(cls, local_rank: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    @classmethod
+    def get_device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def get_device_version(cls) -> str | None:
+        return None
+
+    @classmethod
+    def synchronize(cls) -> None:
+        return None
+
+    @classmethod
+    def empty_cache(cls) -> None:
+        return None
+
+    @classmethod
+    def supports_torch_inductor(cls) -> bool:
+        return False
+
+    # --- memory queries (the base class forwards unknown names to torch.cpu, which lacks these)
+    @classmethod
+    def reset_peak_memory_stats(cls, device: Any = None) -> None:
+        return None
+
+    @classmethod
+    def max_memory_allocated(cls, device: Any = None) -> int:
+        return 0
+
+    @classmethod
+    def max_memory_reserved(cls, device: Any = None) -> int:
+        return 0
+
+    @classmethod
+    def memory_reserved(cls, device: Any = None) -> int:
+        return 0
+
+    @classmethod
+    def get_free_memory(cls, device: torch.device | None = None) -> int:
+        return psutil.virtual_memory().available
+
+    @classmethod
+    def get_device_memory(cls, device: torch.device | None = None) -> tuple[int, int]:
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
+
+    # --- diffusion ----------------------------------------------------------------------------
+    @classmethod
+    def get_diffusion_attn_backend_cls(
+        cls,
+        selected_backend: str | None,
+        head_size: int,
+        allow_trtllm_default: bool = False,
+    ) -> str:
+        if selected_backend is not None and selected_backend.upper() not in ("TORCH_SDPA", "SDPA"):
+            logger.warning("The CPU platform runs attention with PyTorch SDPA, not %s.", selected_backend)
+        # A path, not a class: the backend module imports current_omni_platform, which is this.
+        return "vllm_omni_prompt_cache.vllm_omni.cpu_attention.CpuSDPABackend"
+
+    @classmethod
+    def init_diffusion_worker_vllm_config(cls, vllm_config: Any) -> None:
+        # Runs in every diffusion worker, in-process or spawned, before the model loads.
+        import vllm_omni.diffusion.worker.diffusion_worker as worker_module
+
+        worker_module._get_cumem_allocator_class = lambda: HostMemoryAllocator
+
+    @classmethod
+    def get_default_stage_config_path(cls) -> str:
+        return "vllm_omni/deploy"
+
+    @classmethod
+    def get_omni_ar_worker_cls(cls) -> str:
+        raise NotImplementedError("the CPU platform runs diffusion stages only, not autoregressive stages")
+
+    @classmethod
+    def get_omni_generation_worker_cls(cls) -> str:
+        raise NotImplementedError("the CPU platform runs diffusion stages only, not generation stages")

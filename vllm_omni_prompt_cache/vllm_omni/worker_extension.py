@@ -1,0 +1,32 @@
+"""A diffusion-worker extension that exposes the prompt-embed cache over ``collective_rpc``.
+
+Pass ``worker_extension_cls=WORKER_EXTENSION`` to ``AsyncOmni`` / ``Omni``; then
+``await engine.collective_rpc("prompt_embed_cache_stats")`` returns each worker's statistics
+(upstream's keys, plus ours when this package's cache is installed) and
+``collective_rpc("clear_prompt_embed_cache")`` empties the caches. It subclasses vLLM-Omni's
+``CustomPipelineWorkerExtension`` because vLLM-Omni only adds that class itself when no
+extension is given, and custom pipelines need it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
+
+WORKER_EXTENSION = "vllm_omni_prompt_cache.vllm_omni.worker_extension.PromptCacheWorkerExtension"
+
+
+class PromptCacheWorkerExtension(CustomPipelineWorkerExtension):
+    """Adds cache statistics and clearing to the diffusion worker's RPC surface."""
+
+    def prompt_embed_cache_stats(self) -> dict[str, Any] | None:
+        """Return this worker's prompt-embed cache statistics, or None when no cache is installed."""
+        runner = getattr(self, "model_runner", None)
+        return None if runner is None else runner.get_prompt_embed_cache_stats()
+
+    def clear_prompt_embed_cache(self) -> None:
+        """Drop this worker's cached embeddings."""
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.clear_prompt_embed_cache()
