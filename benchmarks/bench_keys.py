@@ -68,9 +68,7 @@ def best_microseconds(function: Callable[[], object], repeat: int, number: int) 
 
 def bound_call(batch: int, length: int) -> dict:
     ids = torch.randint(1, 150_000, (batch, length), dtype=torch.int64)
-    arguments = inspect.signature(encode_prompt).bind(
-        ids, ids != 0, 1, length, torch.device("cpu"), torch.bfloat16
-    )
+    arguments = inspect.signature(encode_prompt).bind(ids, ids != 0, 1, length, torch.device("cpu"), torch.bfloat16)
     arguments.apply_defaults()
     return dict(arguments.arguments)
 
@@ -104,9 +102,7 @@ def key_rows(quick: bool) -> list[tuple[str, str, float, str]]:
 
 
 def hit_rows(quick: bool) -> list[tuple[str, str, float, str]]:
-    encoder = build_qwen2_encoder(
-        vocab_size=32_000, hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6
-    )
+    encoder = build_qwen2_encoder(vocab_size=32_000, hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6)
     parameters = sum(p.numel() for p in encoder.parameters())
     pipeline = TokenIdTextPipeline(encoder)
     install_prompt_embed_cache(pipeline, max_size=8)

@@ -297,6 +297,4 @@ def test_precomputed_embeddings_passed_through_var_keyword_bypass() -> None:
 
     builder = CallKeyBuilder(inspect.signature(encode), "tiny")
     assert isinstance(builder.build(("a cat",), {"max_sequence_length": 77}), CallKey)
-    assert builder.build(("a cat",), {"prompt_embeds": torch.ones(1)}) == Bypass(
-        "precomputed prompt_embeds given"
-    )
+    assert builder.build(("a cat",), {"prompt_embeds": torch.ones(1)}) == Bypass("precomputed prompt_embeds given")

@@ -146,8 +146,7 @@ def test_single_flight_runs_one_encode_for_concurrent_identical_misses() -> None
     owner.start()
     started.wait(5)
     waiters = [
-        threading.Thread(target=lambda: results.append(cache.get_or_compute(key(7), slow_encode)))
-        for _ in range(5)
+        threading.Thread(target=lambda: results.append(cache.get_or_compute(key(7), slow_encode))) for _ in range(5)
     ]
     for thread in waiters:
         thread.start()

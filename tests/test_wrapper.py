@@ -196,12 +196,7 @@ def test_concurrent_threads_get_correct_results_and_stats_add_up(encoder) -> Non
 def test_byte_budget_holds_through_the_wrapper(pipeline) -> None:
     ids, mask = collate([1, 2, 3])
     embeds, out_mask = pipeline.encode_prompt(ids, mask)
-    per_entry = (
-        embeds.untyped_storage().nbytes()
-        + out_mask.untyped_storage().nbytes()
-        + ids.numel() * 8
-        + mask.numel()
-    )
+    per_entry = embeds.untyped_storage().nbytes() + out_mask.untyped_storage().nbytes() + ids.numel() * 8 + mask.numel()
     pipeline = TokenIdTextPipeline(pipeline.text_encoder)
     cache = install_prompt_embed_cache(pipeline, max_size=100, max_bytes=2 * per_entry + per_entry // 2)
     for ids_list in prompt_token_ids(6, seed=5):

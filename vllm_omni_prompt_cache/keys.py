@@ -154,12 +154,7 @@ class _Encoder:
         # Fast path: a plain, dense, contiguous CPU tensor whose dtype numpy knows.
         # .numpy() raises for requires_grad, conj/neg bits and bf16/fp8, which
         # then take the general path below.
-        if (
-            type(tensor) is torch.Tensor
-            and tensor.is_cpu
-            and tensor.layout is _STRIDED
-            and tensor.is_contiguous()
-        ):
+        if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.layout is _STRIDED and tensor.is_contiguous():
             try:
                 array = tensor.numpy()
             except (RuntimeError, TypeError):
@@ -231,12 +226,8 @@ class CallKeyBuilder:
         self.model_tag = model_tag
         self.digest = default_digest if digest is None else digest
         # Only the precomputed-embedding arguments this signature can receive need a check.
-        self._precomputed_names = tuple(
-            name for name in PRECOMPUTED_EMBED_ARGS if name in signature.parameters
-        )
-        self._var_keyword = next(
-            (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
-        )
+        self._precomputed_names = tuple(name for name in PRECOMPUTED_EMBED_ARGS if name in signature.parameters)
+        self._var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
     def build(self, args: tuple, kwargs: Mapping[str, Any]) -> CallKey | Bypass:
         """Return the call's key, or a Bypass saying why it has none."""

@@ -116,9 +116,7 @@ class PromptEmbedCache:
     ) -> None:
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_size must be an integer >= 1, got {max_size!r}")
-        if max_bytes is not None and (
-            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
-        ):
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
             raise ValueError(f"max_bytes must be None or an integer >= 1, got {max_bytes!r}")
         self.max_size = max_size
         self.max_bytes = max_bytes
@@ -211,9 +209,7 @@ class PromptEmbedCache:
         return result
 
     def _evict_over_budget(self) -> None:
-        while len(self._entries) > self.max_size or (
-            self.max_bytes is not None and self._bytes > self.max_bytes
-        ):
+        while len(self._entries) > self.max_size or (self.max_bytes is not None and self._bytes > self.max_bytes):
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.nbytes
             self._evictions += 1

@@ -42,12 +42,14 @@ def install_prompt_embed_cache(
     max_bytes: int | None = None,
     verify: bool = True,
     digest: Callable[[Any], bytes] | None = None,
+    report: Callable[[PromptEmbedCache], None] | None = None,
 ) -> PromptEmbedCache | None:
     """Wrap ``pipeline.encode_prompt`` with a content-keyed cache; return the cache or None.
 
     ``max_bytes`` bounds tensor bytes held (values plus verification bytes);
     ``verify`` compares input bytes on every hit; ``digest`` replaces xxh3-128
-    (tests use a weak one to force collisions).
+    (tests use a weak one to force collisions); ``report(cache)`` runs after each
+    call (the vLLM-Omni worker uses it for a rate-limited log line).
     """
     existing = getattr(pipeline, "_prompt_embed_cache", None)
     if existing is not None:
@@ -71,8 +73,7 @@ def install_prompt_embed_cache(
     tag = model_tag or type(pipeline).__name__
     key_builder = CallKeyBuilder(signature, tag, digest=digest)
 
-    @functools.wraps(encode_fn)
-    def cached_encode_prompt(*args: Any, **kwargs: Any) -> Any:
+    def lookup(args: tuple, kwargs: dict) -> Any:
         if not cache.enabled:
             cache.record_bypass(DISABLED_REASON)
             return encode_fn(*args, **kwargs)
@@ -82,13 +83,19 @@ def install_prompt_embed_cache(
             return encode_fn(*args, **kwargs)
         return cache.get_or_compute(key, lambda: encode_fn(*args, **kwargs))
 
+    @functools.wraps(encode_fn)
+    def cached_encode_prompt(*args: Any, **kwargs: Any) -> Any:
+        result = lookup(args, kwargs)
+        if report is not None:
+            report(cache)
+        return result
+
     cached_encode_prompt.__wrapped__ = encode_fn  # type: ignore[attr-defined]
     _set_attribute(pipeline, "encode_prompt", cached_encode_prompt)
     object.__setattr__(pipeline, "_prompt_embed_cache", cache)
     object.__setattr__(pipeline, "_prompt_embed_cache_original_fn", encode_fn)
     logger.info(
-        "Prompt-embed cache (content-keyed) installed on %s: "
-        "max_size=%d, max_bytes=%s, verify=%s, enabled=%s.",
+        "Prompt-embed cache (content-keyed) installed on %s: max_size=%d, max_bytes=%s, verify=%s, enabled=%s.",
         tag,
         max_size,
         "unlimited" if max_bytes is None else max_bytes,

@@ -1,0 +1,188 @@
+"""When the diffusion worker's cache must be emptied, and what the worker reports about it.
+
+A cached embedding is only valid for the text-encoder weights that produced it. In vLLM-Omni 0.30
+those weights change, or their memory goes away, on these paths:
+
+* ``DiffusionWorker.sleep`` (level 1 offloads weights, level 2 discards them; also reached through
+  ``handle_sleep_task``): cleared first, before the memory pools are released;
+* ``pipeline.load_weights(...)`` with text-encoder weights (how RL frameworks sync new weights):
+  cleared after the load;
+* LoRA: ``DiffusionLoRAManager.add_adapter`` / ``remove_adapter`` / ``set_active_adapter``
+  (through ``_activate_adapter``, ``_deactivate_all_adapters``, ``_reset_lora_layers``) when the
+  manager's LoRA layers include text-encoder modules and the bound state actually changed;
+* ``DiffusionWorker.load_model`` / ``re_init_pipeline`` build a new pipeline, which gets a new,
+  empty cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+from vllm_omni_prompt_cache.store import PromptEmbedCache
+
+logger = logging.getLogger("vllm_omni_prompt_cache")
+
+_LORA_STATE_CHANGERS = (
+    "add_adapter",
+    "remove_adapter",
+    "_activate_adapter",
+    "_deactivate_all_adapters",
+    "_reset_lora_layers",
+)
+
+
+def clear_cache(pipeline: Any, reason: str) -> None:
+    """Empty the pipeline's prompt-embed cache, if it has one, and say why."""
+    cache = getattr(pipeline, "_prompt_embed_cache", None)
+    if isinstance(cache, PromptEmbedCache):
+        entries = len(cache)
+        cache.clear()
+        if entries:
+            logger.info("Prompt-embed cache cleared (%d entries): %s.", entries, reason)
+
+
+def _mark(function: Callable) -> Callable:
+    function._prompt_cache_hooked = True  # type: ignore[attr-defined]
+    return function
+
+
+def _hooked(owner: type, name: str) -> bool:
+    return getattr(owner.__dict__.get(name), "_prompt_cache_hooked", False)
+
+
+def patch_worker(module: ModuleType) -> None:
+    """Clear the cache before sleep; give the worker stats/clear methods for ``collective_rpc``."""
+    worker_cls = module.DiffusionWorker
+    if _hooked(worker_cls, "sleep"):
+        return
+    original_sleep = worker_cls.sleep
+
+    @functools.wraps(original_sleep)
+    def sleep(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runner = getattr(self, "model_runner", None)
+        clear_cache(getattr(runner, "pipeline", None), "the diffusion worker is going to sleep")
+        return original_sleep(self, *args, **kwargs)
+
+    worker_cls.sleep = _mark(sleep)
+
+    def get_prompt_embed_cache_stats(self: Any) -> dict | None:
+        """Return this worker's prompt-embed cache statistics (None without a cache)."""
+        runner = getattr(self, "model_runner", None)
+        return None if runner is None else runner.get_prompt_embed_cache_stats()
+
+    def clear_prompt_embed_cache(self: Any) -> None:
+        """Drop this worker's cached embeddings."""
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.clear_prompt_embed_cache()
+
+    for method in (get_prompt_embed_cache_stats, clear_prompt_embed_cache):
+        if not hasattr(worker_cls, method.__name__):
+            setattr(worker_cls, method.__name__, method)
+
+
+def _encoder_prefixes(pipeline: Any) -> tuple[str, ...]:
+    names = getattr(pipeline, "_encoder_modules", None) or ("text_encoder",)
+    return tuple(f"{name}." for name in names) + tuple(names)
+
+
+def _touches_encoder(names: Iterable[str], pipeline: Any) -> bool:
+    prefixes = _encoder_prefixes(pipeline)
+    return any(name.startswith(prefixes) for name in names)
+
+
+def patch_lora_manager(module: ModuleType) -> None:
+    """Clear the cache when a LoRA change alters text-encoder layers."""
+    manager_cls = module.DiffusionLoRAManager
+    for name in _LORA_STATE_CHANGERS:
+        original = manager_cls.__dict__.get(name)
+        if original is None or _hooked(manager_cls, name):
+            continue
+        setattr(manager_cls, name, _mark(_clearing_on_lora_change(original, name)))
+
+
+def _lora_state(manager: Any) -> tuple:
+    active = getattr(manager, "_active_adapter_id", None)
+    scales = getattr(manager, "_adapter_scales", {})
+    return (
+        active,
+        getattr(manager, "_suspended_adapter_id", None),
+        scales.get(active) if active is not None else None,
+        frozenset(getattr(manager, "_lora_modules", {})),
+    )
+
+
+def _clearing_on_lora_change(original: Callable, name: str) -> Callable:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = _lora_state(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            pipeline = getattr(self, "pipeline", None)
+            if _lora_state(self) != before and _touches_encoder(getattr(self, "_lora_modules", {}), pipeline):
+                clear_cache(pipeline, f"LoRA {name.strip('_').replace('_', ' ')} changed text-encoder layers")
+
+    return wrapper
+
+
+def watch_weight_loads(pipeline: Any) -> None:
+    """Clear the cache after ``pipeline.load_weights`` loads any text-encoder weight."""
+    original = getattr(pipeline, "load_weights", None)
+    if original is None or getattr(original, "_prompt_cache_hooked", False):
+        return
+
+    @functools.wraps(original)
+    def load_weights(weights: Iterable[tuple[str, Any]], *args: Any, **kwargs: Any) -> Any:
+        seen: list[str] = []
+
+        def observed() -> Iterable[tuple[str, Any]]:
+            for name, tensor in weights:
+                seen.append(name)
+                yield name, tensor
+
+        try:
+            return original(observed(), *args, **kwargs)
+        finally:
+            if _touches_encoder(seen, pipeline):
+                clear_cache(pipeline, "text-encoder weights were loaded")
+
+    object.__setattr__(pipeline, "load_weights", _mark(load_weights))
+
+
+class StatsLogger:
+    """Logs one INFO line about the cache at most every ``interval_s`` seconds, when calls happened."""
+
+    def __init__(self, interval_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last_time = clock()
+        self._last_calls = 0
+
+    def __call__(self, cache: PromptEmbedCache) -> None:
+        now = self._clock()
+        if now - self._last_time < self.interval_s:
+            return
+        stats = cache.stats()
+        calls = stats["hits"] + stats["misses"] + stats["bypassed"]
+        if calls == self._last_calls:
+            return
+        self._last_time, self._last_calls = now, calls
+        logger.info("%s", format_stats_line(stats))
+
+
+def format_stats_line(stats: dict[str, Any]) -> str:
+    """Return the one-line summary the worker logs: hit rate, size, bytes, top bypass reasons."""
+    budget = "no limit" if stats["max_bytes"] is None else f"{stats['max_bytes'] / 2**20:.1f} MiB"
+    reasons = "; ".join(f"{reason} x{count}" for reason, count in list(stats["bypass_reasons"].items())[:3])
+    return (
+        f"Prompt-embed cache: hit rate {stats['hit_rate']:.1%} "
+        f"({stats['hits']} hits, {stats['misses']} misses, {stats['bypassed']} bypassed), "
+        f"{stats['size']}/{stats['max_size']} entries, {stats['bytes'] / 2**20:.1f} MiB of {budget}, "
+        f"{stats['evictions']} evictions" + (f"; top bypass reasons: {reasons}" if reasons else "")
+    )
