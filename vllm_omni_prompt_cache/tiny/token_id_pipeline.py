@@ -13,6 +13,7 @@ bypasses the prompt-embed cache; with this package installed, siblings hit.
 
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -34,6 +35,15 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
     # The step-wise execution path calls encode_prompt with the text signature.
     supports_step_execution: ClassVar[bool] = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.encoder_runs = 0  # calls that reached the text encoder (cache hits do not)
+        self.encode_seconds = 0.0
+
+    def text_encoder_counters(self) -> dict[str, float]:
+        """Return how often, and for how long, the text encoder actually ran."""
+        return {"encoder_runs": self.encoder_runs, "encode_seconds": self.encode_seconds}
+
     def encode_prompt(
         self,
         prompt_ids: torch.Tensor,
@@ -42,6 +52,20 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         max_sequence_length: int = 1024,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(prompt_embeds, prompt_embeds_mask)`` for int64 ids and a bool mask ``[B, L]``."""
+        started = time.perf_counter()
+        self.encoder_runs += 1
+        try:
+            return self._encode_token_ids(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+        finally:
+            self.encode_seconds += time.perf_counter() - started
+
+    def _encode_token_ids(
+        self,
+        prompt_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_images_per_prompt: int,
+        max_sequence_length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = attention_mask.to(torch.long)
         outputs = self.text_encoder(input_ids=prompt_ids, attention_mask=mask, output_hidden_states=True)
         per_prompt = self._extract_masked_hidden(outputs.hidden_states[-1], mask)
@@ -172,4 +196,10 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         )
         self._current_timestep = None
         result = self._decode_latents(latents, height, width, sampling.output_type or "pil")
-        return split_diffusion_output_by_request(result, req, num_outputs_per_prompt=images_per_prompt)
+        outputs = split_diffusion_output_by_request(result, req, num_outputs_per_prompt=images_per_prompt)
+        # RL trainers need the final latents (log-probs, exactness checks); the split drops them.
+        for index, (output, params) in enumerate(zip(outputs, req.sampling_params_list, strict=True)):
+            if params.return_trajectory_latents:
+                rows = slice(index * images_per_prompt, (index + 1) * images_per_prompt)
+                output.trajectory_latents = latents[rows].detach().clone()
+        return outputs

@@ -75,17 +75,16 @@ def patch_runner_module(module: ModuleType) -> None:
                 name,
             )
             return
-    _stock.setdefault("runner_install", _stock.get("install_prompt_embed_cache", module.install_prompt_embed_cache))
-    _stock.setdefault(
-        "runner_resolve",
-        _stock.get("resolve_prompt_embed_cache_config", module.resolve_prompt_embed_cache_config),
-    )
-    if module.install_prompt_embed_cache is not install_for_runner:
-        _stock["runner_install"] = module.install_prompt_embed_cache
-        module.install_prompt_embed_cache = install_for_runner
-    if module.resolve_prompt_embed_cache_config is not resolve_for_runner:
-        _stock["runner_resolve"] = module.resolve_prompt_embed_cache_config
-        module.resolve_prompt_embed_cache_config = resolve_for_runner
+    # The runner may have bound upstream's objects, or (imported after the cache module was
+    # patched) ours: the stock versions are upstream's in either case.
+    for name, dispatcher in (
+        ("install_prompt_embed_cache", install_for_runner),
+        ("resolve_prompt_embed_cache_config", resolve_for_runner),
+    ):
+        current = getattr(module, name)
+        if current is not dispatcher:
+            _stock.setdefault(name, current)
+            setattr(module, name, dispatcher)
 
     runner_cls = module.DiffusionModelRunner
     load_model = runner_cls.load_model
@@ -107,14 +106,23 @@ def patch_runner_module(module: ModuleType) -> None:
 def resolve_for_runner(enable: Any = None, max_size: Any = None) -> tuple[bool, int]:
     """The resolver ``DiffusionModelRunner.load_model`` calls: ours, or upstream's in stock mode."""
     if _use_stock:
-        return _stock["runner_resolve"](enable=enable, max_size=max_size)
+        return _stock["resolve_prompt_embed_cache_config"](enable=enable, max_size=max_size)
     return resolve_prompt_embed_cache_config(enable=enable, max_size=max_size)
 
 
 def install_for_runner(pipeline: Any, *, max_size: int = 32, enabled: bool = True, model_tag: str | None = None) -> Any:
     """The installer ``DiffusionModelRunner.load_model`` calls: ours with the stage's extra settings."""
     if _use_stock:
-        return _stock["runner_install"](pipeline, max_size=max_size, enabled=enabled, model_tag=model_tag)
+        # Upstream's installer builds its cache from its module's global PromptEmbedCache,
+        # which is ours now: give it back its own class for the call.
+        cache_module = sys.modules[CACHE_MODULE]
+        cache_module.PromptEmbedCache = _stock["PromptEmbedCache"]
+        try:
+            return _stock["install_prompt_embed_cache"](
+                pipeline, max_size=max_size, enabled=enabled, model_tag=model_tag
+            )
+        finally:
+            cache_module.PromptEmbedCache = PromptEmbedCache
     settings = worker_settings(_loading_config.get(), enable=enabled, max_size=max_size)
     cache = install_prompt_embed_cache(
         pipeline,

@@ -30,3 +30,9 @@ class PromptCacheWorkerExtension(CustomPipelineWorkerExtension):
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.clear_prompt_embed_cache()
+
+    def text_encoder_counters(self) -> dict[str, float] | None:
+        """Return how often and how long the text encoder ran, for pipelines that count it."""
+        pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)
+        counters = getattr(pipeline, "text_encoder_counters", None)
+        return None if counters is None else counters()

@@ -1,0 +1,28 @@
+"""Shared pieces of the tests that run the real vLLM-Omni engine on CPU."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm_omni", reason="the engine tests need the vllm-omni extra")
+
+from vllm_omni_prompt_cache.demo.rollout import RolloutSpec
+from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
+
+PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
+GROUP_SIZE = 4
+
+
+def tiny_spec(**overrides: Any) -> RolloutSpec:
+    """The e2e rollout: 2 prompts x 4 siblings, 64x64, 2 steps, CFG with a shared negative prompt."""
+    values: dict[str, Any] = {"model_dir": ensure_tiny_qwen_image(), "prompts": PROMPTS, "group_size": GROUP_SIZE}
+    values.update(overrides)
+    return RolloutSpec(**values)
+
+
+def run(coroutine: Any) -> Any:
+    """Run a coroutine to completion on a fresh event loop (engines bind to the loop they start on)."""
+    return asyncio.run(coroutine)

@@ -1,0 +1,1 @@
+"""The main job: a GRPO-shaped rollout through vLLM-Omni with the cache off, stock, and ours."""
