@@ -26,3 +26,19 @@ def tiny_spec(**overrides: Any) -> RolloutSpec:
 def run(coroutine: Any) -> Any:
     """Run a coroutine to completion on a fresh event loop (engines bind to the loop they start on)."""
     return asyncio.run(coroutine)
+
+
+from vllm_omni_prompt_cache.vllm_omni.worker_extension import PromptCacheWorkerExtension  # noqa: E402
+
+RELOADING_EXTENSION = "engine_support.WeightReloadingExtension"
+
+
+class WeightReloadingExtension(PromptCacheWorkerExtension):
+    """Reloads weights through ``pipeline.load_weights``, as RL frameworks sync new weights."""
+
+    def reload_weights(self, component: str) -> int:
+        pipeline = self.model_runner.pipeline
+        module = getattr(pipeline, component)
+        weights = [(f"{component}.{name}", p.detach().clone()) for name, p in module.named_parameters()]
+        pipeline.load_weights(weights)
+        return len(weights)

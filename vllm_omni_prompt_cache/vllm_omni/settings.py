@@ -21,6 +21,7 @@ from vllm_omni_prompt_cache.config import (
     MAX_SIZE,
     VERIFY,
     PromptEmbedCacheSettings,
+    parse_setting,
     resolve_prompt_embed_cache_settings,
 )
 
@@ -42,7 +43,12 @@ def patch_stage_config_factory(module: ModuleType) -> None:
     @functools.wraps(original_function)
     def normalize_default_diffusion(cls: type, kwargs: dict[str, Any]) -> Any:
         kwargs = dict(kwargs)
-        extra = {s.name: kwargs.pop(s.name) for s in EXTRA_SETTINGS if kwargs.get(s.name) is not None}
+        # Normalized here ("256MiB" -> 268435456) so the worker receives plain values.
+        extra = {
+            s.name: parse_setting(s, kwargs.pop(s.name), f"{KWARG_SOURCE} {s.name}")
+            for s in EXTRA_SETTINGS
+            if kwargs.get(s.name) is not None
+        }
         resolve_prompt_embed_cache_settings(
             enable=kwargs.get(ENABLE.name),
             max_size=kwargs.get(MAX_SIZE.name),

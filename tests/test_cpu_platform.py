@@ -1,0 +1,93 @@
+"""The opt-in CPU platform: inert unless asked for, refuses next to an accelerator, covers the worker."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+
+pytest.importorskip("vllm_omni", reason="the platform tests need the vllm-omni extra")
+
+import vllm_omni.platforms as omni_platforms
+
+from vllm_omni_prompt_cache.vllm_omni import platform_plugins
+from vllm_omni_prompt_cache.vllm_omni.cpu_platform import CpuOmniPlatform, HostMemoryAllocator
+from vllm_omni_prompt_cache.vllm_omni.platform_plugins import CPU_PLATFORM_ENV
+
+
+def test_entry_points_are_installed() -> None:
+    assert "prompt_cache_cpu" in {ep.name for ep in entry_points(group="vllm_omni.platform_plugins")}
+    assert "prompt_cache_cpu" in {ep.name for ep in entry_points(group="vllm.platform_plugins")}
+
+
+def test_inert_unless_asked_for(monkeypatch) -> None:
+    monkeypatch.delenv(CPU_PLATFORM_ENV, raising=False)
+    assert platform_plugins.omni_cpu_platform() is None
+    assert platform_plugins.vllm_cpu_platform() is None
+    monkeypatch.setenv(CPU_PLATFORM_ENV, "0")
+    assert platform_plugins.omni_cpu_platform() is None
+
+
+def test_selected_when_asked_for_on_a_machine_without_accelerators(monkeypatch) -> None:
+    monkeypatch.setenv(CPU_PLATFORM_ENV, "1")
+    assert platform_plugins.omni_cpu_platform() == "vllm_omni_prompt_cache.vllm_omni.cpu_platform.CpuOmniPlatform"
+    assert platform_plugins.vllm_cpu_platform() == "vllm.platforms.cpu.CpuPlatform"
+    assert type(omni_platforms.current_omni_platform) is CpuOmniPlatform  # this test session runs on it
+
+
+def test_refuses_to_start_where_an_accelerator_is_present(monkeypatch) -> None:
+    # No GPU can run here: stand in for vLLM-Omni's CUDA detector finding one.
+    monkeypatch.setenv(CPU_PLATFORM_ENV, "1")
+    monkeypatch.setitem(
+        omni_platforms.builtin_omni_platform_plugins, "cuda", lambda: "vllm_omni.platforms.cuda.platform.X"
+    )
+    with pytest.raises(RuntimeError, match=r"accelerator platform\(s\) \['cuda'\] are present") as raised:
+        CpuOmniPlatform()
+    assert f"Unset {CPU_PLATFORM_ENV}" in str(raised.value)
+
+
+def test_a_malformed_opt_in_is_an_error_not_ignored(monkeypatch, caplog) -> None:
+    monkeypatch.setenv(CPU_PLATFORM_ENV, "maybe")
+    with pytest.raises(ValueError, match=f"invalid {CPU_PLATFORM_ENV}='maybe' from the environment"):
+        CpuOmniPlatform()
+    # vLLM hides exceptions from platform detectors, so the vLLM side logs the error itself.
+    assert platform_plugins.vllm_cpu_platform() is None
+    assert f"invalid {CPU_PLATFORM_ENV}='maybe'" in caplog.text
+
+
+def test_answers_what_the_diffusion_worker_asks() -> None:
+    platform = omni_platforms.current_omni_platform
+    assert str(platform.get_torch_device(0)) == "cpu"
+    assert platform.get_device_count() == 1
+    assert platform.synchronize() is None and platform.empty_cache() is None
+    assert platform.max_memory_allocated() == 0 and platform.max_memory_reserved() == 0
+    free, total = platform.get_device_memory()
+    assert 0 < free <= total
+    assert platform.get_free_memory() > 0
+    assert platform.dist_backend == "gloo"
+    assert platform.get_diffusion_attn_backend_cls(None, 64).endswith("cpu_attention.CpuSDPABackend")
+    assert not platform.supports_torch_inductor()
+
+
+def test_attention_backend_runs_sdpa_on_cpu() -> None:
+    import torch
+
+    from vllm_omni_prompt_cache.vllm_omni.cpu_attention import CpuSDPABackend
+
+    impl = CpuSDPABackend.get_impl_cls()(num_heads=2, head_size=8, softmax_scale=8**-0.5)
+    query = torch.randn(1, 5, 2, 8)
+    out = impl.forward(query, query, query)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(x.permute(0, 2, 1, 3) for x in (query, query, query)), scale=8**-0.5
+    ).permute(0, 2, 1, 3)
+    assert torch.allclose(out, expected)
+
+
+def test_host_allocator_keeps_sleep_and_wake_control_flow() -> None:
+    allocator = HostMemoryAllocator.get_instance()
+    assert allocator is HostMemoryAllocator.get_instance()
+    assert allocator.get_current_usage() == 0
+    allocator.sleep(offload_tags=("weights",))
+    allocator.wake_up(None)
+    with allocator.use_memory_pool(tag="weights"):
+        pass

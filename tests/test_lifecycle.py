@@ -1,0 +1,163 @@
+"""When the worker's cache is emptied, and what it reports: sleep, weight loads, LoRA, log line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from engine_support import RELOADING_EXTENSION, run, tiny_spec
+
+from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.demo.rollout import engine_kwargs, open_engine, send_rollout, worker_value
+from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+from vllm_omni_prompt_cache.vllm_omni import bindings, lifecycle
+
+LOGGER = "vllm_omni_prompt_cache"
+
+
+@pytest.mark.engine
+def test_engine_sleep_and_weight_loads_empty_the_cache_and_stats_are_logged(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(bindings, "STATS_LOG_INTERVAL_S", 0.0)  # log on every call (default: every 30 s)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    spec = tiny_spec(group_size=2)
+    kwargs = {**engine_kwargs(spec, "ours", 16, "8MiB"), "worker_extension_cls": RELOADING_EXTENSION}
+
+    async def scenario() -> dict[str, dict]:
+        sizes = {}
+        async with open_engine(kwargs) as engine:
+            await send_rollout(engine, spec)
+            sizes["after rollout"] = await worker_value(engine, "prompt_embed_cache_stats")
+            await engine.collective_rpc("reload_weights", args=("transformer",))
+            sizes["after transformer reload"] = await worker_value(engine, "prompt_embed_cache_stats")
+            await engine.collective_rpc("reload_weights", args=("text_encoder",))
+            sizes["after text-encoder reload"] = await worker_value(engine, "prompt_embed_cache_stats")
+            await send_rollout(engine, spec)
+            sizes["refilled"] = await worker_value(engine, "prompt_embed_cache_stats")
+            await engine.sleep(level=1)
+            sizes["after sleep"] = await worker_value(engine, "prompt_embed_cache_stats")
+            await engine.wake_up()
+            await send_rollout(engine, spec)
+            sizes["after wake"] = await worker_value(engine, "prompt_embed_cache_stats")
+        return sizes
+
+    stats = run(scenario())
+    kinds = len(spec.prompts) + 1 + 1  # prompts, the negative prompt, the engine's warm-up prompt
+    assert stats["after rollout"]["size"] == kinds
+    assert stats["after rollout"]["max_bytes"] == 8 * 2**20
+    assert stats["after transformer reload"]["size"] == kinds  # the text encoder did not change
+    assert stats["after text-encoder reload"]["size"] == 0
+    assert stats["refilled"]["size"] == kinds - 1
+    assert stats["after sleep"]["size"] == 0
+    assert stats["after wake"]["misses"] == stats["after sleep"]["misses"] + kinds - 1
+    messages = [record.getMessage() for record in caplog.records if record.name == LOGGER]
+    assert any("cleared" in m and "text-encoder weights were loaded" in m for m in messages)
+    assert any("cleared" in m and "going to sleep" in m for m in messages)
+    assert any(m.startswith("Prompt-embed cache: hit rate") for m in messages)
+
+
+class TracedMask(torch.Tensor):
+    """A tensor subclass (tracing / distributed wrappers are such): not read exactly, so it bypasses."""
+
+
+def test_stats_line_is_rate_limited_and_names_bypass_reasons(caplog) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    now = [100.0]
+    logger = lifecycle.StatsLogger(interval_s=10.0, clock=lambda: now[0])
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, max_size=4, report=logger)
+    ids = torch.tensor([[1, 2, 3]])
+    for _ in range(5):
+        pipeline.encode_prompt(ids, ids != 0)
+    pipeline.encode_prompt(ids, (ids != 0).as_subclass(TracedMask))  # bypasses: tensor subclass
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == LOGGER]
+
+    assert not lines()  # less than 10 s since the logger started
+    now[0] += 11
+    pipeline.encode_prompt(ids, ids != 0)
+    pipeline.encode_prompt(ids, ids != 0)  # same second: no second line
+    assert len(lines()) == 1
+    (line,) = lines()
+    assert "hit rate 71.4% (5 hits, 1 misses, 1 bypassed)" in line
+    assert "1/4 entries" in line
+    assert "argument 'attention_mask': tensor subclass" in line
+    now[0] += 60  # the call made in the same second is reported on the next line
+    logger(cache)
+    assert len(lines()) == 2 and "(6 hits, 1 misses, 1 bypassed)" in lines()[1]
+    now[0] += 60  # no calls since the last line: nothing to say
+    logger(cache)
+    assert len(lines()) == 2
+
+
+def test_weight_loads_clear_only_for_text_encoder_weights() -> None:
+    loaded: list[str] = []
+
+    class Pipeline(TokenIdTextPipeline):
+        def load_weights(self, weights):
+            loaded.extend(name for name, _ in weights)
+            return set(loaded)
+
+    pipeline = Pipeline(build_qwen2_encoder())
+    cache = bindings.install_for_runner(pipeline, max_size=4)
+    ids = torch.tensor([[4, 5, 6]])
+    pipeline.encode_prompt(ids, ids != 0)
+    pipeline.load_weights([("transformer.proj.weight", torch.zeros(1))])
+    assert len(cache) == 1
+    pipeline.load_weights([("text_encoder.embed_tokens.weight", torch.zeros(1))])
+    assert len(cache) == 0
+    assert loaded == ["transformer.proj.weight", "text_encoder.embed_tokens.weight"]
+
+
+class FakeLoraLayer:
+    """Stands in for a vLLM LoRA-wrapped linear layer (those need vLLM's punica kernels)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def suspend_lora(self) -> None:
+        self.calls.append("suspend")
+
+    def resume_lora(self) -> None:
+        self.calls.append("resume")
+
+    def reset_lora(self, index: int) -> None:
+        self.calls.append("reset")
+
+
+def lora_manager(module_names: list[str], pipeline):
+    """A real DiffusionLoRAManager with its state set directly (building one needs LoRA kernels)."""
+    pytest.importorskip("vllm_omni")
+    from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
+
+    import vllm_omni_prompt_cache.vllm_omni.plugin  # noqa: F401  (the plugin hooks the class on import)
+
+    manager = object.__new__(DiffusionLoRAManager)
+    manager.pipeline = pipeline
+    manager._lora_modules = {name: FakeLoraLayer() for name in module_names}
+    manager._active_adapter_id = 7
+    manager._suspended_adapter_id = None
+    manager._adapter_scales = {7: 1.0}
+    return manager
+
+
+@pytest.mark.parametrize(
+    ("modules", "cleared"),
+    [(["text_encoder.layers.0.q_proj"], True), (["transformer.blocks.0.attn.to_q"], False)],
+)
+def test_lora_deactivation_clears_only_when_it_touches_the_text_encoder(modules, cleared) -> None:
+    from vllm_omni_prompt_cache.vllm_omni import plugin
+
+    plugin.register()
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline)
+    ids = torch.tensor([[1, 2]])
+    pipeline.encode_prompt(ids, ids != 0)
+    manager = lora_manager(modules, pipeline)
+    manager._deactivate_all_adapters()  # real vLLM-Omni code: suspends every LoRA layer
+    assert all(layer.calls == ["suspend"] for layer in manager._lora_modules.values())
+    assert (len(cache) == 0) is cleared
+    pipeline.encode_prompt(ids, ids != 0)
+    manager._deactivate_all_adapters()  # already inactive: nothing changed, nothing cleared
+    assert len(cache) == 1

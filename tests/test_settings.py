@@ -1,0 +1,179 @@
+"""Settings through vLLM-Omni's own config builder and serve parser, with the plugin loaded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm_omni", reason="the settings tests need the vllm-omni extra")
+
+from vllm_omni.config.config_factory import StageConfigFactory
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.entrypoints.cli.serve import OmniServeCommand
+from vllm_omni.utils.tracking_parser import TrackingArgumentParser
+
+from vllm_omni_prompt_cache.config import MAX_BYTES, MAX_SIZE, VERIFY, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
+from vllm_omni_prompt_cache.vllm_omni.cli_args import GROUP_TITLE
+from vllm_omni_prompt_cache.vllm_omni.settings import worker_settings
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(ensure_tiny_qwen_image())
+
+
+@pytest.fixture(autouse=True)
+def no_cache_env(monkeypatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("OMNI_DIFFUSION_PROMPT_EMBED_CACHE"):
+            monkeypatch.delenv(name)
+
+
+def diffusion_config(kwargs: dict) -> OmniDiffusionConfig:
+    """What vLLM-Omni builds for the diffusion stage from AsyncOmni kwargs (its own functions)."""
+    (stage,) = StageConfigFactory.create_default_diffusion(kwargs)
+    engine_args = {key: value for key, value in stage["engine_args"].items() if key != "model_stage"}
+    return OmniDiffusionConfig.from_kwargs(**engine_args)
+
+
+def test_kwargs_reach_the_diffusion_stage_config(model) -> None:
+    config = diffusion_config(
+        {
+            "model": model,
+            "enable_prompt_embed_cache": True,
+            "prompt_embed_cache_size": 64,
+            "prompt_embed_cache_max_bytes": "256MiB",
+            "prompt_embed_cache_verify": False,
+        }
+    )
+    assert (config.enable_prompt_embed_cache, config.prompt_embed_cache_size) == (True, 64)
+    settings = worker_settings(config, enable=True, max_size=64)
+    assert (settings.max_bytes, settings.verify) == (256 * 2**20, False)
+
+
+def test_upstream_kwargs_alone_still_work(model) -> None:
+    config = diffusion_config({"model": model, "enable_prompt_embed_cache": True, "prompt_embed_cache_size": 8})
+    settings = worker_settings(config, enable=True, max_size=8)
+    assert (settings.enabled, settings.max_size, settings.max_bytes, settings.verify) == (True, 8, None, True)
+
+
+def test_env_vars_override_kwargs_in_the_worker(model, monkeypatch) -> None:
+    config = diffusion_config({"model": model, "prompt_embed_cache_max_bytes": 1000})
+    monkeypatch.setenv(MAX_BYTES.env, "2KiB")
+    assert worker_settings(config, enable=True, max_size=32).max_bytes == 2048
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"prompt_embed_cache_size": 0}, "prompt_embed_cache_size=0"),
+        ({"prompt_embed_cache_size": -1}, "prompt_embed_cache_size=-1"),
+        ({"prompt_embed_cache_max_bytes": "abc"}, "prompt_embed_cache_max_bytes='abc'"),
+        ({"prompt_embed_cache_verify": "maybe"}, "prompt_embed_cache_verify='maybe'"),
+        ({"enable_prompt_embed_cache": "maybe"}, "enable_prompt_embed_cache='maybe'"),
+    ],
+)
+def test_bad_kwargs_fail_at_construction_naming_setting_and_source(model, kwargs, named) -> None:
+    with pytest.raises(PromptEmbedCacheConfigError, match="from AsyncOmni/Omni keyword argument") as raised:
+        StageConfigFactory.create_default_diffusion({"model": model, **kwargs})
+    assert named in str(raised.value)
+
+
+def test_bad_env_var_fails_at_construction(model, monkeypatch) -> None:
+    monkeypatch.setenv(MAX_SIZE.env, "abc")
+    with pytest.raises(PromptEmbedCacheConfigError, match=f"from environment variable {MAX_SIZE.env}"):
+        StageConfigFactory.create_default_diffusion({"model": model, "enable_prompt_embed_cache": True})
+
+
+def serve_parser() -> TrackingArgumentParser:
+    """vLLM-Omni's real serve parser, built the way its CLI main builds it."""
+    parser = TrackingArgumentParser(prog="vllm-omni")
+    OmniServeCommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    return parser
+
+
+def test_serve_flags_reach_the_same_config_as_kwargs(model) -> None:
+    args = serve_parser().parse_args(
+        [
+            "serve",
+            model,
+            "--omni",
+            "--enable-prompt-embed-cache",
+            "--prompt-embed-cache-size",
+            "64",
+            "--prompt-embed-cache-max-bytes",
+            "256MiB",
+            "--no-prompt-embed-cache-verify",
+        ]
+    )
+    kwargs = args.get_explicit_kwargs_dict()  # what the serve command hands to AsyncOmni
+    from_flags = diffusion_config({**kwargs, "model": model})
+    from_kwargs = diffusion_config(
+        {
+            "model": model,
+            "enable_prompt_embed_cache": True,
+            "prompt_embed_cache_size": 64,
+            "prompt_embed_cache_max_bytes": "256MiB",
+            "prompt_embed_cache_verify": False,
+        }
+    )
+    for field in ("enable_prompt_embed_cache", "prompt_embed_cache_size", "extras"):
+        assert getattr(from_flags, field) == getattr(from_kwargs, field)
+
+
+def test_unset_flags_leave_the_config_alone(model) -> None:
+    kwargs = serve_parser().parse_args(["serve", model, "--omni"]).get_explicit_kwargs_dict()
+    assert not any("prompt_embed_cache" in key for key in kwargs)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--prompt-embed-cache-size", "0"),
+        ("--prompt-embed-cache-size", "-1"),
+        ("--prompt-embed-cache-size", "abc"),
+        ("--prompt-embed-cache-max-bytes", "0"),
+        ("--prompt-embed-cache-max-bytes", "lots"),
+    ],
+)
+def test_bad_flag_values_are_argparse_errors(model, capsys, flag, value) -> None:
+    with pytest.raises(SystemExit) as exited:
+        serve_parser().parse_args(["serve", model, "--omni", flag, value])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument {flag}" in error
+    assert f"from command-line flag {flag}" in error
+
+
+def test_help_lists_the_flags_under_a_titled_group() -> None:
+    """The real console script, as a user runs it: vllm serve --omni --help."""
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    result = subprocess.run(
+        [vllm, "serve", "--omni", "--help=all"], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    help_text = result.stdout
+    assert GROUP_TITLE in help_text
+    for flag in ("--enable-prompt-embed-cache", "--prompt-embed-cache-size", MAX_BYTES.flag, VERIFY.flag):
+        assert flag in help_text
+
+
+def test_upstreams_refusal_of_dp_with_text_encoder_allgather_is_kept(model) -> None:
+    """Rank-local hits would skip different encoder all-gathers across data-parallel ranks."""
+    with pytest.raises(ValueError, match="Prompt embedding cache cannot be combined with text_encoder AllGather"):
+        diffusion_config(
+            {
+                "model": model,
+                "enable_prompt_embed_cache": True,
+                "data_parallel_size": 2,
+                "diffusion_offload_config": {
+                    "mode": "layer",
+                    "components": ["text_encoder"],
+                    "layer_options": {"text_encoder": {"weight_transfer": "allgather"}},
+                },
+            }
+        )
