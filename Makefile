@@ -1,5 +1,6 @@
 # Two entry points, each installing what it needs on first use:
-#   make demo   run the main job (GRPO-shaped rollout through vLLM-Omni, cache off / stock / ours)
+#   make demo   run the main job (GRPO-shaped rollout through vLLM-Omni, cache off / stock / ours),
+#               print the table and write demo-out/report.md, results.json, time.png
 #   make test   run the test suite
 VENV ?= .venv
 PYTHON ?= python3
@@ -17,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/python benchmarks/bench_keys.py
+	$(VENV)/bin/vllm-omni-prompt-cache demo --out demo-out
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest

@@ -37,6 +37,7 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.set_progress_bar_config(disable=True)  # one bar per request is noise in a rollout
         self.encoder_runs = 0  # calls that reached the text encoder (cache hits do not)
         self.encode_seconds = 0.0
 

@@ -1,0 +1,71 @@
+"""The main job at a tiny size: the demo runs all three modes, checks exactness, writes its report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from engine_support import tiny_spec
+
+from vllm_omni_prompt_cache.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(tiny_spec().model_dir)
+
+
+@pytest.mark.engine
+def test_demo_runs_three_modes_and_writes_a_report(model_dir, tmp_path, capfd) -> None:
+    out = tmp_path / "report"
+    code = main(
+        ["demo", "--model", model_dir, "--prompts", "2", "--group-size", "3", "--steps", "2", "--out", str(out)]
+    )
+    printed = capfd.readouterr().out
+    assert code == 0
+    for label in ("no cache", "vLLM-Omni 0.30 cache", "vllm-omni-prompt-cache"):
+        assert label in printed
+    assert "Exactness: final latents bit-identical" in printed
+    assert "of the uncached rollout" in printed
+
+    numbers = json.loads((out / "results.json").read_text())
+    ours, stock, off = (numbers["modes"][mode] for mode in ("ours", "stock", "off"))
+    calls = 2 * 2 * 3  # positive and negative encode per request
+    assert off["text_encoder_runs"] == stock["text_encoder_runs"] == calls
+    assert ours["text_encoder_runs"] == 3  # two prompts and the shared negative prompt
+    assert ours["cache_stats"]["hits"] == calls - 3
+    assert stock["cache_stats"]["bypassed"] == calls
+    assert numbers["exactness"]["all_identical"] is True
+    assert numbers["exactness"]["identical_requests"] == {"stock": [6, 6], "ours": [6, 6]}
+    report = (out / "report.md").read_text()
+    assert "| vllm-omni-prompt-cache | 3 |" in report
+    assert (out / "time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--group-size", "0"], "argument --group-size: expected an integer >= 1, got 0"),
+        (["--prompts", "-1"], "argument --prompts: expected an integer >= 1, got -1"),
+        (["--prompts", "abc"], "argument --prompts: expected an integer >= 1, got 'abc'"),
+        (["--prompts", "99"], "at most 12 distinct prompts"),
+        (["--size", "50"], "multiple of 16 pixels"),
+        (["--modes", "ours,fast"], "unknown mode(s) ['fast']"),
+        (["--max-bytes", "0"], "invalid prompt_embed_cache_max_bytes='0' from command-line flag --max-bytes"),
+        (["--model", "/nonexistent/model"], "argument --model: model directory '/nonexistent/model' does not exist"),
+        (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
+    ],
+)
+def test_bad_arguments_get_a_clear_error_not_a_traceback(arguments, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", *arguments])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error
+    assert "Traceback" not in error
+
+
+def test_model_that_is_not_a_pipeline_is_rejected(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--model", str(tmp_path)])
+    assert "no model_index.json" in capsys.readouterr().err

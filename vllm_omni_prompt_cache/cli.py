@@ -1,0 +1,42 @@
+"""The ``vllm-omni-prompt-cache`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_omni_prompt_cache.demo import command as demo_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command's parser with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="vllm-omni-prompt-cache",
+        description="Content-keyed prompt-embedding cache for vLLM-Omni.",
+    )
+    subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = subcommands.add_parser(
+        "demo",
+        help="run a GRPO-shaped rollout through vLLM-Omni with no cache, the stock cache and ours",
+        description="Run a GRPO-shaped rollout through vLLM-Omni's AsyncOmni with no cache, vLLM-Omni's "
+        "own cache and this package's, side by side, and check that the latents are identical.",
+    )
+    demo_command.add_arguments(demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; return the exit code."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    if args.command == "demo":
+        demo_command.validate(parser, args)
+        return demo_command.run(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
