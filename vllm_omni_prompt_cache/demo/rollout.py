@@ -22,26 +22,18 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.tiny.qwen_image import load_tokenizer, prompt_token_ids
+from vllm_omni_prompt_cache.tiny.qwen_image import (
+    SAMPLE_NEGATIVE_PROMPT,
+    SAMPLE_PROMPTS,
+    load_tokenizer,
+    prompt_token_ids,
+)
 from vllm_omni_prompt_cache.vllm_omni.platform_plugins import CPU_PLATFORM_ENV
 
 MODES = ("off", "stock", "ours")
 TOKEN_ID_PIPELINE = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
-DEFAULT_PROMPTS = (
-    "a red fox sitting in a snowy forest at dawn, soft light, detailed fur",
-    "a watercolor painting of a lighthouse on a cliff above a stormy sea",
-    "a bowl of ramen with a soft boiled egg, steam rising, studio photograph",
-    "an astronaut riding a horse across a desert of glass, cinematic lighting",
-    "a small wooden cabin beside a mountain lake, reflections, golden hour",
-    "a robot reading a book in a library full of plants, isometric illustration",
-    "a street market at night with paper lanterns and rain on the stones",
-    "a glass teapot with blooming tea flowers on a wooden table, macro photo",
-    "a snow leopard on a rocky ridge under the milky way",
-    "an old map of an imaginary archipelago with sea monsters, ink drawing",
-    "a field of sunflowers under a thunderstorm, dramatic clouds",
-    "a cozy reading nook with a cat asleep on a pile of books",
-)
-NEGATIVE_PROMPT = "blurry, low quality, distorted, watermark, text, bad anatomy"
+DEFAULT_PROMPTS = SAMPLE_PROMPTS
+NEGATIVE_PROMPT = SAMPLE_NEGATIVE_PROMPT
 
 
 def use_cpu_platform_if_no_gpu() -> bool:

@@ -27,19 +27,26 @@ PROMPT_TEMPLATE = (
 )
 TEMPLATE_DROP_TOKENS = 34
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-BUILD_FORMAT = 1  # bump when the layout written below changes
+BUILD_FORMAT = 2  # bump when the layout written below changes
 
-# Text the tokenizer is trained on: enough for merges that make prompts a few dozen tokens long.
-_TRAINING_TEXT = [
-    PROMPT_TEMPLATE,
+#: Prompts of the kind the tokenizer is trained on; the demo's rollout uses them too.
+SAMPLE_PROMPTS = (
     "a red fox sitting in a snowy forest at dawn, soft light, detailed fur",
     "a watercolor painting of a lighthouse on a cliff above a stormy sea",
     "a bowl of ramen with a soft boiled egg, steam rising, studio photograph",
     "an astronaut riding a horse across a desert of glass, cinematic lighting",
     "a small wooden cabin beside a mountain lake, reflections, golden hour",
     "a robot reading a book in a library full of plants, isometric illustration",
-    "blurry, low quality, distorted, watermark, text, bad anatomy",
-]
+    "a street market at night with paper lanterns and rain on the stones",
+    "a glass teapot with blooming tea flowers on a wooden table, macro photo",
+    "a snow leopard on a rocky ridge under the milky way",
+    "an old map of an imaginary archipelago with sea monsters, ink drawing",
+    "a field of sunflowers under a thunderstorm, dramatic clouds",
+    "a cozy reading nook with a cat asleep on a pile of books",
+)
+SAMPLE_NEGATIVE_PROMPT = "blurry, low quality, distorted, watermark, text, bad anatomy"
+# Enough text for merges that make prompts a few dozen tokens long.
+_TRAINING_TEXT = [PROMPT_TEMPLATE, *SAMPLE_PROMPTS, SAMPLE_NEGATIVE_PROMPT]
 
 
 @dataclass(frozen=True)
