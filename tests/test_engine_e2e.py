@@ -6,6 +6,8 @@ shared negative prompt (CFG on). One engine per cache mode; each starts in about
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from engine_support import GROUP_SIZE, PROMPTS, run, tiny_spec
@@ -67,3 +69,13 @@ def test_same_seeds_give_identical_latents_across_engine_runs(results) -> None:
 def test_different_seeds_give_different_latents(results) -> None:
     latents = results["ours"].latents
     assert not torch.equal(latents[0], latents[len(PROMPTS)])  # same prompt, next sibling
+
+
+def test_spawned_worker_processes_use_the_cache_too() -> None:
+    """The multiprocess executor: the worker is a separate process that loads the plugin itself."""
+    spec = tiny_spec(group_size=2)
+    result = run(run_mode(spec, "ours", cache_size=16, engine_overrides={"distributed_executor_backend": "mp"}))
+    calls = 2 * len(PROMPTS) * 2
+    assert result.stats["misses"] == ENCODED_KINDS
+    assert result.stats["hits"] == calls - ENCODED_KINDS
+    assert result.worker_pid != os.getpid()

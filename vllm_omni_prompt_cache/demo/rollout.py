@@ -88,6 +88,7 @@ class RolloutResult:
     encode_seconds: float
     latents: dict[int, torch.Tensor] = field(repr=False, default_factory=dict)
     image_sizes: set[tuple[int, int]] = field(default_factory=set)
+    worker_pid: int | None = None  # the diffusion worker's process (this one, unless spawned)
 
 
 def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str | int | None) -> dict[str, Any]:
@@ -179,13 +180,16 @@ async def run_mode(
     cache_size: int,
     max_bytes: str | int | None = None,
     on_done: Callable[[], None] | None = None,
+    engine_overrides: dict[str, Any] | None = None,
 ) -> RolloutResult:
     """Start an engine for ``mode``, run the rollout once, and return what it measured."""
     started = time.perf_counter()
-    async with open_engine(engine_kwargs(spec, mode, cache_size, max_bytes), stock=mode == "stock") as engine:
+    kwargs = {**engine_kwargs(spec, mode, cache_size, max_bytes), **(engine_overrides or {})}
+    async with open_engine(kwargs, stock=mode == "stock") as engine:
         init_seconds = time.perf_counter() - started
         stats_before = await worker_value(engine, "prompt_embed_cache_stats")
         counters_before = await worker_value(engine, "text_encoder_counters")
+        worker_pid = counters_before["pid"]
         began = time.perf_counter()
         latents, sizes = await send_rollout(engine, spec, on_done)
         wall = time.perf_counter() - began
@@ -201,6 +205,7 @@ async def run_mode(
         encode_seconds=counters_after["encode_seconds"] - counters_before["encode_seconds"],
         latents=latents,
         image_sizes=sizes,
+        worker_pid=worker_pid,
     )
 
 

@@ -13,6 +13,7 @@ bypasses the prompt-embed cache; with this package installed, siblings hit.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, ClassVar
 
@@ -42,8 +43,8 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         self.encode_seconds = 0.0
 
     def text_encoder_counters(self) -> dict[str, float]:
-        """Return how often, and for how long, the text encoder actually ran."""
-        return {"encoder_runs": self.encoder_runs, "encode_seconds": self.encode_seconds}
+        """Return how often, and for how long, the text encoder actually ran (and in which process)."""
+        return {"encoder_runs": self.encoder_runs, "encode_seconds": self.encode_seconds, "pid": os.getpid()}
 
     def encode_prompt(
         self,

@@ -54,6 +54,35 @@ class HostMemoryAllocator:
         return contextlib.nullcontext()
 
 
+def host_output_loop(proc: Any) -> None:
+    """``WorkerProc._async_output_loop`` for the CPU: outputs are already in host memory.
+
+    vLLM-Omni's loop copies outputs to pinned host memory on a side CUDA stream, which needs a
+    CUDA driver. Here the packing into shared memory happens directly, and the loop reports
+    ``OUTPUT_READY`` (or an error) for each output exactly as the stock loop does.
+    """
+    from vllm_omni.diffusion.worker import diffusion_worker as worker_module
+
+    while (item := proc._async_output_queue.get()) is not None:
+        output, async_output_id, _device_event = item
+        try:
+            worker_module.pack_diffusion_output_shm(output)
+            reply = worker_module.AsyncDiffusionOutput(
+                kind=worker_module.AsyncOutputKind.OUTPUT_READY, async_output_id=async_output_id, output=output
+            )
+        except Exception:
+            logger.exception("Packing diffusion output %s failed", async_output_id)
+            reply = worker_module.AsyncDiffusionOutput(
+                kind=worker_module.AsyncOutputKind.OUTPUT_READY,
+                async_output_id=async_output_id,
+                error="packing the diffusion output into shared memory failed",
+            )
+        proc._enqueue_result(reply)
+        with proc._async_output_done:
+            proc._async_output_pending = max(0, proc._async_output_pending - 1)
+            proc._async_output_done.notify_all()
+
+
 class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     """vLLM's CpuPlatform plus what vLLM-Omni's diffusion worker and runner ask of a platform."""
 
@@ -140,6 +169,8 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
         import vllm_omni.diffusion.worker.diffusion_worker as worker_module
 
         worker_module._get_cumem_allocator_class = lambda: HostMemoryAllocator
+        # Spawned workers (multiprocess executor) start their output thread after this hook.
+        worker_module.WorkerProc._async_output_loop = host_output_loop
 
     @classmethod
     def get_default_stage_config_path(cls) -> str:

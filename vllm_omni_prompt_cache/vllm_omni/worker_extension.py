@@ -2,8 +2,8 @@
 
 Pass ``worker_extension_cls=WORKER_EXTENSION`` to ``AsyncOmni`` / ``Omni``; then
 ``await engine.collective_rpc("prompt_embed_cache_stats")`` returns each worker's statistics
-(upstream's keys, plus ours when this package's cache is installed) and
-``collective_rpc("clear_prompt_embed_cache")`` empties the caches. It subclasses vLLM-Omni's
+(upstream's keys, plus ours when this package's cache is installed) even where the plugin is
+switched off, and ``text_encoder_counters`` reports pipelines' own counters. It subclasses vLLM-Omni's
 ``CustomPipelineWorkerExtension`` because vLLM-Omni only adds that class itself when no
 extension is given, and custom pipelines need it.
 """
@@ -18,18 +18,12 @@ WORKER_EXTENSION = "vllm_omni_prompt_cache.vllm_omni.worker_extension.PromptCach
 
 
 class PromptCacheWorkerExtension(CustomPipelineWorkerExtension):
-    """Adds cache statistics and clearing to the diffusion worker's RPC surface."""
+    """Adds cache statistics and text-encoder counters to the diffusion worker's RPC surface."""
 
     def prompt_embed_cache_stats(self) -> dict[str, Any] | None:
         """Return this worker's prompt-embed cache statistics, or None when no cache is installed."""
         runner = getattr(self, "model_runner", None)
         return None if runner is None else runner.get_prompt_embed_cache_stats()
-
-    def clear_prompt_embed_cache(self) -> None:
-        """Drop this worker's cached embeddings."""
-        runner = getattr(self, "model_runner", None)
-        if runner is not None:
-            runner.clear_prompt_embed_cache()
 
     def text_encoder_counters(self) -> dict[str, float] | None:
         """Return how often and how long the text encoder ran, for pipelines that count it."""
