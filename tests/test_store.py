@@ -201,3 +201,19 @@ def test_reentrant_identical_call_computes_instead_of_deadlocking() -> None:
 
     assert torch.equal(cache.get_or_compute(key(1), outer), embedding(1))
     assert sum(cache.stats()["bypass_reasons"].values()) == 1
+
+
+def test_a_result_computed_across_a_clear_is_returned_but_not_stored() -> None:
+    """clear() marks a weight change: an encode that started before it must not fill the cache."""
+    cache = PromptEmbedCache()
+
+    def encode_while_weights_change():
+        cache.clear()
+        return embedding(5)
+
+    assert torch.equal(cache.get_or_compute(key(5), encode_while_weights_change), embedding(5))
+    assert len(cache) == 0
+    computed = []
+    cache.get_or_compute(key(5), lambda: computed.append(1) or embedding(5))
+    assert computed == [1]
+    assert len(cache) == 1

@@ -167,7 +167,7 @@ class _Encoder:
     @staticmethod
     def _tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
         """Return the tensor's values as contiguous CPU bytes, copying at most once to the CPU."""
-        if not isinstance(tensor, _PLAIN_TENSOR_TYPES) or type(tensor) not in _PLAIN_TENSOR_TYPES:
+        if type(tensor) not in _PLAIN_TENSOR_TYPES:
             raise _Uncacheable(f"tensor subclass {type(tensor).__qualname__}")
         if tensor.layout is not torch.strided:
             raise _Uncacheable(f"tensor with layout {tensor.layout}")

@@ -56,14 +56,15 @@ class _Entry(NamedTuple):
 class _Flight:
     """A miss being computed; waiters take its value or, if it failed, try again."""
 
-    __slots__ = ("done", "failed", "owner", "value", "witness")
+    __slots__ = ("done", "failed", "generation", "owner", "value", "witness")
 
-    def __init__(self, witness: tuple[bytes, ...] | None) -> None:
+    def __init__(self, witness: tuple[bytes, ...] | None, generation: int) -> None:
         self.done = threading.Event()
         self.owner = threading.get_ident()
         self.value: Any = None
         self.failed = False
         self.witness = witness
+        self.generation = generation  # the cache's clear() count when the encode started
 
 
 def detach_value(value: Any) -> Any:
@@ -131,6 +132,7 @@ class PromptEmbedCache:
         self._evictions = 0
         self._oversize = 0
         self._bypass_reasons: Counter[str] = Counter()
+        self._generation = 0  # bumped by clear(): results computed before it are not stored
 
     # Upstream exposes these counters as attributes; keep them readable.
     @property
@@ -166,7 +168,7 @@ class PromptEmbedCache:
                     owner = flight is None
                     if owner:
                         witness = freeze_witness(key.witness) if self.verify else None
-                        flight = self._flights[key.identity] = _Flight(witness)
+                        flight = self._flights[key.identity] = _Flight(witness, self._generation)
                         self._misses += 1
                     elif flight.owner == threading.get_ident():
                         self._bypass_reasons[REENTRANT_REASON] += 1
@@ -199,7 +201,9 @@ class PromptEmbedCache:
         with self._lock:
             flight.value = value
             del self._flights[key.identity]
-            if self.max_bytes is not None and nbytes > self.max_bytes:
+            if flight.generation != self._generation:
+                pass  # cleared while encoding (weights may have changed): return it, keep nothing
+            elif self.max_bytes is not None and nbytes > self.max_bytes:
                 self._oversize += 1
             else:
                 self._entries[key.identity] = _Entry(value, flight.witness, nbytes)
@@ -220,10 +224,11 @@ class PromptEmbedCache:
             self._bypass_reasons[reason] += 1
 
     def clear(self) -> None:
-        """Drop every entry; counters are kept (they describe the cache's whole life)."""
+        """Drop every entry, and any result still being computed; counters are kept."""
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+            self._generation += 1
 
     def info(self) -> CacheInfo:
         """Return the main counters as a named tuple."""
