@@ -153,11 +153,15 @@ def test_help_lists_the_flags_under_a_titled_group() -> None:
     """The real console script, as a user runs it: vllm serve --omni --help."""
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
     result = subprocess.run(
-        [vllm, "serve", "--omni", "--help=all"], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+        [vllm, "serve", "--omni", f"--help={GROUP_TITLE}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    help_text = result.stdout
-    assert GROUP_TITLE in help_text
+    help_text = result.stdout  # vLLM prints one section when asked for it by its title
+    assert "Default: 32." in " ".join(help_text.split())
     for flag in ("--enable-prompt-embed-cache", "--prompt-embed-cache-size", MAX_BYTES.flag, VERIFY.flag):
         assert flag in help_text
 

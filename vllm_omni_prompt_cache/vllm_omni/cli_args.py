@@ -15,10 +15,11 @@ from typing import Any
 
 from vllm_omni_prompt_cache.config import ENABLE, MAX_BYTES, MAX_SIZE, VERIFY, Setting, parse_setting
 
-GROUP_TITLE = "Prompt-embed cache (vllm-omni-prompt-cache)"
+# Named like vLLM's own groups, so `vllm serve --help=PromptEmbedCacheConfig` shows the section.
+GROUP_TITLE = "PromptEmbedCacheConfig"
 GROUP_DESCRIPTION = (
-    "Cache text-encoder outputs of the diffusion pipeline's encode_prompt, keyed by argument "
-    "content (token-ID tensors included). Each flag has an environment variable that overrides it."
+    "Content-keyed cache of the diffusion pipeline's encode_prompt outputs (vllm-omni-prompt-cache); "
+    "token-ID tensors hit. Each flag has an environment variable that overrides it."
 )
 
 
@@ -33,6 +34,14 @@ def _flag_type(setting: Setting) -> Any:
     return parse
 
 
+def _describe_default(setting: Setting) -> str:
+    if setting.default is None:
+        return "no limit"
+    if isinstance(setting.default, bool):
+        return "on" if setting.default else "off"
+    return str(setting.default)
+
+
 def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the cache flags to ``parser`` under one titled group; a second call does nothing."""
     if MAX_BYTES.flag in parser._option_string_actions:
@@ -45,8 +54,8 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
             setting.flag,
             dest=setting.name,
             action=argparse.BooleanOptionalAction,
-            default=None,
-            help=f"{setting.help} Env: {setting.env}.",
+            default=argparse.SUPPRESS,  # absent unless given: vLLM-Omni's default or the env var applies
+            help=f"{setting.help} Default: {_describe_default(setting)}. Env: {setting.env}.",
         )
     for setting in (MAX_SIZE, MAX_BYTES):
         if setting.flag in parser._option_string_actions:
@@ -55,9 +64,10 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
             setting.flag,
             dest=setting.name,
             type=_flag_type(setting),
-            default=None,
+            default=argparse.SUPPRESS,
             metavar="N" if setting is MAX_SIZE else "BYTES",
-            help=f"{setting.help} Allowed: {setting.allowed}. Env: {setting.env}.",
+            help=f"{setting.help} Allowed: {setting.allowed}. Default: {_describe_default(setting)}. "
+            f"Env: {setting.env}.",
         )
 
 
