@@ -11,6 +11,7 @@ pytest.importorskip("vllm_omni", reason="the engine tests need the vllm-omni ext
 
 from vllm_omni_prompt_cache.demo.rollout import RolloutSpec
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
+from vllm_omni_prompt_cache.vllm_omni.worker_extension import PromptCacheWorkerExtension
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 GROUP_SIZE = 4
@@ -27,8 +28,6 @@ def run(coroutine: Any) -> Any:
     """Run a coroutine to completion on a fresh event loop (engines bind to the loop they start on)."""
     return asyncio.run(coroutine)
 
-
-from vllm_omni_prompt_cache.vllm_omni.worker_extension import PromptCacheWorkerExtension  # noqa: E402
 
 RELOADING_EXTENSION = "engine_support.WeightReloadingExtension"
 

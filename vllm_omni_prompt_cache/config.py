@@ -88,17 +88,18 @@ def _invalid(setting: Setting, value: Any, source: str) -> PromptEmbedCacheConfi
     return PromptEmbedCacheConfigError(f"invalid {setting.name}={value!r} from {source}: expected {setting.allowed}")
 
 
+def _bool_from_text(text: str) -> bool | None:
+    """Return the boolean a user meant by ``text`` ('on', '0', ' Yes '...), or None if none."""
+    text = text.strip().lower()
+    return True if text in _TRUE else False if text in _FALSE else None
+
+
 def parse_bool(setting: Setting, value: Any, source: str) -> bool:
     """Return ``value`` as a bool; text such as 'on' or '0' is accepted, anything else raises."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-    raise _invalid(setting, value, source)
+    parsed = value if isinstance(value, bool) else _bool_from_text(value) if isinstance(value, str) else None
+    if parsed is None:
+        raise _invalid(setting, value, source)
+    return parsed
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
@@ -106,11 +107,9 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
     environ = os.environ if environ is None else environ
     if name not in environ:
         return default
-    text = environ[name].strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
+    parsed = _bool_from_text(environ[name])
+    if parsed is not None:
+        return parsed
     raise PromptEmbedCacheConfigError(
         f"invalid {name}={environ[name]!r} from the environment: expected 1/0, true/false, yes/no or on/off"
     )

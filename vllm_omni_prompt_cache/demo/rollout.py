@@ -28,7 +28,7 @@ from vllm_omni_prompt_cache.tiny.qwen_image import (
     load_tokenizer,
     prompt_token_ids,
 )
-from vllm_omni_prompt_cache.vllm_omni.platform_plugins import CPU_PLATFORM_ENV
+from vllm_omni_prompt_cache.vllm_omni.platform_plugins import CPU_PLATFORM_ENV, cpu_platform_requested
 
 MODES = ("off", "stock", "ours")
 TOKEN_ID_PIPELINE = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
@@ -42,8 +42,6 @@ def use_cpu_platform_if_no_gpu() -> bool:
     Must run before vLLM is imported (the platform is resolved at import).
     """
     if CPU_PLATFORM_ENV in os.environ:
-        from vllm_omni_prompt_cache.vllm_omni.platform_plugins import cpu_platform_requested
-
         return cpu_platform_requested()
     if torch.cuda.is_available():
         return False

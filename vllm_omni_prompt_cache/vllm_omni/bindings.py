@@ -14,12 +14,14 @@ import contextvars
 import functools
 import logging
 import sys
+import types
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 from vllm_omni_prompt_cache.config import resolve_prompt_embed_cache_config
 from vllm_omni_prompt_cache.store import PromptEmbedCache
+from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import StatsLogger, watch_weight_loads
 from vllm_omni_prompt_cache.vllm_omni.settings import worker_settings
 from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache, uninstall_prompt_embed_cache
@@ -86,11 +88,10 @@ def patch_runner_module(module: ModuleType) -> None:
             _stock.setdefault(name, current)
             setattr(module, name, dispatcher)
 
-    runner_cls = module.DiffusionModelRunner
-    load_model = runner_cls.load_model
-    if getattr(load_model, "_prompt_cache_hooked", False):
-        return
+    replace_once(module.DiffusionModelRunner, "load_model", _remembering_the_config)
 
+
+def _remembering_the_config(load_model: Any) -> Any:
     @functools.wraps(load_model)
     def load_model_with_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = _loading_config.set(getattr(self, "od_config", None))
@@ -99,8 +100,19 @@ def patch_runner_module(module: ModuleType) -> None:
         finally:
             _loading_config.reset(token)
 
-    load_model_with_config._prompt_cache_hooked = True  # type: ignore[attr-defined]
-    runner_cls.load_model = load_model_with_config
+    return load_model_with_config
+
+
+def _with_stock_globals(function: Any) -> Any:
+    """Return ``function`` running against its module's original globals.
+
+    Upstream's installer builds its cache from its module's global ``PromptEmbedCache``, which
+    is ours once the module is patched; this copy still sees upstream's class.
+    """
+    stock_globals = {**function.__globals__, **{name: _stock[name] for name in OURS if name in _stock}}
+    copy = types.FunctionType(function.__code__, stock_globals, function.__name__, function.__defaults__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
 
 
 def resolve_for_runner(enable: Any = None, max_size: Any = None) -> tuple[bool, int]:
@@ -113,16 +125,8 @@ def resolve_for_runner(enable: Any = None, max_size: Any = None) -> tuple[bool, 
 def install_for_runner(pipeline: Any, *, max_size: int = 32, enabled: bool = True, model_tag: str | None = None) -> Any:
     """The installer ``DiffusionModelRunner.load_model`` calls: ours with the stage's extra settings."""
     if _use_stock:
-        # Upstream's installer builds its cache from its module's global PromptEmbedCache,
-        # which is ours now: give it back its own class for the call.
-        cache_module = sys.modules[CACHE_MODULE]
-        cache_module.PromptEmbedCache = _stock["PromptEmbedCache"]
-        try:
-            return _stock["install_prompt_embed_cache"](
-                pipeline, max_size=max_size, enabled=enabled, model_tag=model_tag
-            )
-        finally:
-            cache_module.PromptEmbedCache = PromptEmbedCache
+        stock_install = _with_stock_globals(_stock["install_prompt_embed_cache"])
+        return stock_install(pipeline, max_size=max_size, enabled=enabled, model_tag=model_tag)
     settings = worker_settings(_loading_config.get(), enable=enabled, max_size=max_size)
     cache = install_prompt_embed_cache(
         pipeline,

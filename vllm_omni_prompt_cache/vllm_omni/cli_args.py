@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_omni_prompt_cache.config import ENABLE, MAX_BYTES, MAX_SIZE, VERIFY, Setting, parse_setting
+from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 # Named like vLLM's own groups, so `vllm serve --help=PromptEmbedCacheConfig` shows the section.
 GROUP_TITLE = "PromptEmbedCacheConfig"
@@ -73,16 +74,14 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
 
 def patch_serve_command(module: ModuleType) -> None:
     """Make vLLM-Omni's serve subcommand parser carry our flags."""
-    command_cls = module.OmniServeCommand
-    original = command_cls.subparser_init
-    if getattr(original, "_prompt_cache_hooked", False):
-        return
+    replace_once(module.OmniServeCommand, "subparser_init", _adding_our_flags)
 
+
+def _adding_our_flags(original: Any) -> Any:
     @functools.wraps(original)
     def subparser_init(self: Any, subparsers: Any) -> Any:
         parser = original(self, subparsers)
         add_prompt_cache_arguments(parser)
         return parser
 
-    subparser_init._prompt_cache_hooked = True  # type: ignore[attr-defined]
-    command_cls.subparser_init = subparser_init
+    return subparser_init

@@ -1,4 +1,4 @@
-"""Run a function on a module as soon as it is imported (or now, if it already is).
+"""Hooking helpers: run a function when a module is imported; replace an attribute once.
 
 The plugin must rebind names inside vLLM-Omni modules without importing them itself: importing
 the diffusion stack costs about a second, and plain vLLM processes never need it. A meta-path
@@ -18,6 +18,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+_MARK = "_prompt_cache_hooked"
 _callbacks: dict[str, list[Callable[[ModuleType], None]]] = {}
 _lock = threading.RLock()
 
@@ -32,6 +33,22 @@ def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
                 sys.meta_path.insert(0, _PostImportFinder())
             return
     _run(callback, module)
+
+
+def replace_once(owner: Any, name: str, wrap: Callable[[Any], Any]) -> bool:
+    """Set ``owner.name = wrap(current)`` unless a previous call already did; return whether it did.
+
+    For a class, ``current`` is the class's own attribute (a function, or a classmethod object);
+    for an instance, the attribute as looked up. Plugins load many times, in many processes: the
+    mark on the replacement keeps every wrapper from being applied twice.
+    """
+    current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+    if current is None or getattr(current, _MARK, False):
+        return False
+    replacement = wrap(current)
+    setattr(replacement, _MARK, True)
+    setattr(owner, name, replacement)
+    return True
 
 
 def _run(callback: Callable[[ModuleType], None], module: ModuleType) -> None:

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_omni_prompt_cache.store import PromptEmbedCache
+from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
@@ -46,29 +47,10 @@ def clear_cache(pipeline: Any, reason: str) -> None:
             logger.info("Prompt-embed cache cleared (%d entries): %s.", entries, reason)
 
 
-def _mark(function: Callable) -> Callable:
-    function._prompt_cache_hooked = True  # type: ignore[attr-defined]
-    return function
-
-
-def _hooked(owner: type, name: str) -> bool:
-    return getattr(owner.__dict__.get(name), "_prompt_cache_hooked", False)
-
-
 def patch_worker(module: ModuleType) -> None:
     """Clear the cache before sleep; give the worker stats/clear methods for ``collective_rpc``."""
     worker_cls = module.DiffusionWorker
-    if _hooked(worker_cls, "sleep"):
-        return
-    original_sleep = worker_cls.sleep
-
-    @functools.wraps(original_sleep)
-    def sleep(self: Any, *args: Any, **kwargs: Any) -> Any:
-        runner = getattr(self, "model_runner", None)
-        clear_cache(getattr(runner, "pipeline", None), "the diffusion worker is going to sleep")
-        return original_sleep(self, *args, **kwargs)
-
-    worker_cls.sleep = _mark(sleep)
+    replace_once(worker_cls, "sleep", _clearing_before_sleep)
 
     def get_prompt_embed_cache_stats(self: Any) -> dict | None:
         """Return this worker's prompt-embed cache statistics (None without a cache)."""
@@ -86,6 +68,16 @@ def patch_worker(module: ModuleType) -> None:
             setattr(worker_cls, method.__name__, method)
 
 
+def _clearing_before_sleep(original_sleep: Callable) -> Callable:
+    @functools.wraps(original_sleep)
+    def sleep(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runner = getattr(self, "model_runner", None)
+        clear_cache(getattr(runner, "pipeline", None), "the diffusion worker is going to sleep")
+        return original_sleep(self, *args, **kwargs)
+
+    return sleep
+
+
 def _encoder_prefixes(pipeline: Any) -> tuple[str, ...]:
     names = getattr(pipeline, "_encoder_modules", None) or ("text_encoder",)
     return tuple(f"{name}." for name in names) + tuple(names)
@@ -98,12 +90,10 @@ def _touches_encoder(names: Iterable[str], pipeline: Any) -> bool:
 
 def patch_lora_manager(module: ModuleType) -> None:
     """Clear the cache when a LoRA change alters text-encoder layers."""
-    manager_cls = module.DiffusionLoRAManager
     for name in _LORA_STATE_CHANGERS:
-        original = manager_cls.__dict__.get(name)
-        if original is None or _hooked(manager_cls, name):
-            continue
-        setattr(manager_cls, name, _mark(_clearing_on_lora_change(original, name)))
+        replace_once(
+            module.DiffusionLoRAManager, name, lambda original, name=name: _clearing_on_lora_change(original, name)
+        )
 
 
 def _lora_state(manager: Any) -> tuple:
@@ -133,10 +123,10 @@ def _clearing_on_lora_change(original: Callable, name: str) -> Callable:
 
 def watch_weight_loads(pipeline: Any) -> None:
     """Clear the cache after ``pipeline.load_weights`` loads any text-encoder weight."""
-    original = getattr(pipeline, "load_weights", None)
-    if original is None or getattr(original, "_prompt_cache_hooked", False):
-        return
+    replace_once(pipeline, "load_weights", lambda original: _clearing_after_encoder_load(original, pipeline))
 
+
+def _clearing_after_encoder_load(original: Callable, pipeline: Any) -> Callable:
     @functools.wraps(original)
     def load_weights(weights: Iterable[tuple[str, Any]], *args: Any, **kwargs: Any) -> Any:
         seen: list[str] = []
@@ -152,7 +142,7 @@ def watch_weight_loads(pipeline: Any) -> None:
             if _touches_encoder(seen, pipeline):
                 clear_cache(pipeline, "text-encoder weights were loaded")
 
-    object.__setattr__(pipeline, "load_weights", _mark(load_weights))
+    return load_weights
 
 
 class StatsLogger:

@@ -24,6 +24,7 @@ from vllm_omni_prompt_cache.config import (
     parse_setting,
     resolve_prompt_embed_cache_settings,
 )
+from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 #: Key of our settings inside ``OmniDiffusionConfig.extras``.
 EXTRAS_KEY = "prompt_embed_cache"
@@ -34,10 +35,10 @@ KWARG_SOURCE = "AsyncOmni/Omni keyword argument"
 
 def patch_stage_config_factory(module: ModuleType) -> None:
     """Make vLLM-Omni's default diffusion stage builder validate and carry our settings."""
-    factory = module.StageConfigFactory
-    original = factory.__dict__["_normalize_default_diffusion"]
-    if getattr(original, "_prompt_cache_hooked", False):
-        return
+    replace_once(module.StageConfigFactory, "_normalize_default_diffusion", _carrying_our_settings)
+
+
+def _carrying_our_settings(original: classmethod) -> classmethod:
     original_function = original.__func__
 
     @functools.wraps(original_function)
@@ -61,8 +62,7 @@ def patch_stage_config_factory(module: ModuleType) -> None:
             engine_args["extras"] = {**(engine_args.get("extras") or {}), EXTRAS_KEY: extra}
         return (engine_args, *rest)
 
-    normalize_default_diffusion._prompt_cache_hooked = True  # type: ignore[attr-defined]
-    factory._normalize_default_diffusion = classmethod(normalize_default_diffusion)
+    return classmethod(normalize_default_diffusion)
 
 
 def worker_settings(od_config: Any, *, enable: Any, max_size: Any) -> PromptEmbedCacheSettings:
