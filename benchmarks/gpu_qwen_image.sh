@@ -3,8 +3,8 @@
 #
 # The demo's rollout on the real Qwen-Image (Qwen2.5-VL-7B text encoder, 20B transformer) at a
 # realistic RL resolution: cache off, vLLM-Omni's own cache, and ours, one engine each, with the
-# exactness check. Needs one CUDA GPU with about 80 GB and a local Qwen-Image diffusers checkpoint;
-# nothing is downloaded. On a machine with a GPU the demo leaves the CPU platform off by itself.
+# exactness check. Needs a CUDA GPU that holds Qwen-Image (its 20B + 7B parameters are about 54 GB in
+# bf16, by arithmetic; never run here) and a local Qwen-Image diffusers checkpoint; nothing is downloaded. On a machine with a GPU the demo leaves the CPU platform off by itself.
 #
 #   benchmarks/gpu_qwen_image.sh /models/Qwen-Image [out-dir]
 set -euo pipefail
