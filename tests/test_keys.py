@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
+import io
 
 import numpy as np
 import pytest
@@ -11,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder, freeze_witness, witness_matches
+from vllm_omni_prompt_cache.keys import (
+    MAX_KEY_DEPTH,
+    MAX_KEY_ITEMS,
+    Bypass,
+    CallKey,
+    CallKeyBuilder,
+    freeze_witness,
+    witness_matches,
+)
 
 
 def encode_prompt(prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):
@@ -298,3 +308,241 @@ def test_precomputed_embeddings_passed_through_var_keyword_bypass() -> None:
     builder = CallKeyBuilder(inspect.signature(encode), "tiny")
     assert isinstance(builder.build(("a cat",), {"max_sequence_length": 77}), CallKey)
     assert builder.build(("a cat",), {"prompt_embeds": torch.ones(1)}) == Bypass("precomputed prompt_embeds given")
+
+
+# --- hostile arguments: a call that works uncached never fails because of the cache ------------
+
+CONTAINS_ITSELF = Bypass("argument 'prompt_ids': contains itself")
+TOO_DEEP = Bypass(f"argument 'prompt_ids': nested deeper than {MAX_KEY_DEPTH} levels")
+TOO_MANY = Bypass(f"argument 'prompt_ids': more than {MAX_KEY_ITEMS:,} container items in the call")
+
+
+def nest(kind: str, depth: int, leaf=1):
+    """``leaf`` inside ``depth`` containers of one kind, built without recursion."""
+    value = leaf
+    for _ in range(depth):
+        value = {"k": value} if kind == "dict" else [value] if kind == "list" else (value,)
+    return value
+
+
+def test_the_exact_reason_strings() -> None:
+    assert MAX_KEY_DEPTH == 32
+    assert MAX_KEY_ITEMS == 10_000
+    assert CONTAINS_ITSELF.reason == "argument 'prompt_ids': contains itself"
+    assert TOO_DEEP.reason == "argument 'prompt_ids': nested deeper than 32 levels"
+    assert TOO_MANY.reason == "argument 'prompt_ids': more than 10,000 container items in the call"
+
+
+def test_a_list_that_contains_itself_bypasses() -> None:
+    looped = [1, "a"]
+    looped.append(looped)
+    assert one(looped) == CONTAINS_ITSELF
+    assert one([[looped]]) == CONTAINS_ITSELF  # the cycle below the top level
+
+
+def test_a_dict_that_contains_itself_bypasses() -> None:
+    looped = {"a": 1}
+    looped["self"] = looped
+    assert one(looped) == CONTAINS_ITSELF
+    keyed_by_loop = []
+    keyed_by_loop.append({"k": keyed_by_loop})
+    assert one(keyed_by_loop) == CONTAINS_ITSELF
+
+
+def test_mutually_containing_containers_bypass() -> None:
+    left, right = [], {}
+    left.append(right)
+    right["back"] = left
+    assert one(left) == CONTAINS_ITSELF
+    assert one(right) == CONTAINS_ITSELF
+    via_tuple = []
+    via_tuple.append((1, via_tuple))
+    assert one(via_tuple) == CONTAINS_ITSELF
+
+
+def test_shared_sub_containers_are_not_cycles() -> None:
+    shared = [1, 2]
+    assert one([shared, shared]).identity == one([[1, 2], [1, 2]]).identity
+    assert one({"a": shared, "b": shared}).identity == one({"a": [1, 2], "b": [1, 2]}).identity
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "dict"])
+def test_5000_deep_nesting_bypasses(kind) -> None:
+    assert one(nest(kind, 5_000)) == TOO_DEEP
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "dict"])
+def test_nesting_up_to_the_depth_limit_is_keyed(kind) -> None:
+    assert isinstance(one(nest(kind, MAX_KEY_DEPTH)), CallKey)
+    assert one(nest(kind, MAX_KEY_DEPTH + 1)) == TOO_DEEP
+    assert one({nest("tuple", MAX_KEY_DEPTH): 1}) == TOO_DEEP  # a deep dict key counts too
+
+
+def test_a_100000_entry_dict_bypasses() -> None:
+    assert one({str(i): i for i in range(100_000)}) == TOO_MANY
+
+
+def test_the_item_budget_is_per_call_and_inclusive() -> None:
+    # MAX_KEY_ITEMS items in all, the two lists included: keyed.
+    assert isinstance(one([[0] * (MAX_KEY_ITEMS // 2), [0] * (MAX_KEY_ITEMS // 2 - 2)]), CallKey)
+    assert one([0] * (MAX_KEY_ITEMS + 1)) == TOO_MANY
+    # Two arguments under the budget alone, over it together: the second one is named.
+    half = [0] * (MAX_KEY_ITEMS // 2 + 1)
+    assert key_of(half, half) == Bypass(
+        f"argument 'attention_mask': more than {MAX_KEY_ITEMS:,} container items in the call"
+    )
+    # A shared sub-list is encoded (and charged) each time it appears: 2**20 items from 21 lists.
+    doubling = [0]
+    for _ in range(20):
+        doubling = [doubling, doubling]
+    assert one(doubling) == TOO_MANY
+
+
+def test_tensors_count_as_one_item_however_large() -> None:
+    assert isinstance(one([torch.zeros(MAX_KEY_ITEMS * 4), np.zeros(MAX_KEY_ITEMS * 4)]), CallKey)
+
+
+class Loud(str):
+    """A str subclass whose comparisons raise."""
+
+    __hash__ = str.__hash__
+
+    def __eq__(self, other):
+        raise ValueError("no comparing me")
+
+    __lt__ = __eq__
+
+
+class Unclassifiable:
+    """A proxy whose ``__class__`` raises, as a lazy proxy to a failed object does: isinstance() raises."""
+
+    @property
+    def __class__(self):
+        raise LookupError("the proxied object is gone")
+
+
+def truncated_png() -> Image.Image:
+    """A lazily loaded image whose file is cut short: reading its pixels raises OSError."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(buffer, format="PNG")
+    return Image.open(io.BytesIO(buffer.getvalue()[:-40]))
+
+
+@pytest.mark.parametrize(
+    ("make_value", "reason"),
+    [
+        (lambda: {Loud("a"): 1, Loud("b"): 2}, "argument 'prompt_ids': unsupported subclass Loud"),
+        (Unclassifiable, "argument 'prompt_ids': LookupError raised while keying"),
+        (lambda: [1, {"deep": [Unclassifiable()]}], "argument 'prompt_ids': LookupError raised while keying"),
+        (truncated_png, "argument 'prompt_ids': OSError raised while keying"),
+    ],
+    ids=["dict key comparison raises", "__class__ raises", "nested __class__ raises", "truncated image"],
+)
+def test_user_objects_that_raise_bypass(make_value, reason) -> None:
+    assert one(make_value()) == Bypass(reason)
+
+
+def test_a_digest_that_raises_bypasses() -> None:
+    def broken_digest(buffer):
+        raise RuntimeError("digest service down")
+
+    builder = CallKeyBuilder(inspect.signature(encode_prompt), "tiny", digest=broken_digest)
+    assert builder.build((torch.ones(2),), {}) == Bypass("argument 'prompt_ids': RuntimeError raised while keying")
+
+
+# Hostile structures: keyable leaves, leaves that raise or have no key, shared sub-containers,
+# and (by post-processing a drawn recipe) cycles and nesting past the depth limit.
+hostile_leaves = st.one_of(
+    scalars,
+    tensors(),
+    st.builds(object),
+    st.builds(Unclassifiable),
+    st.builds(Loud, st.text(max_size=2)),
+)
+
+
+def containers(value) -> list:
+    """Every list and dict in ``value`` (each once), in a fixed order, without recursion."""
+    found, pending, seen = [], [value], set()
+    while pending:
+        item = pending.pop()
+        if type(item) in (list, tuple, dict) and id(item) not in seen:
+            seen.add(id(item))
+            if type(item) is not tuple:
+                found.append(item)
+            pending.extend(item.values() if type(item) is dict else item)
+    return found
+
+
+@st.composite
+def hostile_recipes(draw, leaves=hostile_leaves) -> tuple:
+    """A small tree (with shared sub-containers), how deep to bury it, and which link makes a loop."""
+    base = draw(
+        st.recursive(
+            leaves,
+            lambda children: st.one_of(
+                st.lists(children, max_size=4),
+                st.tuples(children, children),
+                st.dictionaries(st.text(max_size=2), children, max_size=3),
+                children.map(lambda child: [child, child]),  # one sub-container under two parents
+            ),
+            max_leaves=10,
+        )
+    )
+    bury = draw(st.none() | st.sampled_from(["list", "tuple", "dict"]))
+    depth = draw(st.sampled_from([MAX_KEY_DEPTH - 1, MAX_KEY_DEPTH + 1, 200, 5_000]))
+    link = draw(st.none() | st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)))
+    return base, bury, depth, link
+
+
+def realize(recipe: tuple, prepare=lambda base: base):
+    """Build the hostile value a recipe describes, linking into ``prepare(base)`` in place."""
+    base, bury, depth, link = recipe
+    value = prepare(base)
+    if bury is not None:
+        value = nest(bury, depth, value)
+    found = containers(value)
+    if link is not None and found:
+        holder, target = found[link[0] % len(found)], found[link[1] % len(found)]
+        if type(holder) is list:
+            holder.append(target)  # a loop when target is holder or one of its ancestors
+        else:
+            holder["link"] = target
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(hostile_recipes().map(realize))
+def test_building_a_key_never_raises(value) -> None:
+    result = one(value)
+    assert type(result) in (CallKey, Bypass)
+    if type(result) is CallKey:
+        hash(result.identity)  # a key is always usable as a dict key
+    else:
+        assert result.reason.startswith("argument 'prompt_ids': ")
+        assert len(result.reason) < 120
+
+
+def unshare(value):
+    """A copy of an acyclic ``value`` with every shared sub-container copied apart."""
+    if type(value) in (list, tuple):
+        return type(value)(unshare(item) for item in value)
+    if type(value) is dict:
+        return {key: unshare(item) for key, item in value.items()}
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(hostile_recipes(leaves=st.one_of(scalars, tensors())))
+def test_equal_canonical_hostile_inputs_give_equal_keys(recipe) -> None:
+    key = one(realize(recipe, copy.deepcopy))  # realize adds links: keep the drawn base intact
+    twin = one(realize(recipe, copy.deepcopy))  # same content, cycles and sharing; new objects
+    assert type(key) is type(twin)
+    if type(key) is Bypass:
+        assert key == twin
+        return
+    assert key.identity == twin.identity
+    assert witness_matches(freeze_witness(key.witness), twin.witness)
+    _, _, _, link = recipe
+    if link is None:
+        assert one(realize(recipe, unshare)).identity == key.identity  # sharing is not content

@@ -203,3 +203,33 @@ def test_byte_budget_holds_through_the_wrapper(pipeline) -> None:
         pipeline.encode_prompt(*collate(ids_list))
         assert cache.stats()["bytes"] <= cache.max_bytes
     assert cache.stats()["size"] == 2
+
+
+class RequestInfoPipeline(TokenIdTextPipeline):
+    """A pipeline whose encode_prompt also takes a free-form argument it does not read for encoding."""
+
+    def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, request_info=None):
+        return super().encode_prompt(prompt_ids, attention_mask, num_images_per_prompt)
+
+
+def test_hostile_arguments_run_uncached_with_the_same_result(encoder) -> None:
+    reference = RequestInfoPipeline(encoder)
+    pipeline = RequestInfoPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    loop = {"trace": []}
+    loop["trace"].append(loop)  # e.g. request metadata that points back at itself
+    deep = []
+    for _ in range(5_000):
+        deep = [deep]
+    ids, mask = collate([3, 1, 4, 1, 5])
+    for info in (loop, deep):
+        cached = pipeline.encode_prompt(ids, mask, request_info=info)
+        uncached = reference.encode_prompt(ids, mask, request_info=info)
+        assert all(torch.equal(got, want) for got, want in zip(cached, uncached, strict=True))
+    stats = cache.stats()
+    assert stats["bypass_reasons"] == {
+        "argument 'request_info': contains itself": 1,
+        "argument 'request_info': nested deeper than 32 levels": 1,
+    }
+    assert (stats["hits"], stats["misses"], stats["bypassed"]) == (0, 0, 2)
+    assert pipeline.encoder_runs == 2

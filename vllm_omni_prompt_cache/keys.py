@@ -17,7 +17,10 @@ A key has two parts:
     cost a re-encode but never return another prompt's embedding.
 
 A call that cannot be keyed exactly is not guessed at: :meth:`CallKeyBuilder.build`
-returns a :class:`Bypass` whose ``reason`` names the argument and why.
+returns a :class:`Bypass` whose ``reason`` names the argument and why. So does a
+call whose arguments contain themselves, nest deeper than :data:`MAX_KEY_DEPTH`,
+hold more than :data:`MAX_KEY_ITEMS` container items, or raise while being read:
+keying never raises, and never costs more than those limits allow.
 Nothing here knows about vLLM-Omni.
 """
 
@@ -47,6 +50,15 @@ PRECOMPUTED_EMBED_ARGS = (
     "prompt_embeds_mask",
     "negative_prompt_embeds_mask",
 )
+
+#: Containers (lists, tuples, dicts) may nest this deep in one argument. Real calls nest
+#: two or three levels; the limit keeps the encoder far from Python's recursion limit.
+MAX_KEY_DEPTH = 32
+
+#: List/tuple elements plus dict entries encoded per call, summed over all arguments
+#: (a tensor, array or image is one element). Real calls hold a few hundred prompts;
+#: beyond this, keying (up to ~1 us an item) would cost more than it saves.
+MAX_KEY_ITEMS = 10_000
 
 # Tensor subclasses we read exactly like a plain tensor. Anything else (FakeTensor,
 # DTensor, functional wrappers, ...) may not expose its real values through
@@ -96,11 +108,13 @@ def witness_matches(stored: tuple[bytes, ...], probe: tuple) -> bool:
 class _Encoder:
     """Turns one call's argument values into identity tuples, collecting the witness."""
 
-    __slots__ = ("digest", "witness")
+    __slots__ = ("digest", "items_left", "open_ids", "witness")
 
     def __init__(self, digest: Callable[[Any], bytes]) -> None:
         self.digest = digest
         self.witness: list = []
+        self.items_left = MAX_KEY_ITEMS
+        self.open_ids: set[int] = set()  # containers being encoded: the path from the argument down
 
     def encode(self, value: Any) -> Any:
         # Exact type checks, most common first: they are the hot path, and they
@@ -119,7 +133,7 @@ class _Encoder:
         if kind is float:
             return ("float", value.hex())  # keeps -0.0 apart from 0.0; all NaNs alike
         if kind is tuple or kind is list:
-            return (kind.__name__, tuple([self.encode(item) for item in value]))
+            return (kind.__name__, self._sequence(value))
         if kind is dict:
             return self._dict(value)
         if kind is torch.dtype:
@@ -142,8 +156,30 @@ class _Encoder:
             raise _Uncacheable(f"unsupported subclass {kind.__qualname__}")
         raise _Uncacheable(f"unsupported type {kind.__module__}.{kind.__qualname__}")
 
+    def _open(self, container: list | tuple | dict) -> int:
+        """Check the limits before encoding ``container``'s items; return the id to close it with."""
+        container_id = id(container)  # ancestors are alive, so their ids cannot be reused
+        if container_id in self.open_ids:
+            raise _Uncacheable("contains itself")
+        if len(self.open_ids) >= MAX_KEY_DEPTH:
+            raise _Uncacheable(f"nested deeper than {MAX_KEY_DEPTH} levels")
+        # Charged before any item is encoded, so an oversized container costs nothing.
+        self.items_left -= len(container)
+        if self.items_left < 0:
+            raise _Uncacheable(f"more than {MAX_KEY_ITEMS:,} container items in the call")
+        self.open_ids.add(container_id)
+        return container_id
+
+    def _sequence(self, value: list | tuple) -> tuple:
+        container_id = self._open(value)
+        encoded = tuple([self.encode(item) for item in value])
+        self.open_ids.remove(container_id)  # a shared (not cyclic) sub-list may appear again
+        return encoded
+
     def _dict(self, value: dict) -> tuple:
+        container_id = self._open(value)
         items = [(self.encode(key), self.encode(item)) for key, item in value.items()]
+        self.open_ids.remove(container_id)
         try:
             items.sort(key=lambda pair: pair[0])
         except TypeError:
@@ -257,4 +293,8 @@ class CallKeyBuilder:
                 parts.append(encode(value))
             except _Uncacheable as why:
                 return Bypass(f"argument {name!r}: {why}")
+            except Exception as error:
+                # User code raised (a __class__ property, an image's lazy load, a dict resized by
+                # another thread) or the stack ran out: the call may still work uncached.
+                return Bypass(f"argument {name!r}: {type(error).__qualname__} raised while keying")
         return CallKey(tuple(parts), tuple(encoder.witness))
