@@ -32,9 +32,9 @@ for step in range(300):
     mask = ids != 0
     if step % 17 == 0:
         mask = mask.numpy().astype(object)  # an unkeyable argument now and then
-    before = cache.info()
+    before = cache.snapshot()
     pipeline.encode_prompt(ids, mask)
-    after = cache.info()
+    after = cache.snapshot()
     decision = "hit" if after.hits > before.hits else "miss" if after.misses > before.misses else "bypass"
     decisions.append([decision, after.evictions, after.size, after.bytes])
 print(json.dumps(decisions))

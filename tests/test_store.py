@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache.keys import CallKey, CallKeyBuilder
-from vllm_omni_prompt_cache.store import COLLISION_REASON, PromptEmbedCache, detach_value, value_nbytes
+from vllm_omni_prompt_cache.store import (
+    COLLISION_REASON,
+    MISS,
+    REENTRANT_REASON,
+    UNSPECIFIED_REASON,
+    CacheStats,
+    PromptEmbedCache,
+    detach_value,
+    value_nbytes,
+)
 
 
 def _signature(prompt_ids):
@@ -32,7 +41,7 @@ def test_hit_returns_the_stored_value_and_counts() -> None:
     first = cache.get_or_compute(key(1), lambda: embedding(1))
     again = cache.get_or_compute(key(1), lambda: pytest.fail("must not recompute"))
     assert torch.equal(first, again)
-    assert cache.info()[:3] == (1, 1, 0)
+    assert cache.snapshot().calls == 2 and (cache.hits, cache.misses) == (1, 1)
 
 
 def test_lru_evicts_least_recently_used() -> None:
@@ -129,6 +138,16 @@ def test_identity_match_with_different_bytes_is_a_counted_bypass() -> None:
     assert cache.stats()["bypass_reasons"] == {COLLISION_REASON: 1}
 
 
+def wait_for_waiters(cache: PromptEmbedCache, call_key: CallKey, count: int) -> None:
+    """Block until ``count`` callers wait on the flight computing ``call_key`` (fails after 10 s)."""
+    for _ in range(10_000):
+        flight = cache._flights.get(call_key.identity)
+        if flight is not None and flight.waiters >= count:
+            return
+        threading.Event().wait(0.001)
+    pytest.fail(f"{count} waiters never arrived")
+
+
 def test_single_flight_runs_one_encode_for_concurrent_identical_misses() -> None:
     cache = PromptEmbedCache()
     started = threading.Event()
@@ -150,12 +169,13 @@ def test_single_flight_runs_one_encode_for_concurrent_identical_misses() -> None
     ]
     for thread in waiters:
         thread.start()
+    wait_for_waiters(cache, key(7), 5)  # every waiter is blocked on the owner's encode
     release.set()
     for thread in [owner, *waiters]:
         thread.join(10)
     assert len(runs) == 1
     assert len(results) == 6 and all(torch.equal(r, embedding(7)) for r in results)
-    assert cache.info()[:2] == (5, 1)
+    assert (cache.hits, cache.misses) == (5, 1)
 
 
 def test_waiters_retry_when_the_single_flight_owner_fails() -> None:
@@ -185,12 +205,14 @@ def test_waiters_retry_when_the_single_flight_owner_fails() -> None:
     started.wait(5)
     waiter = threading.Thread(target=call)
     waiter.start()
+    wait_for_waiters(cache, key(3), 1)  # the waiter is blocked on the encode that will fail
     release.set()
     owner.join(10)
     waiter.join(10)
     assert len(errors) == 1 and len(results) == 1
-    assert len(attempts) == 2
-    assert cache.stats()["size"] == 1
+    assert len(attempts) == 2 and attempts[0] != attempts[1]  # the waiter retried, as the new owner
+    assert torch.equal(results[0], embedding(3))
+    assert (cache.hits, cache.misses, cache.stats()["size"]) == (0, 2, 1)
 
 
 def test_reentrant_identical_call_computes_instead_of_deadlocking() -> None:
@@ -200,7 +222,7 @@ def test_reentrant_identical_call_computes_instead_of_deadlocking() -> None:
         return cache.get_or_compute(key(1), lambda: embedding(1))
 
     assert torch.equal(cache.get_or_compute(key(1), outer), embedding(1))
-    assert sum(cache.stats()["bypass_reasons"].values()) == 1
+    assert cache.stats()["bypass_reasons"] == {REENTRANT_REASON: 1}
 
 
 def test_a_result_computed_across_a_clear_is_returned_but_not_stored() -> None:
@@ -217,3 +239,70 @@ def test_a_result_computed_across_a_clear_is_returned_but_not_stored() -> None:
     cache.get_or_compute(key(5), lambda: computed.append(1) or embedding(5))
     assert computed == [1]
     assert len(cache) == 1
+
+
+# Upstream vLLM-Omni's contract: get() / put() with a miss sentinel, assignable counters.
+
+
+def test_get_returns_the_miss_sentinel_and_counts_like_upstream() -> None:
+    cache = PromptEmbedCache(max_size=2)
+    assert cache.get(("tag", "a red fox")) is MISS
+    cache.put(("tag", "a red fox"), None)  # a cached None is a hit, not a miss
+    assert cache.get(("tag", "a red fox")) is None
+    assert (cache.hits, cache.misses, len(cache)) == (1, 1, 1)
+
+
+def test_put_overwrites_and_evicts_least_recently_used() -> None:
+    cache = PromptEmbedCache(max_size=2)
+    cache.put("a", embedding(1))
+    cache.put("b", embedding(2))
+    cache.get("a")  # a becomes most recent
+    cache.put("c", embedding(3))  # evicts b
+    assert cache.get("b") is MISS
+    cache.put("a", embedding(9))
+    assert torch.equal(cache.get("a"), embedding(9))
+    assert (len(cache), cache.stats()["evictions"], cache.stats()["bytes"]) == (2, 1, 2 * 32)
+
+
+def test_put_keeps_the_byte_budget_and_an_oversize_value_replaces_nothing() -> None:
+    cache = PromptEmbedCache(max_size=8, max_bytes=64)
+    cache.put("a", embedding(1))
+    cache.put("a", embedding(2, width=32))  # 128 B: over budget, not kept; the old value is gone too
+    assert cache.get("a") is MISS
+    assert cache.stats()["oversize_rejections"] == 1 and cache.stats()["bytes"] == 0
+
+
+def test_get_with_a_call_key_verifies_the_witness() -> None:
+    weak = CallKeyBuilder(inspect.signature(_signature), "tiny", digest=lambda _: b"\0" * 16)
+    first, other = weak.build((torch.tensor([1]),), {}), weak.build((torch.tensor([2]),), {})
+    cache = PromptEmbedCache()
+    cache.put(first, embedding(1))
+    assert torch.equal(cache.get(weak.build((torch.tensor([1]),), {})), embedding(1))
+    assert cache.get(other) is MISS  # same identity, other bytes: never the wrong embedding
+
+
+def test_counters_are_assignable_as_upstreams_wrapper_does() -> None:
+    cache = PromptEmbedCache()
+    with cache._lock:  # upstream's wrapper counts a bypass this way, under the cache's lock
+        cache.bypassed += 1
+    cache.hits += 2
+    assert (cache.hits, cache.bypassed) == (2, 1)
+    assert cache.stats()["bypass_reasons"] == {UNSPECIFIED_REASON: 1}
+
+
+def test_stats_snapshot_deltas_and_summary() -> None:
+    cache = PromptEmbedCache(max_size=4)
+    before = cache.snapshot()
+    cache.get_or_compute(key(1), lambda: embedding(1))
+    cache.get_or_compute(key(1), lambda: embedding(1))
+    cache.record_bypass("cache disabled")
+    after = cache.snapshot()
+    delta = after.since(before)
+    assert (delta.hits, delta.misses, delta.bypassed, delta.calls) == (1, 1, 1, 3)
+    assert delta.hit_rate == pytest.approx(1 / 3)
+    assert delta.bypass_reasons == {"cache disabled": 1}
+    assert after.since(after).bypass_reasons == {} and after.since(after).hit_rate == 0.0
+    assert CacheStats.from_dict(cache.stats()) == after
+    upstream_style = CacheStats.from_dict({"size": 1, "max_size": 4, "hits": 3, "misses": 1, "bypassed": 0})
+    assert upstream_style.hit_rate == 0.75 and upstream_style.bypass_reasons == {}
+    assert after.summary().startswith("Prompt-embed cache: hit rate 33.3% (1 hits, 1 misses, 1 bypassed), 1/4 entries")

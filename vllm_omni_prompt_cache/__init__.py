@@ -15,14 +15,15 @@ from vllm_omni_prompt_cache.config import (
     resolve_prompt_embed_cache_settings,
 )
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
-from vllm_omni_prompt_cache.store import CacheInfo, PromptEmbedCache
+from vllm_omni_prompt_cache.store import MISS, CacheStats, PromptEmbedCache
 from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache, uninstall_prompt_embed_cache
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MISS",
     "Bypass",
-    "CacheInfo",
+    "CacheStats",
     "CallKey",
     "CallKeyBuilder",
     "PromptEmbedCache",

@@ -1,15 +1,15 @@
 """Where cached embeddings live: an LRU with entry and byte budgets.
 
-:class:`PromptEmbedCache` keeps upstream vLLM-Omni's name, constructor and
-``clear()`` / ``stats()`` contract, and adds what a cache shared by concurrent
-RL requests needs:
+:class:`PromptEmbedCache` keeps upstream vLLM-Omni's whole public contract (constructor,
+``get`` / ``put`` with the :data:`MISS` sentinel, ``clear``, ``stats``, the ``hits`` / ``misses`` /
+``bypassed`` counters) and adds what a cache shared by concurrent RL requests needs:
 
 * a byte budget (``max_bytes``) counting the tensors held in values plus the
   witness bytes kept to verify keys;
 * exact verification of every hit against the witness (see :mod:`.keys`);
-* single-flight: concurrent identical misses run the encoder once; if that run
-  raises, its caller sees the error and nothing is cached;
-* statistics with a count for every bypass reason.
+* single-flight (:meth:`PromptEmbedCache.get_or_compute`): concurrent identical misses run the
+  encoder once; if that run raises, its caller sees the error and nothing is cached;
+* statistics with a count for every bypass reason, as one :class:`CacheStats` snapshot.
 
 Every decision depends only on the order of calls, never on timing or on
 memory addresses, so ranks that see the same calls take the same decisions.
@@ -17,9 +17,10 @@ memory addresses, so ranks that see the same calls take the same decisions.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -32,19 +33,97 @@ T = TypeVar("T")
 COLLISION_REASON = "digest collision: identity matched, bytes differed"
 #: Bypass reason for a call the encoder makes into the same key while computing it.
 REENTRANT_REASON = "re-entrant call for a key being computed by the same thread"
+#: Bypass reason for bypasses counted by code that assigns ``cache.bypassed`` itself, as
+#: upstream's wrapper does; it knows no reason.
+UNSPECIFIED_REASON = "counted by the caller, no reason given"
 
 
-class CacheInfo(NamedTuple):
-    """Counters of a :class:`PromptEmbedCache`, in the spirit of ``functools.lru_cache``."""
+class _Miss:
+    __slots__ = ()
 
-    hits: int
-    misses: int
-    bypassed: int
-    evictions: int
-    size: int
-    max_size: int
-    bytes: int
-    max_bytes: int | None
+    def __repr__(self) -> str:
+        return "MISS"
+
+
+#: What :meth:`PromptEmbedCache.get` returns for an absent key, so that a cached ``None`` is a hit.
+MISS: Any = _Miss()
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    """One snapshot of a cache's counters: what ``stats()``, the worker RPC, the log line and the demo show."""
+
+    hits: int = 0
+    misses: int = 0
+    bypassed: int = 0
+    bypass_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)  # most common first
+    evictions: int = 0
+    oversize_rejections: int = 0
+    size: int = 0
+    max_size: int = 0
+    bytes: int = 0
+    max_bytes: int | None = None
+    enabled: bool = True
+    verify: bool = True
+
+    @property
+    def calls(self) -> int:
+        """Return every call the cache saw: hits, misses and bypasses."""
+        return self.hits + self.misses + self.bypassed
+
+    @property
+    def hit_rate(self) -> float:
+        """Return hits over all calls, bypasses included (0.0 before any call)."""
+        return self.hits / self.calls if self.calls else 0.0
+
+    def since(self, earlier: CacheStats) -> CacheStats:
+        """Return the counts between ``earlier`` and this snapshot; sizes and settings stay as now."""
+        reasons = Counter(self.bypass_reasons)
+        reasons.subtract(earlier.bypass_reasons)
+        return dataclasses.replace(
+            self,
+            hits=self.hits - earlier.hits,
+            misses=self.misses - earlier.misses,
+            bypassed=self.bypassed - earlier.bypassed,
+            bypass_reasons={reason: count for reason, count in reasons.most_common() if count},
+            evictions=self.evictions - earlier.evictions,
+            oversize_rejections=self.oversize_rejections - earlier.oversize_rejections,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return upstream's ``stats()`` keys (size, max_size, hits, misses, bypassed) and ours."""
+        return {
+            "size": self.size,
+            "max_size": self.max_size,
+            "hits": self.hits,
+            "misses": self.misses,
+            "bypassed": self.bypassed,
+            "bypass_reasons": dict(self.bypass_reasons),
+            "evictions": self.evictions,
+            "oversize_rejections": self.oversize_rejections,
+            "bytes": self.bytes,
+            "max_bytes": self.max_bytes,
+            "hit_rate": self.hit_rate,
+            "enabled": self.enabled,
+            "verify": self.verify,
+        }
+
+    @classmethod
+    def from_dict(cls, stats: Mapping[str, Any]) -> CacheStats:
+        """Return the snapshot a ``stats()`` dict describes; upstream's five keys suffice."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in stats.items() if key in names})
+
+    def summary(self) -> str:
+        """Return the one-line summary the worker logs: hit rate, size, bytes, top bypass reasons."""
+        budget = "no limit" if self.max_bytes is None else f"{self.max_bytes / 2**20:.1f} MiB"
+        reasons = "; ".join(f"{reason} x{count}" for reason, count in list(self.bypass_reasons.items())[:3])
+        return (
+            f"Prompt-embed cache: hit rate {self.hit_rate:.1%} "
+            f"({self.hits} hits, {self.misses} misses, {self.bypassed} bypassed), "
+            f"{self.size}/{self.max_size} entries, {self.bytes / 2**20:.1f} MiB of {budget}, "
+            f"{self.evictions} evictions" + (f"; top bypass reasons: {reasons}" if reasons else "")
+        )
 
 
 class _Entry(NamedTuple):
@@ -56,13 +135,14 @@ class _Entry(NamedTuple):
 class _Flight:
     """A miss being computed; waiters take its value or, if it failed, try again."""
 
-    __slots__ = ("done", "failed", "generation", "owner", "value", "witness")
+    __slots__ = ("done", "failed", "generation", "owner", "value", "waiters", "witness")
 
     def __init__(self, witness: tuple[bytes, ...] | None, generation: int) -> None:
         self.done = threading.Event()
         self.owner = threading.get_ident()
         self.value: Any = None
         self.failed = False
+        self.waiters = 0  # callers blocked on ``done`` (observable, so tests can wait for them)
         self.witness = witness
         self.generation = generation  # the cache's clear() count when the encode started
 
@@ -134,21 +214,81 @@ class PromptEmbedCache:
         self._bypass_reasons: Counter[str] = Counter()
         self._generation = 0  # bumped by clear(): results computed before it are not stored
 
-    # Upstream exposes these counters as attributes; keep them readable.
+    # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
+    # under ``cache._lock``): readable and assignable here too, without taking the lock.
     @property
     def hits(self) -> int:
         return self._hits
+
+    @hits.setter
+    def hits(self, value: int) -> None:
+        self._hits = value
 
     @property
     def misses(self) -> int:
         return self._misses
 
+    @misses.setter
+    def misses(self, value: int) -> None:
+        self._misses = value
+
     @property
     def bypassed(self) -> int:
         return sum(self._bypass_reasons.values())
 
+    @bypassed.setter
+    def bypassed(self, value: int) -> None:
+        self._bypass_reasons[UNSPECIFIED_REASON] += value - self.bypassed
+
     def __len__(self) -> int:
         return len(self._entries)
+
+    def get(self, key: CallKey | Hashable) -> Any:
+        """Return the value cached under ``key`` (refreshing its recency), or :data:`MISS`.
+
+        Upstream's contract: a hit or a miss is counted. A :class:`CallKey` is verified against
+        its witness; a collision is a miss (a later ``put`` replaces the entry).
+        """
+        identity, witness = (key.identity, key.witness) if type(key) is CallKey else (key, None)
+        with self._lock:
+            entry = self._entries.get(identity)
+            if entry is not None and (
+                entry.witness is None or (witness is not None and witness_matches(entry.witness, witness))
+            ):
+                self._entries.move_to_end(identity)
+                self._hits += 1
+                return entry.value
+            self._misses += 1
+            return MISS
+
+    def put(self, key: CallKey | Hashable, value: Any) -> None:
+        """Cache ``value`` under ``key`` as given (insert or overwrite), then evict over budget.
+
+        Upstream's contract; a value larger than ``max_bytes`` is not kept.
+        """
+        if type(key) is CallKey:
+            identity = key.identity
+            witness = freeze_witness(key.witness) if self.verify else None
+        else:
+            identity, witness = key, None
+        nbytes = value_nbytes(value) + (0 if witness is None else witness_nbytes(witness))
+        with self._lock:
+            self._store(identity, _Entry(value, witness, nbytes))
+
+    def _store(self, identity: Hashable, entry: _Entry) -> None:
+        """Insert or overwrite ``identity`` and evict to the budgets; the lock is held."""
+        previous = self._entries.pop(identity, None)
+        if previous is not None:
+            self._bytes -= previous.nbytes
+        if self.max_bytes is not None and entry.nbytes > self.max_bytes:
+            self._oversize += 1
+            return
+        self._entries[identity] = entry
+        self._bytes += entry.nbytes
+        while len(self._entries) > self.max_size or (self.max_bytes is not None and self._bytes > self.max_bytes):
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted.nbytes
+            self._evictions += 1
 
     def get_or_compute(self, key: CallKey, compute: Callable[[], T]) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result."""
@@ -176,6 +316,8 @@ class PromptEmbedCache:
                     elif flight.witness is not None and not witness_matches(flight.witness, key.witness):
                         self._bypass_reasons[COLLISION_REASON] += 1
                         flight = None
+                    else:
+                        flight.waiters += 1
             if flight is None:
                 return compute()
             if owner:
@@ -201,22 +343,11 @@ class PromptEmbedCache:
         with self._lock:
             flight.value = value
             del self._flights[key.identity]
-            if flight.generation != self._generation:
-                pass  # cleared while encoding (weights may have changed): return it, keep nothing
-            elif self.max_bytes is not None and nbytes > self.max_bytes:
-                self._oversize += 1
-            else:
-                self._entries[key.identity] = _Entry(value, flight.witness, nbytes)
-                self._bytes += nbytes
-                self._evict_over_budget()
+            # A clear() while encoding voids the result (weights may have changed): return it, keep nothing.
+            if flight.generation == self._generation:
+                self._store(key.identity, _Entry(value, flight.witness, nbytes))
         flight.done.set()
         return result
-
-    def _evict_over_budget(self) -> None:
-        while len(self._entries) > self.max_size or (self.max_bytes is not None and self._bytes > self.max_bytes):
-            _, evicted = self._entries.popitem(last=False)
-            self._bytes -= evicted.nbytes
-            self._evictions += 1
 
     def record_bypass(self, reason: str) -> None:
         """Count one call that did not use the cache, under ``reason``."""
@@ -230,37 +361,24 @@ class PromptEmbedCache:
             self._bytes = 0
             self._generation += 1
 
-    def info(self) -> CacheInfo:
-        """Return the main counters as a named tuple."""
+    def snapshot(self) -> CacheStats:
+        """Return the counters, sizes and settings now, as one :class:`CacheStats`."""
         with self._lock:
-            return CacheInfo(
-                self._hits,
-                self._misses,
-                sum(self._bypass_reasons.values()),
-                self._evictions,
-                len(self._entries),
-                self.max_size,
-                self._bytes,
-                self.max_bytes,
+            return CacheStats(
+                hits=self._hits,
+                misses=self._misses,
+                bypassed=sum(self._bypass_reasons.values()),
+                bypass_reasons=dict(self._bypass_reasons.most_common()),
+                evictions=self._evictions,
+                oversize_rejections=self._oversize,
+                size=len(self._entries),
+                max_size=self.max_size,
+                bytes=self._bytes,
+                max_bytes=self.max_bytes,
+                enabled=self.enabled,
+                verify=self.verify,
             )
 
     def stats(self) -> dict[str, Any]:
-        """Return upstream's keys (size, max_size, hits, misses, bypassed) and ours."""
-        with self._lock:
-            bypassed = sum(self._bypass_reasons.values())
-            calls = self._hits + self._misses + bypassed
-            return {
-                "size": len(self._entries),
-                "max_size": self.max_size,
-                "hits": self._hits,
-                "misses": self._misses,
-                "bypassed": bypassed,
-                "bypass_reasons": dict(self._bypass_reasons.most_common()),
-                "evictions": self._evictions,
-                "oversize_rejections": self._oversize,
-                "bytes": self._bytes,
-                "max_bytes": self.max_bytes,
-                "hit_rate": self._hits / calls if calls else 0.0,
-                "enabled": self.enabled,
-                "verify": self.verify,
-            }
+        """Return upstream's keys (size, max_size, hits, misses, bypassed) and ours, as a dict."""
+        return self.snapshot().as_dict()

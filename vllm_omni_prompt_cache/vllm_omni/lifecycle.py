@@ -158,21 +158,8 @@ class StatsLogger:
         now = self._clock()
         if now - self._last_time < self.interval_s:
             return
-        stats = cache.stats()
-        calls = stats["hits"] + stats["misses"] + stats["bypassed"]
-        if calls == self._last_calls:
+        stats = cache.snapshot()
+        if stats.calls == self._last_calls:
             return
-        self._last_time, self._last_calls = now, calls
-        logger.info("%s", format_stats_line(stats))
-
-
-def format_stats_line(stats: dict[str, Any]) -> str:
-    """Return the one-line summary the worker logs: hit rate, size, bytes, top bypass reasons."""
-    budget = "no limit" if stats["max_bytes"] is None else f"{stats['max_bytes'] / 2**20:.1f} MiB"
-    reasons = "; ".join(f"{reason} x{count}" for reason, count in list(stats["bypass_reasons"].items())[:3])
-    return (
-        f"Prompt-embed cache: hit rate {stats['hit_rate']:.1%} "
-        f"({stats['hits']} hits, {stats['misses']} misses, {stats['bypassed']} bypassed), "
-        f"{stats['size']}/{stats['max_size']} entries, {stats['bytes'] / 2**20:.1f} MiB of {budget}, "
-        f"{stats['evictions']} evictions" + (f"; top bypass reasons: {reasons}" if reasons else "")
-    )
+        self._last_time, self._last_calls = now, stats.calls
+        logger.info("%s", stats.summary())
