@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 
 from vllm_omni_prompt_cache.config import (
+    BACKEND,
     ENABLE,
     MAX_BYTES,
     MAX_SIZE,
+    SETTINGS,
     VERIFY,
     PromptEmbedCacheConfigError,
+    PromptEmbedCacheSettings,
     resolve_prompt_embed_cache_config,
     resolve_prompt_embed_cache_settings,
 )
@@ -17,7 +20,7 @@ from vllm_omni_prompt_cache.config import (
 
 @pytest.fixture(autouse=True)
 def no_cache_env(monkeypatch) -> None:
-    for setting in (ENABLE, MAX_SIZE, MAX_BYTES, VERIFY):
+    for setting in SETTINGS:
         monkeypatch.delenv(setting.env, raising=False)
 
 
@@ -80,6 +83,8 @@ def test_byte_budget_spellings(monkeypatch, text, expected) -> None:
         (MAX_BYTES, "-5"),
         (MAX_BYTES, "12 parsecs"),
         (MAX_BYTES, "0.1"),
+        (BACKEND, "fast"),
+        (BACKEND, ""),
     ],
 )
 def test_bad_environment_values_name_setting_source_and_allowed(monkeypatch, setting, bad) -> None:
@@ -112,3 +117,35 @@ def test_bad_keyword_values_are_rejected(kwargs) -> None:
 def test_the_error_is_a_value_error_as_callers_of_upstream_expect() -> None:
     with pytest.raises(ValueError):
         resolve_prompt_embed_cache_config(max_size=0)
+
+
+def test_each_setting_parses_its_own_values() -> None:
+    assert MAX_BYTES.parse("2KiB", "test") == 2048
+    assert MAX_BYTES.parse("none", "test") is None
+    assert ENABLE.parse(" On ", "test") is True
+    assert MAX_SIZE.parse("16", "test") == 16
+    assert BACKEND.parse("vllm-omni", "test") == "vllm-omni"
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"invalid prompt_embed_cache_size='0' from a test: expected"):
+        MAX_SIZE.parse("0", "a test")
+
+
+def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
+    monkeypatch.setenv(MAX_BYTES.env, "1KiB")
+    settings = resolve_prompt_embed_cache_settings(enable=True, max_size=8, verify=False, backend="vllm-omni")
+    carried = settings.as_dict()
+    assert carried == {
+        ENABLE.name: True,
+        MAX_SIZE.name: 8,
+        MAX_BYTES.name: 1024,
+        VERIFY.name: False,
+        BACKEND.name: "vllm-omni",
+        "sources": settings.sources,
+    }
+    assert PromptEmbedCacheSettings.from_dict(carried, "the stage config") == settings
+
+
+def test_a_carried_value_that_went_bad_or_unknown_is_refused() -> None:
+    with pytest.raises(PromptEmbedCacheConfigError, match="from the stage config prompt_embed_cache_size"):
+        PromptEmbedCacheSettings.from_dict({MAX_SIZE.name: -3, "sources": {}}, "the stage config")
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"unknown prompt-embed cache setting\(s\) \['size'\]"):
+        PromptEmbedCacheSettings.from_dict({"size": 3, "sources": {}}, "the stage config")

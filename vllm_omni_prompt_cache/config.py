@@ -12,60 +12,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 class PromptEmbedCacheConfigError(ValueError):
     """A prompt-embed-cache setting has a value that is not allowed."""
 
-
-@dataclass(frozen=True)
-class Setting:
-    """One setting and its names as a keyword argument, a serve flag and an env var."""
-
-    name: str  # AsyncOmni / Omni keyword argument and OmniDiffusionConfig field
-    flag: str
-    env: str
-    default: Any
-    allowed: str  # what a user may write, for error messages and --help
-    help: str
-
-
-ENABLE = Setting(
-    "enable_prompt_embed_cache",
-    "--enable-prompt-embed-cache",
-    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE",
-    False,
-    "a boolean: 1/0, true/false, yes/no, on/off",
-    "Cache text-encoder outputs of encode_prompt, keyed by argument content (tensors included).",
-)
-MAX_SIZE = Setting(
-    "prompt_embed_cache_size",
-    "--prompt-embed-cache-size",
-    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_SIZE",
-    32,
-    "an integer >= 1 (number of cached encode_prompt results)",
-    "Most encode_prompt results kept (LRU).",
-)
-MAX_BYTES = Setting(
-    "prompt_embed_cache_max_bytes",
-    "--prompt-embed-cache-max-bytes",
-    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_MAX_BYTES",
-    None,
-    "a byte count >= 1, optionally with a unit (512MiB, 2GB, 1.5GiB), or 'none' for no limit",
-    "Most bytes of cached tensors (embeddings plus verification bytes); default: no limit.",
-)
-VERIFY = Setting(
-    "prompt_embed_cache_verify",
-    "--prompt-embed-cache-verify",
-    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_VERIFY",
-    True,
-    "a boolean: 1/0, true/false, yes/no, on/off",
-    "Compare input bytes on every hit so a hash collision can never return a wrong embedding.",
-)
-
-SETTINGS: tuple[Setting, ...] = (ENABLE, MAX_SIZE, MAX_BYTES, VERIFY)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -84,22 +37,115 @@ _UNITS = {
 _BYTES_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def _invalid(setting: Setting, value: Any, source: str) -> PromptEmbedCacheConfigError:
-    return PromptEmbedCacheConfigError(f"invalid {setting.name}={value!r} from {source}: expected {setting.allowed}")
-
-
 def _bool_from_text(text: str) -> bool | None:
     """Return the boolean a user meant by ``text`` ('on', '0', ' Yes '...), or None if none."""
     text = text.strip().lower()
     return True if text in _TRUE else False if text in _FALSE else None
 
 
-def parse_bool(setting: Setting, value: Any, source: str) -> bool:
-    """Return ``value`` as a bool; text such as 'on' or '0' is accepted, anything else raises."""
-    parsed = value if isinstance(value, bool) else _bool_from_text(value) if isinstance(value, str) else None
-    if parsed is None:
-        raise _invalid(setting, value, source)
-    return parsed
+def _bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else _bool_from_text(value) if isinstance(value, str) else None
+
+
+def _positive_int(value: Any) -> int | None:
+    number = int(value.strip()) if isinstance(value, str) and value.strip().isdecimal() else value
+    return number if isinstance(number, int) and not isinstance(number, bool) and number >= 1 else None
+
+
+_NO_LIMIT = object()  # what _byte_budget returns for 'none': None already means "not valid"
+
+
+def _byte_budget(value: Any) -> Any:
+    if value is None:
+        return _NO_LIMIT
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 1 else None
+    if isinstance(value, str):
+        if value.strip().lower() in ("none", "unlimited"):
+            return _NO_LIMIT
+        match = _BYTES_PATTERN.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            count = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            return count if count >= 1 else None
+    return None
+
+
+#: The cache implementations a stage can run: ours, or vLLM-Omni's own (for side-by-side comparisons).
+BACKENDS = ("content-keyed", "vllm-omni")
+
+
+def _backend(value: Any) -> str | None:
+    text = value.strip().lower() if isinstance(value, str) else None
+    return text if text in BACKENDS else None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its names as a keyword argument, a serve flag and an env var, and its parser."""
+
+    name: str  # AsyncOmni / Omni keyword argument and OmniDiffusionConfig field
+    flag: str
+    env: str
+    default: Any
+    allowed: str  # what a user may write, for error messages and --help
+    help: str
+    convert: Callable[[Any], Any] = field(repr=False, default=lambda value: value)  # None: not allowed
+
+    def parse(self, value: Any, source: str) -> Any:
+        """Return ``value`` validated; raise naming this setting, ``source`` and what is allowed."""
+        parsed = self.convert(value)
+        if parsed is None:
+            raise PromptEmbedCacheConfigError(f"invalid {self.name}={value!r} from {source}: expected {self.allowed}")
+        return None if parsed is _NO_LIMIT else parsed
+
+
+ENABLE = Setting(
+    "enable_prompt_embed_cache",
+    "--enable-prompt-embed-cache",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE",
+    False,
+    "a boolean: 1/0, true/false, yes/no, on/off",
+    "Cache text-encoder outputs of encode_prompt, keyed by argument content (tensors included).",
+    _bool,
+)
+MAX_SIZE = Setting(
+    "prompt_embed_cache_size",
+    "--prompt-embed-cache-size",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_SIZE",
+    32,
+    "an integer >= 1 (number of cached encode_prompt results)",
+    "Most encode_prompt results kept (LRU).",
+    _positive_int,
+)
+MAX_BYTES = Setting(
+    "prompt_embed_cache_max_bytes",
+    "--prompt-embed-cache-max-bytes",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_MAX_BYTES",
+    None,
+    "a byte count >= 1, optionally with a unit (512MiB, 2GB, 1.5GiB), or 'none' for no limit",
+    "Most bytes of cached tensors (embeddings plus verification bytes); default: no limit.",
+    _byte_budget,
+)
+VERIFY = Setting(
+    "prompt_embed_cache_verify",
+    "--prompt-embed-cache-verify",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_VERIFY",
+    True,
+    "a boolean: 1/0, true/false, yes/no, on/off",
+    "Compare input bytes on every hit so a hash collision can never return a wrong embedding.",
+    _bool,
+)
+BACKEND = Setting(
+    "prompt_embed_cache_backend",
+    "--prompt-embed-cache-backend",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_BACKEND",
+    "content-keyed",
+    f"one of {', '.join(BACKENDS)}",
+    "Which cache to install: this package's content-keyed one, or vLLM-Omni's own (to compare them).",
+    _backend,
+)
+
+SETTINGS: tuple[Setting, ...] = (ENABLE, MAX_SIZE, MAX_BYTES, VERIFY, BACKEND)
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
@@ -115,53 +161,84 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
     )
 
 
-def parse_positive_int(setting: Setting, value: Any, source: str) -> int:
-    """Return ``value`` as an int >= 1; bools, floats, 0, negatives and text raise."""
-    number = int(value.strip()) if isinstance(value, str) and value.strip().isdecimal() else value
-    if isinstance(number, int) and not isinstance(number, bool) and number >= 1:
-        return number
-    raise _invalid(setting, value, source)
+@dataclass(frozen=True)
+class PromptEmbedCacheSettings:
+    """Every setting resolved once, with where each value came from (for logs and errors).
+
+    This one value travels whole from the engine's constructor to the diffusion worker
+    (:meth:`as_dict` / :meth:`from_dict`: plain values, so any stage config can carry it).
+    """
+
+    enabled: bool = ENABLE.default
+    max_size: int = MAX_SIZE.default
+    max_bytes: int | None = MAX_BYTES.default
+    verify: bool = VERIFY.default
+    backend: str = BACKEND.default
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the settings as plain values keyed by setting name, plus their sources."""
+        return {
+            **{setting.name: getattr(self, _FIELDS[setting.name]) for setting in SETTINGS},
+            "sources": dict(self.sources),
+        }
+
+    @classmethod
+    def from_dict(cls, carried: Mapping[str, Any], source: str) -> PromptEmbedCacheSettings:
+        """Return the settings :meth:`as_dict` wrote, validating each value again (it crossed a boundary)."""
+        unknown = set(carried) - {setting.name for setting in SETTINGS} - {"sources"}
+        if unknown:
+            raise PromptEmbedCacheConfigError(
+                f"unknown prompt-embed cache setting(s) {sorted(unknown)} in {source}: "
+                f"expected {', '.join(setting.name for setting in SETTINGS)}"
+            )
+        values = {
+            _FIELDS[setting.name]: setting.parse(carried[setting.name], f"{source} {setting.name}")
+            for setting in SETTINGS
+            if carried.get(setting.name) is not None
+        }
+        return cls(**values, sources=dict(carried.get("sources") or {}))
 
 
-def parse_byte_budget(setting: Setting, value: Any, source: str) -> int | None:
-    """Return ``value`` as a byte count >= 1, or None for 'no limit'."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    if isinstance(value, str):
-        if value.strip().lower() in ("none", "unlimited"):
-            return None
-        match = _BYTES_PATTERN.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            count = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-            if count >= 1:
-                return count
-    raise _invalid(setting, value, source)
-
-
-_PARSERS: dict[str, Callable[[Setting, Any, str], Any]] = {
-    ENABLE.name: parse_bool,
-    MAX_SIZE.name: parse_positive_int,
-    MAX_BYTES.name: parse_byte_budget,
-    VERIFY.name: parse_bool,
+_FIELDS = {
+    ENABLE.name: "enabled",
+    MAX_SIZE.name: "max_size",
+    MAX_BYTES.name: "max_bytes",
+    VERIFY.name: "verify",
+    BACKEND.name: "backend",
 }
 
 
-def parse_setting(setting: Setting, value: Any, source: str) -> Any:
-    """Return ``value`` validated for ``setting``; raise naming the setting and source if bad."""
-    return _PARSERS[setting.name](setting, value, source)
+def resolve_settings(
+    given: Mapping[str, Any],
+    *,
+    source: str = "keyword argument",
+    environ: Mapping[str, str] | None = None,
+) -> PromptEmbedCacheSettings:
+    """Return every setting resolved from ``given`` (by setting name; None = not given) and the env.
 
-
-@dataclass(frozen=True)
-class PromptEmbedCacheSettings:
-    """Resolved settings, with where each value came from (for logs and errors)."""
-
-    enabled: bool
-    max_size: int
-    max_bytes: int | None
-    verify: bool
-    sources: Mapping[str, str]
+    Each setting: its env var, else the given value, else its default.
+    """
+    unknown = set(given) - set(_FIELDS)
+    if unknown:
+        raise PromptEmbedCacheConfigError(
+            f"unknown prompt-embed cache setting(s) {sorted(unknown)} from {source}: "
+            f"expected {', '.join(setting.name for setting in SETTINGS)}"
+        )
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for setting in SETTINGS:
+        if setting.env in environ:
+            origin = f"environment variable {setting.env}"
+            values[_FIELDS[setting.name]] = setting.parse(environ[setting.env], origin)
+        elif given.get(setting.name) is not None:
+            origin = f"{source} {setting.name}"
+            values[_FIELDS[setting.name]] = setting.parse(given[setting.name], origin)
+        else:
+            origin = "default"
+        sources[setting.name] = origin
+    return PromptEmbedCacheSettings(**values, sources=sources)
 
 
 def resolve_prompt_embed_cache_settings(
@@ -170,32 +247,13 @@ def resolve_prompt_embed_cache_settings(
     max_size: int | str | None = None,
     max_bytes: int | str | None = None,
     verify: bool | str | None = None,
+    backend: str | None = None,
     source: str = "keyword argument",
     environ: Mapping[str, str] | None = None,
 ) -> PromptEmbedCacheSettings:
     """Return every setting resolved: env var, else the given value (None = not given), else default."""
-    environ = os.environ if environ is None else environ
     given = {ENABLE.name: enable, MAX_SIZE.name: max_size, MAX_BYTES.name: max_bytes, VERIFY.name: verify}
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for setting in SETTINGS:
-        if setting.env in environ:
-            origin = f"environment variable {setting.env}"
-            values[setting.name] = parse_setting(setting, environ[setting.env], origin)
-        elif given[setting.name] is not None:
-            origin = f"{source} {setting.name}"
-            values[setting.name] = parse_setting(setting, given[setting.name], origin)
-        else:
-            origin = "default"
-            values[setting.name] = setting.default
-        sources[setting.name] = origin
-    return PromptEmbedCacheSettings(
-        enabled=values[ENABLE.name],
-        max_size=values[MAX_SIZE.name],
-        max_bytes=values[MAX_BYTES.name],
-        verify=values[VERIFY.name],
-        sources=sources,
-    )
+    return resolve_settings({**given, BACKEND.name: backend}, source=source, environ=environ)
 
 
 def resolve_prompt_embed_cache_config(

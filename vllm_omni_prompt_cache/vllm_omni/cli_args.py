@@ -13,7 +13,7 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import ENABLE, MAX_BYTES, MAX_SIZE, VERIFY, Setting, parse_setting
+from vllm_omni_prompt_cache.config import BACKEND, BACKENDS, ENABLE, MAX_BYTES, MAX_SIZE, VERIFY, Setting
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 # Named like vLLM's own groups, so `vllm serve --help=PromptEmbedCacheConfig` shows the section.
@@ -27,7 +27,7 @@ GROUP_DESCRIPTION = (
 def _flag_type(setting: Setting) -> Any:
     def parse(text: str) -> Any:
         try:
-            return parse_setting(setting, text, f"command-line flag {setting.flag}")
+            return setting.parse(text, f"command-line flag {setting.flag}")
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -58,7 +58,7 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,  # absent unless given: vLLM-Omni's default or the env var applies
             help=f"{setting.help} Default: {_describe_default(setting)}. Env: {setting.env}.",
         )
-    for setting in (MAX_SIZE, MAX_BYTES):
+    for setting, metavar in ((MAX_SIZE, "N"), (MAX_BYTES, "BYTES"), (BACKEND, "{" + ",".join(BACKENDS) + "}")):
         if setting.flag in parser._option_string_actions:
             continue
         group.add_argument(
@@ -66,7 +66,7 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
             dest=setting.name,
             type=_flag_type(setting),
             default=argparse.SUPPRESS,
-            metavar="N" if setting is MAX_SIZE else "BYTES",
+            metavar=metavar,
             help=f"{setting.help} Allowed: {setting.allowed}. Default: {_describe_default(setting)}. "
             f"Env: {setting.env}.",
         )
