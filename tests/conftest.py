@@ -1,14 +1,17 @@
-"""Test-wide set-up: the engine tests run vLLM-Omni on the CPU platform this package ships.
+"""Test-wide set-up: where no GPU is visible, the engine tests run vLLM-Omni on our CPU platform.
 
-The platform is chosen when vLLM is first imported, so the opt-in is set here, before any test
-module imports vLLM. It only applies to machines without an accelerator (CI, these dev boxes).
+The platform is chosen when vLLM is first imported, so the opt-in is decided here, before any
+test module imports vLLM. On a machine with CUDA it stays off and the engine tests use the GPU
+(the CPU-platform tests skip there). An explicit VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM wins.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM", "1")
+from vllm_omni_prompt_cache.cpu_platform.entry_points import opt_in_where_no_gpu
+
+opt_in_where_no_gpu()
 # Keep the engine's own logs readable in failures: no colour codes, no usage stats.
 os.environ.setdefault("VLLM_LOGGING_COLOR", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

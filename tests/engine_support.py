@@ -11,7 +11,7 @@ pytest.importorskip("vllm_omni", reason="the engine tests need the vllm-omni ext
 
 from vllm_omni_prompt_cache.demo.rollout import RolloutSpec
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
-from vllm_omni_prompt_cache.vllm_omni.worker_extension import PromptCacheWorkerExtension
+from vllm_omni_prompt_cache.tiny.worker_extension import TextEncoderCountersExtension
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 GROUP_SIZE = 4
@@ -32,7 +32,7 @@ def run(coroutine: Any) -> Any:
 RELOADING_EXTENSION = "engine_support.WeightReloadingExtension"
 
 
-class WeightReloadingExtension(PromptCacheWorkerExtension):
+class WeightReloadingExtension(TextEncoderCountersExtension):
     """Reloads weights through ``pipeline.load_weights``, as RL frameworks sync new weights."""
 
     def reload_weights(self, component: str) -> int:

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm_omni", reason="the platform tests need the vllm-omni extra")
 
 import vllm_omni.platforms as omni_platforms
 
-from vllm_omni_prompt_cache.vllm_omni import platform_plugins
-from vllm_omni_prompt_cache.vllm_omni.cpu_platform import CpuOmniPlatform, HostMemoryAllocator
-from vllm_omni_prompt_cache.vllm_omni.platform_plugins import CPU_PLATFORM_ENV
+from vllm_omni_prompt_cache.cpu_platform import entry_points as platform_plugins
+from vllm_omni_prompt_cache.cpu_platform.entry_points import CPU_PLATFORM_ENV
+from vllm_omni_prompt_cache.cpu_platform.platform import CpuOmniPlatform, HostMemoryAllocator
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU platform is for machines without a GPU; this one has CUDA"
+)
 
 
 def test_entry_points_are_installed() -> None:
@@ -30,7 +38,7 @@ def test_inert_unless_asked_for(monkeypatch) -> None:
 
 def test_selected_when_asked_for_on_a_machine_without_accelerators(monkeypatch) -> None:
     monkeypatch.setenv(CPU_PLATFORM_ENV, "1")
-    assert platform_plugins.omni_cpu_platform() == "vllm_omni_prompt_cache.vllm_omni.cpu_platform.CpuOmniPlatform"
+    assert platform_plugins.omni_cpu_platform() == "vllm_omni_prompt_cache.cpu_platform.platform.CpuOmniPlatform"
     assert platform_plugins.vllm_cpu_platform() == "vllm.platforms.cpu.CpuPlatform"
     assert type(omni_platforms.current_omni_platform) is CpuOmniPlatform  # this test session runs on it
 
@@ -65,14 +73,14 @@ def test_answers_what_the_diffusion_worker_asks() -> None:
     assert 0 < free <= total
     assert platform.get_free_memory() > 0
     assert platform.dist_backend == "gloo"
-    assert platform.get_diffusion_attn_backend_cls(None, 64).endswith("cpu_attention.CpuSDPABackend")
+    assert platform.get_diffusion_attn_backend_cls(None, 64).endswith("cpu_platform.attention.CpuSDPABackend")
     assert not platform.supports_torch_inductor()
 
 
 def test_attention_backend_runs_sdpa_on_cpu() -> None:
     import torch
 
-    from vllm_omni_prompt_cache.vllm_omni.cpu_attention import CpuSDPABackend
+    from vllm_omni_prompt_cache.cpu_platform.attention import CpuSDPABackend
 
     impl = CpuSDPABackend.get_impl_cls()(num_heads=2, head_size=8, softmax_scale=8**-0.5)
     query = torch.randn(1, 5, 2, 8)
@@ -83,11 +91,26 @@ def test_attention_backend_runs_sdpa_on_cpu() -> None:
     assert torch.allclose(out, expected)
 
 
-def test_host_allocator_keeps_sleep_and_wake_control_flow() -> None:
-    allocator = HostMemoryAllocator.get_instance()
-    assert allocator is HostMemoryAllocator.get_instance()
-    assert allocator.get_current_usage() == 0
-    allocator.sleep(offload_tags=("weights",))
-    allocator.wake_up(None)
+def test_host_allocator_follows_sleep_wake_and_shutdown() -> None:
+    """What vLLM-Omni's worker calls on vLLM's CuMemAllocator, in its order, on the host stand-in."""
+    # vLLM's allocator cannot even be imported without libcuda: read its methods from its source.
+    source = Path(importlib.util.find_spec("vllm.device_allocator.cumem").origin).read_text()
+    (cumem,) = [node for node in ast.parse(source).body if getattr(node, "name", "") == "CuMemAllocator"]
+    public = {node.name for node in cumem.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")}
+    assert "release_pools" in public
+    assert public <= set(dir(HostMemoryAllocator))  # every public method vLLM's allocator has
+    allocator = HostMemoryAllocator()
+    assert HostMemoryAllocator.get_instance() is HostMemoryAllocator.get_instance()
     with allocator.use_memory_pool(tag="weights"):
         pass
+    assert allocator.pool_tags == {"weights"} and allocator.get_current_usage() == 0
+    allocator.sleep(offload_tags=("weights",))
+    assert allocator.asleep_tags == {"weights"}
+    allocator.wake_up(["weights"])
+    assert allocator.asleep_tags == set()
+    allocator.sleep()
+    allocator.wake_up(None)  # wakes every tag
+    assert allocator.asleep_tags == set()
+    allocator.release_pools()  # the worker's shutdown; safe twice
+    allocator.release_pools()
+    assert allocator.pool_tags == set()

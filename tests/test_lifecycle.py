@@ -8,44 +8,55 @@ import pytest
 import torch
 from engine_support import RELOADING_EXTENSION, run, tiny_spec
 
-from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache import PromptEmbedCacheSettings, install_prompt_embed_cache
 from vllm_omni_prompt_cache.demo.rollout import engine_kwargs, open_engine, send_rollout, worker_value
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
-from vllm_omni_prompt_cache.vllm_omni import bindings, lifecycle
+from vllm_omni_prompt_cache.vllm_omni import lifecycle, runner
 
 LOGGER = "vllm_omni_prompt_cache"
 
 
 @pytest.mark.engine
 def test_engine_sleep_and_weight_loads_empty_the_cache_and_stats_are_logged(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(bindings, "STATS_LOG_INTERVAL_S", 0.0)  # log on every call (default: every 30 s)
+    monkeypatch.setattr(runner, "STATS_LOG_INTERVAL_S", 0.0)  # log on every call (default: every 30 s)
     caplog.set_level(logging.INFO, logger=LOGGER)
     spec = tiny_spec(group_size=2)
-    kwargs = {**engine_kwargs(spec, "ours", 16, "8MiB"), "worker_extension_cls": RELOADING_EXTENSION}
+    kwargs = {
+        **engine_kwargs(spec, "ours", 16, "8MiB"),
+        "worker_extension_cls": RELOADING_EXTENSION,
+        "enable_sleep_mode": True,  # the worker's sleep, wake and shutdown go through the platform's allocator
+    }
 
     async def scenario() -> dict[str, dict]:
         sizes = {}
         async with open_engine(kwargs) as engine:
             await send_rollout(engine, spec)
-            sizes["after rollout"] = await worker_value(engine, "prompt_embed_cache_stats")
+            sizes["after rollout"] = await worker_value(engine, "get_prompt_embed_cache_stats")
             await engine.collective_rpc("reload_weights", args=("transformer",))
-            sizes["after transformer reload"] = await worker_value(engine, "prompt_embed_cache_stats")
+            sizes["after transformer reload"] = await worker_value(engine, "get_prompt_embed_cache_stats")
             await engine.collective_rpc("reload_weights", args=("text_encoder",))
-            sizes["after text-encoder reload"] = await worker_value(engine, "prompt_embed_cache_stats")
+            sizes["after text-encoder reload"] = await worker_value(engine, "get_prompt_embed_cache_stats")
             await send_rollout(engine, spec)
-            sizes["refilled"] = await worker_value(engine, "prompt_embed_cache_stats")
+            sizes["refilled"] = await worker_value(engine, "get_prompt_embed_cache_stats")
             await engine.sleep(level=1)
-            sizes["after sleep"] = await worker_value(engine, "prompt_embed_cache_stats")
+            sizes["after sleep"] = await worker_value(engine, "get_prompt_embed_cache_stats")
             await engine.wake_up()
             await send_rollout(engine, spec)
-            sizes["after wake"] = await worker_value(engine, "prompt_embed_cache_stats")
+            sizes["after wake"] = await worker_value(engine, "get_prompt_embed_cache_stats")
             # The plugin gives the stock worker the same RPCs, no extension needed.
             sizes["plain rpc"] = await worker_value(engine, "get_prompt_embed_cache_stats")
             await engine.collective_rpc("clear_prompt_embed_cache")
             sizes["after rpc clear"] = await worker_value(engine, "get_prompt_embed_cache_stats")
         return sizes
 
-    stats = run(scenario())
+    worker_errors = ErrorCollector()
+    worker_logger = logging.getLogger("vllm_omni.diffusion.worker.diffusion_worker")  # vLLM's loggers don't propagate
+    worker_logger.addHandler(worker_errors)
+    try:
+        stats = run(scenario())
+    finally:
+        worker_logger.removeHandler(worker_errors)
+    assert worker_errors.messages == []  # e.g. "Failed to release diffusion CuMem pools during shutdown"
     kinds = len(spec.prompts) + 1 + 1  # prompts, the negative prompt, the engine's warm-up prompt
     assert stats["after rollout"]["size"] == kinds
     assert stats["after rollout"]["max_bytes"] == 8 * 2**20
@@ -60,6 +71,17 @@ def test_engine_sleep_and_weight_loads_empty_the_cache_and_stats_are_logged(monk
     assert any("cleared" in m and "text-encoder weights were loaded" in m for m in messages)
     assert any("cleared" in m and "going to sleep" in m for m in messages)
     assert any(m.startswith("Prompt-embed cache: hit rate") for m in messages)
+
+
+class ErrorCollector(logging.Handler):
+    """Keeps the messages of ERROR records."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 class TracedMask(torch.Tensor):
@@ -106,7 +128,7 @@ def test_weight_loads_clear_only_for_text_encoder_weights() -> None:
             return set(loaded)
 
     pipeline = Pipeline(build_qwen2_encoder())
-    cache = bindings.install_for_runner(pipeline, max_size=4)
+    cache = runner.install_for_stage(pipeline, PromptEmbedCacheSettings(enabled=True, max_size=4), "tiny")
     ids = torch.tensor([[4, 5, 6]])
     pipeline.encode_prompt(ids, ids != 0)
     pipeline.load_weights([("transformer.proj.weight", torch.zeros(1))])

@@ -2,26 +2,40 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
 from importlib.metadata import entry_points
 
 import pytest
+import torch
 
 pytest.importorskip("vllm_omni", reason="the plugin tests need the vllm-omni extra")
 
-from vllm_omni_prompt_cache import PromptEmbedCache, install_prompt_embed_cache
-from vllm_omni_prompt_cache.vllm_omni import bindings
+from vllm_omni_prompt_cache import MISS, PromptEmbedCache, PromptEmbedCacheSettings, install_prompt_embed_cache
+from vllm_omni_prompt_cache.store import UNSPECIFIED_REASON
+from vllm_omni_prompt_cache.vllm_omni import bindings, runner
 
 RUNNER = "vllm_omni.diffusion.worker.diffusion_model_runner"
 
 
-def test_general_plugin_entry_points_are_discovered() -> None:
-    omni = {ep.name: ep.value for ep in entry_points(group="vllm_omni.general_plugins")}
-    vllm = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert omni["prompt_embed_cache"] == "vllm_omni_prompt_cache.vllm_omni.plugin:register"
-    assert vllm["prompt_embed_cache"] == "vllm_omni_prompt_cache.vllm_omni.plugin:register_vllm"
+def test_entry_points_are_discovered() -> None:
+    def group(name: str) -> dict[str, str]:
+        return {ep.name: ep.value for ep in entry_points(group=name)}
+
+    plugin = "vllm_omni_prompt_cache.vllm_omni.plugin"
+    assert group("vllm_omni.general_plugins")["prompt_embed_cache"] == f"{plugin}:register"
+    assert group("vllm.general_plugins")["prompt_embed_cache"] == f"{plugin}:register_vllm"
+    for platform_group in ("vllm_omni.platform_plugins", "vllm.platform_plugins"):
+        assert group(platform_group)["prompt_embed_cache_early"] == f"{plugin}:register_at_platform_detection"
+
+
+def test_the_early_registration_never_offers_a_platform() -> None:
+    from vllm_omni_prompt_cache.vllm_omni.plugin import register_at_platform_detection
+
+    assert register_at_platform_detection() is None
 
 
 def test_every_stock_binding_is_ours_after_the_plugins_load() -> None:
@@ -30,18 +44,58 @@ def test_every_stock_binding_is_ours_after_the_plugins_load() -> None:
     load_omni_general_plugins()
     import vllm_omni.diffusion.cache as cache_package
     import vllm_omni.diffusion.cache.prompt_embed_cache as cache_module
-    import vllm_omni.diffusion.worker.diffusion_model_runner as runner
+    import vllm_omni.diffusion.worker.diffusion_model_runner as runner_module
 
     for module in (cache_module, cache_package):
-        assert module.install_prompt_embed_cache is install_prompt_embed_cache
-        assert module.PromptEmbedCache is PromptEmbedCache
-    assert runner.install_prompt_embed_cache is bindings.install_for_runner
-    assert runner.resolve_prompt_embed_cache_config is bindings.resolve_for_runner
+        for name, ours in bindings.PUBLIC_API.items():
+            assert getattr(module, name) is ours, name
+    assert cache_module._CACHE_MISS is MISS
+    assert runner_module.install_prompt_embed_cache is runner._installed_after_load_model
+    assert runner_module.DiffusionModelRunner.load_model.__wrapped__.__qualname__ == "DiffusionModelRunner.load_model"
+
+
+def test_upstreams_own_wrapper_runs_on_our_store() -> None:
+    """Code written against upstream's get/put contract (here: upstream's wrapper itself) keeps working."""
+    spec = importlib.util.spec_from_file_location("upstream_copy", bindings.upstream_cache_module().__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # a fresh copy of upstream's module, with upstream's wrapper
+    module.PromptEmbedCache, module._CACHE_MISS = PromptEmbedCache, MISS  # what the swap does to the real one
+
+    class Pipeline:
+        runs = 0
+
+        def encode_prompt(self, prompt, num_images_per_prompt=1):
+            Pipeline.runs += 1
+            return torch.full((num_images_per_prompt, 2), float(len(prompt)))
+
+    pipeline = Pipeline()
+    cache = module.install_prompt_embed_cache(pipeline, max_size=2, enabled=True, model_tag="t")
+    assert isinstance(cache, PromptEmbedCache)
+    for _ in range(3):
+        pipeline.encode_prompt("a red fox")
+    pipeline.encode_prompt(torch.tensor([1, 2]))  # upstream's key builder refuses tensors
+    assert (cache.hits, cache.misses, Pipeline.runs) == (2, 1, 2)
+    assert cache.stats()["bypass_reasons"] == {UNSPECIFIED_REASON: 1}
+
+
+def test_the_vllm_omni_backend_installs_upstreams_untouched_cache() -> None:
+    import vllm_omni.diffusion.cache.prompt_embed_cache  # noqa: F401  (swapped by the plugin by now)
+
+    class Pipeline:
+        def encode_prompt(self, prompt_ids):
+            return prompt_ids * 2
+
+    stock = runner.install_for_stage(Pipeline(), PromptEmbedCacheSettings(enabled=True, backend="vllm-omni"), "t")
+    ours = runner.install_for_stage(Pipeline(), PromptEmbedCacheSettings(enabled=True), "t")
+    off = runner.install_for_stage(Pipeline(), PromptEmbedCacheSettings(enabled=False), "t")
+    assert type(stock).__module__ == bindings.upstream_cache_module().__name__
+    assert type(stock).__name__ == "PromptEmbedCache" and not isinstance(stock, PromptEmbedCache)
+    assert isinstance(ours, PromptEmbedCache)
+    assert off is None
+    assert install_prompt_embed_cache is bindings.PUBLIC_API["install_prompt_embed_cache"]
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    import os
-
     environment = {**os.environ, "VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM": "1", **env}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=environment
@@ -51,27 +105,33 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 RUNNER_FIRST = f"""
     import vllm_omni_prompt_cache.vllm_omni.plugin as plugin
     plugin._registered = True  # hold back the early registration so the runner is imported first
-    import {RUNNER} as runner
+    import {RUNNER} as runner_module
     import vllm_omni.diffusion.cache.prompt_embed_cache as stock
-    assert runner.install_prompt_embed_cache is stock.install_prompt_embed_cache  # upstream's, for now
+    assert runner_module.install_prompt_embed_cache is stock.install_prompt_embed_cache  # upstream's, for now
     plugin._registered = False
     from vllm_omni.plugins import load_omni_general_plugins
     load_omni_general_plugins()
-    from vllm_omni_prompt_cache.vllm_omni import bindings
-    assert runner.install_prompt_embed_cache is bindings.install_for_runner, runner.install_prompt_embed_cache
+    from vllm_omni_prompt_cache.vllm_omni import runner
+    assert runner_module.install_prompt_embed_cache is runner._installed_after_load_model
+    assert hasattr(runner_module.DiffusionModelRunner.load_model, "__wrapped__")
     print("rebound")
 """
 
-UNSUPPORTED = f"""
+STOCK_KEPT = f"""
     import importlib.metadata, logging
-    real_version = importlib.metadata.version
-    importlib.metadata.version = lambda name: "0.31.0" if name == "vllm-omni" else real_version(name)
-    import {RUNNER} as runner
+    logging.basicConfig(level=logging.INFO)
+    {{prelude}}
+    import {RUNNER} as runner_module
     import vllm_omni.diffusion.cache.prompt_embed_cache as stock
-    assert runner.install_prompt_embed_cache is stock.install_prompt_embed_cache
+    assert runner_module.install_prompt_embed_cache is stock.install_prompt_embed_cache
     assert stock.PromptEmbedCache.__module__ == "vllm_omni.diffusion.cache.prompt_embed_cache"
+    assert not hasattr(runner_module.DiffusionModelRunner.load_model, "__wrapped__")
     print("stock kept")
 """
+FAKE_NEWER_VERSION = (
+    "real_version = importlib.metadata.version; "
+    'importlib.metadata.version = lambda name: "0.31.0" if name == "vllm-omni" else real_version(name)'
+)
 
 
 def test_rebinds_a_runner_module_imported_before_the_plugin_loaded() -> None:
@@ -81,17 +141,18 @@ def test_rebinds_a_runner_module_imported_before_the_plugin_loaded() -> None:
 
 
 def test_unsupported_version_warns_once_and_keeps_stock_behaviour() -> None:
-    result = run_python(UNSUPPORTED)
+    result = run_python(STOCK_KEPT.format(prelude=FAKE_NEWER_VERSION))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stock kept" in result.stdout
     assert result.stderr.count("supports vLLM-Omni 0.30.x, found 0.31.0") == 1
 
 
 def test_switched_off_by_environment_keeps_stock_behaviour() -> None:
-    code = UNSUPPORTED.replace("importlib.metadata.version = lambda", "_unused = lambda")
-    result = run_python(code, VLLM_OMNI_PROMPT_CACHE_PLUGIN="0")
+    result = run_python(STOCK_KEPT.format(prelude="pass"), VLLM_OMNI_PROMPT_CACHE_PLUGIN="0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stock kept" in result.stdout
+    assert "VLLM_OMNI_PROMPT_CACHE_PLUGIN=0, vLLM-Omni keeps its own prompt-embed cache" in result.stderr
+    assert "found 0.31.0" not in result.stderr
 
 
 def test_register_vllm_is_inert_without_vllm_omni(monkeypatch) -> None:
@@ -101,18 +162,3 @@ def test_register_vllm_is_inert_without_vllm_omni(monkeypatch) -> None:
     monkeypatch.setattr(plugin.importlib.util, "find_spec", lambda name: None)
     plugin.register_vllm()
     assert plugin._registered is False
-
-
-def test_stock_mode_installs_upstreams_cache_for_comparisons() -> None:
-    import vllm_omni.diffusion.cache.prompt_embed_cache  # noqa: F401  (binds the stock objects)
-
-    class Pipeline:
-        def encode_prompt(self, prompt_ids):
-            return prompt_ids * 2
-
-    with bindings.stock_prompt_embed_cache():
-        stock_cache = bindings.install_for_runner(Pipeline(), max_size=4, model_tag="t")
-    ours = bindings.install_for_runner(Pipeline(), max_size=4, model_tag="t")
-    assert type(stock_cache).__module__ == "vllm_omni.diffusion.cache.prompt_embed_cache"
-    assert isinstance(ours, PromptEmbedCache)
-    assert not isinstance(stock_cache, PromptEmbedCache)

@@ -20,6 +20,8 @@ import urllib.request
 import pytest
 from engine_support import tiny_spec
 
+from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype
+
 pytestmark = pytest.mark.engine
 STARTUP_TIMEOUT_S = 240
 
@@ -43,8 +45,10 @@ def server(tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    model_dir = tiny_spec().model_dir
     command = [
-        vllm, "serve", str(tiny_spec().model_dir), "--omni", "--host", "127.0.0.1", "--port", str(port),
+        vllm, "serve", str(model_dir), "--omni", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", checkpoint_dtype(model_dir),  # vLLM-Omni builds the denoiser in bf16 unless told
         "--enable-prompt-embed-cache", "--prompt-embed-cache-size", "8", "--prompt-embed-cache-max-bytes", "64MiB",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}

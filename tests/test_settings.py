@@ -15,10 +15,10 @@ from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.entrypoints.cli.serve import OmniServeCommand
 from vllm_omni.utils.tracking_parser import TrackingArgumentParser
 
-from vllm_omni_prompt_cache.config import MAX_BYTES, MAX_SIZE, VERIFY, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.config import BACKEND, MAX_BYTES, MAX_SIZE, VERIFY, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 from vllm_omni_prompt_cache.vllm_omni.cli_args import GROUP_TITLE
-from vllm_omni_prompt_cache.vllm_omni.settings import worker_settings
+from vllm_omni_prompt_cache.vllm_omni.settings import EXTRAS_KEY, stage_settings
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +51,42 @@ def test_kwargs_reach_the_diffusion_stage_config(model) -> None:
         }
     )
     assert (config.enable_prompt_embed_cache, config.prompt_embed_cache_size) == (True, 64)
-    settings = worker_settings(config, enable=True, max_size=64)
-    assert (settings.max_bytes, settings.verify) == (256 * 2**20, False)
+    settings = stage_settings(config)
+    assert (settings.enabled, settings.max_size, settings.max_bytes, settings.verify) == (True, 64, 256 * 2**20, False)
+    assert settings.backend == "content-keyed"
+    assert settings.sources[MAX_BYTES.name] == f"AsyncOmni/Omni keyword argument {MAX_BYTES.name}"
 
 
 def test_upstream_kwargs_alone_still_work(model) -> None:
     config = diffusion_config({"model": model, "enable_prompt_embed_cache": True, "prompt_embed_cache_size": 8})
-    settings = worker_settings(config, enable=True, max_size=8)
+    settings = stage_settings(config)
     assert (settings.enabled, settings.max_size, settings.max_bytes, settings.verify) == (True, 8, None, True)
 
 
-def test_env_vars_override_kwargs_in_the_worker(model, monkeypatch) -> None:
-    config = diffusion_config({"model": model, "prompt_embed_cache_max_bytes": 1000})
+def test_settings_are_resolved_once_in_the_callers_process_and_carried_whole(model, monkeypatch) -> None:
     monkeypatch.setenv(MAX_BYTES.env, "2KiB")
-    assert worker_settings(config, enable=True, max_size=32).max_bytes == 2048
+    config = diffusion_config({"model": model, "prompt_embed_cache_max_bytes": 1000})
+    carried = config.extras[EXTRAS_KEY]
+    assert carried[MAX_BYTES.name] == 2048  # the env var won, at construction
+    assert carried["sources"][MAX_BYTES.name] == f"environment variable {MAX_BYTES.env}"
+    monkeypatch.setenv(MAX_BYTES.env, "4KiB")  # the worker does not resolve again
+    assert stage_settings(config).max_bytes == 2048
+
+
+def test_a_deploy_config_stage_is_resolved_in_the_worker(monkeypatch) -> None:
+    """A stage from a deploy-config YAML skips the kwargs builder: its fields, extras and env resolve once."""
+    monkeypatch.setenv(VERIFY.env, "off")
+    config = OmniDiffusionConfig(
+        enable_prompt_embed_cache=True,
+        prompt_embed_cache_size=5,
+        extras={EXTRAS_KEY: {MAX_BYTES.name: "1KiB", BACKEND.name: "vllm-omni"}},
+    )
+    settings = stage_settings(config)
+    assert (settings.enabled, settings.max_size, settings.max_bytes, settings.verify) == (True, 5, 1024, False)
+    assert settings.backend == "vllm-omni"
+    config.extras[EXTRAS_KEY] = {"prompt_embed_cache_max_byte": "1KiB"}  # a typo is an error, not ignored
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"unknown prompt-embed cache setting\(s\) \['prompt_embed"):
+        stage_settings(config)
 
 
 @pytest.mark.parametrize(
@@ -75,6 +97,7 @@ def test_env_vars_override_kwargs_in_the_worker(model, monkeypatch) -> None:
         ({"prompt_embed_cache_max_bytes": "abc"}, "prompt_embed_cache_max_bytes='abc'"),
         ({"prompt_embed_cache_verify": "maybe"}, "prompt_embed_cache_verify='maybe'"),
         ({"enable_prompt_embed_cache": "maybe"}, "enable_prompt_embed_cache='maybe'"),
+        ({"prompt_embed_cache_backend": "fast"}, "prompt_embed_cache_backend='fast'"),
     ],
 )
 def test_bad_kwargs_fail_at_construction_naming_setting_and_source(model, kwargs, named) -> None:
@@ -138,6 +161,7 @@ def test_unset_flags_leave_the_config_alone(model) -> None:
         ("--prompt-embed-cache-size", "abc"),
         ("--prompt-embed-cache-max-bytes", "0"),
         ("--prompt-embed-cache-max-bytes", "lots"),
+        ("--prompt-embed-cache-backend", "fast"),
     ],
 )
 def test_bad_flag_values_are_argparse_errors(model, capsys, flag, value) -> None:
@@ -162,7 +186,7 @@ def test_help_lists_the_flags_under_a_titled_group() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     help_text = result.stdout  # vLLM prints one section when asked for it by its title
     assert "Default: 32." in " ".join(help_text.split())
-    for flag in ("--enable-prompt-embed-cache", "--prompt-embed-cache-size", MAX_BYTES.flag, VERIFY.flag):
+    for flag in ("--enable-prompt-embed-cache", "--prompt-embed-cache-size", MAX_BYTES.flag, VERIFY.flag, BACKEND.flag):
         assert flag in help_text
 
 

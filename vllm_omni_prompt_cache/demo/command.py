@@ -93,10 +93,10 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.size % 16:
         parser.error(f"argument --size: Qwen-Image needs a multiple of 16 pixels, got {args.size}")
     if args.max_bytes is not None:
-        from vllm_omni_prompt_cache.config import MAX_BYTES, parse_setting
+        from vllm_omni_prompt_cache.config import MAX_BYTES
 
         try:
-            args.max_bytes = parse_setting(MAX_BYTES, args.max_bytes, "command-line flag --max-bytes")
+            args.max_bytes = MAX_BYTES.parse(args.max_bytes, "command-line flag --max-bytes")
         except ValueError as error:
             parser.error(f"argument --max-bytes: {error}")
     if args.model is not None:
@@ -108,13 +108,40 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"argument --model: {error}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         parser.error(f"argument --out: {str(args.out)!r} exists and is not a directory")
+    missing = missing_extras(chart=args.out is not None)
+    if missing:
+        parser.error(
+            "the demo needs "
+            + " and ".join(f"{', '.join(modules)} (the {extra!r} extra)" for extra, modules in missing.items())
+            + ": pip install 'vllm-omni-prompt-cache["
+            + ",".join(missing)
+            + "]'"
+        )
+
+
+#: The modules each optional extra brings that the demo imports, checked before any engine starts.
+EXTRA_MODULES = {"vllm-omni": ("vllm", "vllm_omni", "diffusers", "transformers"), "demo": ("tqdm", "matplotlib")}
+
+
+def missing_extras(*, chart: bool) -> dict[str, list[str]]:
+    """Return, per extra, the modules the demo needs that are not installed (matplotlib only for a chart)."""
+    import importlib.util
+
+    missing: dict[str, list[str]] = {}
+    for extra, modules in EXTRA_MODULES.items():
+        for module in modules:
+            if module == "matplotlib" and not chart:
+                continue
+            if importlib.util.find_spec(module) is None:
+                missing.setdefault(extra, []).append(module)
+    return missing
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; return the process exit code (1 if the exactness check failed)."""
-    from vllm_omni_prompt_cache.demo.rollout import use_cpu_platform_if_no_gpu
+    from vllm_omni_prompt_cache.cpu_platform.entry_points import opt_in_where_no_gpu
 
-    on_cpu = use_cpu_platform_if_no_gpu()  # before vLLM is imported
+    on_cpu = opt_in_where_no_gpu()  # before vLLM is imported
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -129,8 +156,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
-    from tqdm import tqdm
-
     from vllm_omni_prompt_cache.demo import report
     from vllm_omni_prompt_cache.demo.rollout import run_mode
     from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
@@ -158,15 +183,23 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
     )
     results: list[RolloutResult] = []
     started = time.perf_counter()
-    with tqdm(total=requests * len(args.modes), unit="req", dynamic_ncols=True, file=out) as progress:
-        for mode in args.modes:
-            progress.set_description(f"{report.MODE_LABELS[mode]:>22}")
+    for mode in args.modes:
+        print(f"Starting an engine for {report.MODE_LABELS[mode]} ...", file=out)
+        progress = ModeProgress(report.MODE_LABELS[mode], requests, out)
+        try:
             result = asyncio.run(
                 run_mode(
-                    spec, mode, cache_size=args.cache_size, max_bytes=args.max_bytes, on_done=lambda: progress.update()
+                    spec,
+                    mode,
+                    cache_size=args.cache_size,
+                    max_bytes=args.max_bytes,
+                    on_started=progress.start,
+                    on_done=progress.advance,
                 )
             )
-            results.append(result)
+        finally:
+            progress.close()
+        results.append(result)
     total = time.perf_counter() - started
     exactness = report.check_exactness(results)
 
@@ -182,14 +215,37 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
     print(f"Demo finished in {total:.0f} s (engine start-ups included).", file=out)
     if args.out is not None:
         environment = environment_summary(on_cpu)
-        command = (
-            shlex.join(["vllm-omni-prompt-cache", *sys.argv[2:]])
-            if len(sys.argv) > 1
-            else "vllm-omni-prompt-cache demo"
-        )
+        command = shlex.join(["vllm-omni-prompt-cache", *args.argv])
         paths = report.write_report(args.out, spec, results, exactness, command, environment)
+        # The numbers are on disk first: a failing chart costs only the chart.
+        chart = args.out / "time.png"
+        try:
+            report.write_chart(results, chart)
+            paths.append(chart)
+        except Exception as error:
+            print(f"Could not draw {chart}: {type(error).__name__}: {error}", file=out)
         print("Wrote " + ", ".join(str(path) for path in paths), file=out)
     return 0 if exactness is None or exactness.all_identical else 1
+
+
+class ModeProgress:
+    """One progress bar per mode, opened once that mode's engine is up: its rate counts requests, not start-up."""
+
+    def __init__(self, label: str, total: int, out: TextIO) -> None:
+        self.label, self.total, self.out = label, total, out
+        self.bar = None
+
+    def start(self) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total, unit="req", desc=f"{self.label:>22}", file=self.out)
+
+    def advance(self) -> None:
+        self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def environment_summary(on_cpu: bool) -> dict[str, str]:
@@ -201,8 +257,26 @@ def environment_summary(on_cpu: bool) -> dict[str, str]:
     device = "CPU" if on_cpu else torch.cuda.get_device_name(0)
     return {
         "device": f"{device} ({os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads)",
+        "cpu": cpu_summary(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "vllm": version("vllm"),
         "vllm-omni": version("vllm-omni"),
     }
+
+
+#: CPU flags that decide how fast bf16 and fp32 kernels run, in the order lscpu prints them.
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_summary() -> str:
+    """Return the CPU model and which of :data:`SPEED_FLAGS` it has (from /proc/cpuinfo on Linux)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    fields = dict(line.split(":", 1) for line in cpuinfo.split("\n\n", 1)[0].splitlines() if ":" in line)
+    model = fields.get("model name\t", "unknown").strip()
+    flags = set(fields.get("flags\t\t", "").split())
+    present = [flag for flag in SPEED_FLAGS if flag in flags]
+    return f"{model}, flags: {' '.join(present) or 'none of ' + '/'.join(SPEED_FLAGS)}"

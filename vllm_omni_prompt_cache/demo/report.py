@@ -64,14 +64,14 @@ def table_rows(results: Sequence[RolloutResult]) -> list[list[str]]:
         ]
     ]
     for result in results:
-        stats = result.stats or {}
+        stats = result.stats
         rows.append(
             [
                 MODE_LABELS[result.mode],
                 str(result.encoder_runs),
-                str(stats.get("hits", "-")),
-                str(stats.get("misses", "-")),
-                str(stats.get("bypassed", "-")),
+                "-" if stats is None else str(stats.hits),
+                "-" if stats is None else str(stats.misses),
+                "-" if stats is None else str(stats.bypassed),
                 f"{result.encode_seconds:.2f}",
                 f"{result.wall_seconds:.2f}",
                 f"{baseline.wall_seconds / result.wall_seconds:.2f}x",
@@ -84,16 +84,15 @@ def bypass_lines(results: Sequence[RolloutResult]) -> list[str]:
     """Return one line per mode that bypassed, with its reasons when the cache records them."""
     lines = []
     for result in results:
-        stats = result.stats or {}
-        if not stats.get("bypassed"):
+        stats = result.stats
+        if stats is None or not stats.bypassed:
             continue
-        reasons = stats.get("bypass_reasons")
         detail = (
-            "; ".join(f"{count} x {reason}" for reason, count in reasons.items())
-            if reasons
+            "; ".join(f"{count} x {reason}" for reason, count in stats.bypass_reasons.items())
+            if stats.bypass_reasons
             else "reasons not recorded by this cache (upstream counts bypasses only: every call with a tensor)"
         )
-        lines.append(f"{MODE_LABELS[result.mode]}: {stats['bypassed']} bypassed - {detail}")
+        lines.append(f"{MODE_LABELS[result.mode]}: {stats.bypassed} bypassed - {detail}")
     return lines
 
 
@@ -151,7 +150,7 @@ def summary(spec: RolloutSpec, results: Sequence[RolloutResult], exactness: Exac
                 "text_encoder_runs": result.encoder_runs,
                 "text_encode_seconds": result.encode_seconds,
                 "text_encoder_share": encoder_share(result),
-                "cache_stats": result.stats,
+                "cache_stats": None if result.stats is None else result.stats.as_dict(),
             }
             for result in results
         },
@@ -198,15 +197,13 @@ def write_report(
     command: str,
     environment: dict[str, str],
 ) -> list[Path]:
-    """Write report.md, results.json and time.png into ``out_dir``; return their paths."""
+    """Write results.json and report.md into ``out_dir``; return their paths (the chart is separate)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     numbers = summary(spec, results, exactness)
     numbers["environment"] = environment
     numbers["command"] = command
     json_path = out_dir / "results.json"
     json_path.write_text(json.dumps(numbers, indent=2) + "\n")
-    chart_path = out_dir / "time.png"
-    write_chart(results, chart_path)
     off = next((r for r in results if r.mode == "off"), None)
     share = "" if off is None else f"Text encoding took {encoder_share(off):.0%} of the uncached rollout.\n\n"
     bypasses = "\n".join(f"- {line}" for line in bypass_lines(results)) or "- none"
@@ -232,4 +229,4 @@ Environment: {", ".join(f"{key} {value}" for key, value in environment.items())}
 """
     report_path = out_dir / "report.md"
     report_path.write_text(report)
-    return [report_path, json_path, chart_path]
+    return [report_path, json_path]

@@ -5,7 +5,7 @@ of its prompt and of a shared negative prompt (CFG on), as verl-omni's rollout d
 cache mode gets its own engine, enabled by the same ``AsyncOmni`` kwargs a user passes:
 
 * ``off``   -- ``enable_prompt_embed_cache=False``;
-* ``stock`` -- vLLM-Omni 0.30's own cache (this package's plugin bypassed for that engine);
+* ``stock`` -- vLLM-Omni 0.30's own cache (``prompt_embed_cache_backend="vllm-omni"``);
 * ``ours``  -- this package's content-keyed cache.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -22,31 +21,19 @@ from typing import Any
 
 import torch
 
+from vllm_omni_prompt_cache.store import CacheStats
 from vllm_omni_prompt_cache.tiny.qwen_image import (
     SAMPLE_NEGATIVE_PROMPT,
     SAMPLE_PROMPTS,
+    checkpoint_dtype,
     load_tokenizer,
     prompt_token_ids,
 )
-from vllm_omni_prompt_cache.vllm_omni.platform_plugins import CPU_PLATFORM_ENV, cpu_platform_requested
 
 MODES = ("off", "stock", "ours")
 TOKEN_ID_PIPELINE = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
 DEFAULT_PROMPTS = SAMPLE_PROMPTS
 NEGATIVE_PROMPT = SAMPLE_NEGATIVE_PROMPT
-
-
-def use_cpu_platform_if_no_gpu() -> bool:
-    """Opt into the CPU platform when no CUDA device is visible; return whether it is on.
-
-    Must run before vLLM is imported (the platform is resolved at import).
-    """
-    if CPU_PLATFORM_ENV in os.environ:
-        return cpu_platform_requested()
-    if torch.cuda.is_available():
-        return False
-    os.environ[CPU_PLATFORM_ENV] = "1"
-    return True
 
 
 @dataclass(frozen=True)
@@ -81,7 +68,7 @@ class RolloutResult:
     wall_seconds: float
     engine_init_seconds: float
     requests: int
-    stats: dict[str, Any] | None
+    stats: CacheStats | None  # what the rollout added (the engine's warm-up excluded); None: no cache
     encoder_runs: int
     encode_seconds: float
     latents: dict[int, torch.Tensor] = field(repr=False, default_factory=dict)
@@ -91,7 +78,7 @@ class RolloutResult:
 
 def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str | int | None) -> dict[str, Any]:
     """Return the ``AsyncOmni`` keyword arguments for ``mode`` (what a user would pass)."""
-    from vllm_omni_prompt_cache.vllm_omni.worker_extension import WORKER_EXTENSION
+    from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
 
     if mode not in MODES:
         raise ValueError(f"unknown cache mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -103,24 +90,32 @@ def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str 
         "prompt_embed_cache_size": cache_size,
         "log_stats": False,
     }
+    dtype = checkpoint_dtype(spec.model_dir)
+    if dtype is not None:  # vLLM-Omni's default is bf16 whatever the weights are
+        kwargs["dtype"] = dtype
+    if mode == "stock":
+        kwargs["prompt_embed_cache_backend"] = "vllm-omni"
     if mode == "ours" and max_bytes is not None:
         kwargs["prompt_embed_cache_max_bytes"] = max_bytes
     return kwargs
 
 
 @contextlib.asynccontextmanager
-async def open_engine(kwargs: dict[str, Any], *, stock: bool = False) -> AsyncIterator[Any]:
-    """Yield a started ``AsyncOmni``; with ``stock`` its worker installs vLLM-Omni's own cache."""
+async def open_engine(kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+    """Yield a started ``AsyncOmni`` built from ``kwargs``; shut it down afterwards."""
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
-    from vllm_omni_prompt_cache.vllm_omni.bindings import stock_prompt_embed_cache
-
-    with stock_prompt_embed_cache() if stock else contextlib.nullcontext():
-        engine = AsyncOmni(**kwargs)
+    engine = AsyncOmni(**kwargs)
     try:
         yield engine
     finally:
         engine.shutdown()
+
+
+async def cache_stats(engine: Any) -> CacheStats | None:
+    """Return the diffusion worker's cache statistics, or None when it has no cache."""
+    stats = await worker_value(engine, "get_prompt_embed_cache_stats")
+    return None if stats is None else CacheStats.from_dict(stats)
 
 
 async def worker_value(engine: Any, method: str) -> Any:
@@ -177,52 +172,36 @@ async def run_mode(
     *,
     cache_size: int,
     max_bytes: str | int | None = None,
+    on_started: Callable[[], None] | None = None,
     on_done: Callable[[], None] | None = None,
     engine_overrides: dict[str, Any] | None = None,
 ) -> RolloutResult:
-    """Start an engine for ``mode``, run the rollout once, and return what it measured."""
+    """Start an engine for ``mode``, run the rollout once, and return what it measured.
+
+    ``on_started`` runs once the engine is up, ``on_done`` after each request.
+    """
     started = time.perf_counter()
     kwargs = {**engine_kwargs(spec, mode, cache_size, max_bytes), **(engine_overrides or {})}
-    async with open_engine(kwargs, stock=mode == "stock") as engine:
+    async with open_engine(kwargs) as engine:
         init_seconds = time.perf_counter() - started
-        stats_before = await worker_value(engine, "prompt_embed_cache_stats")
+        if on_started is not None:
+            on_started()
+        stats_before = await cache_stats(engine)
         counters_before = await worker_value(engine, "text_encoder_counters")
-        worker_pid = counters_before["pid"]
         began = time.perf_counter()
         latents, sizes = await send_rollout(engine, spec, on_done)
         wall = time.perf_counter() - began
-        stats_after = await worker_value(engine, "prompt_embed_cache_stats")
+        stats_after = await cache_stats(engine)
         counters_after = await worker_value(engine, "text_encoder_counters")
     return RolloutResult(
         mode=mode,
         wall_seconds=wall,
         engine_init_seconds=init_seconds,
         requests=len(spec.requests()),
-        stats=stats_delta(stats_before, stats_after),
+        stats=None if stats_after is None else stats_after.since(stats_before or CacheStats()),
         encoder_runs=int(counters_after["encoder_runs"] - counters_before["encoder_runs"]),
         encode_seconds=counters_after["encode_seconds"] - counters_before["encode_seconds"],
         latents=latents,
         image_sizes=sizes,
-        worker_pid=worker_pid,
+        worker_pid=counters_before["pid"],
     )
-
-
-def stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Return the counters that changed between two stats snapshots (the engine's warm-up excluded)."""
-    if after is None:
-        return None
-    before = before or {}
-    delta = dict(after)
-    for key in ("hits", "misses", "bypassed", "evictions", "oversize_rejections"):
-        if key in after:
-            delta[key] = after[key] - before.get(key, 0)
-    if "bypass_reasons" in after:
-        earlier = before.get("bypass_reasons", {})
-        delta["bypass_reasons"] = {
-            reason: count - earlier.get(reason, 0)
-            for reason, count in after["bypass_reasons"].items()
-            if count - earlier.get(reason, 0)
-        }
-    calls = delta.get("hits", 0) + delta.get("misses", 0) + delta.get("bypassed", 0)
-    delta["hit_rate"] = delta.get("hits", 0) / calls if calls else 0.0
-    return delta

@@ -27,7 +27,7 @@ PROMPT_TEMPLATE = (
 )
 TEMPLATE_DROP_TOKENS = 34
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-BUILD_FORMAT = 2  # bump when the layout written below changes
+BUILD_FORMAT = 3  # bump when the layout written below changes
 
 #: Prompts of the kind the tokenizer is trained on; the demo's rollout uses them too.
 SAMPLE_PROMPTS = (
@@ -63,11 +63,39 @@ class TinyQwenImageSpec:
     transformer_head_dim: int = 32
     vae_base_dim: int = 16
     seed: int = 0
+    #: The weights' dtype, which the engine must be given too (see :func:`checkpoint_dtype`).
+    dtype: str = dataclasses.field(default_factory=lambda: native_dtype())
 
     def digest(self) -> str:
         """Return a short stable name for this spec (used as the directory name)."""
         payload = json.dumps({"format": BUILD_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def native_dtype() -> str:
+    """Return the dtype small models run in here: bf16 on a GPU, fp32 on a CPU.
+
+    Many CPUs (AVX2-only ones, most laptops) have no bf16 units: there bf16 convolutions and
+    matmuls are emulated, ~100x slower than fp32 (a 512x512 VAE decode: ~2 min against ~2 s).
+    """
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def checkpoint_dtype(model_dir: str | os.PathLike) -> str | None:
+    """Return the dtype a diffusers checkpoint's text encoder was saved in, or None if it says none.
+
+    vLLM-Omni builds the denoiser in bf16 unless told otherwise; an engine for an fp32 checkpoint
+    must be given ``dtype="float32"`` or its matmuls fail with mismatched dtypes.
+    """
+    config_path = Path(model_dir) / "text_encoder" / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return dtype if isinstance(dtype, str) else None
 
 
 def default_cache_dir() -> Path:
@@ -130,6 +158,7 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(spec.seed)
+    dtype = getattr(torch, spec.dtype)
     tokenizer = _build_tokenizer(spec.vocab_size)
     tokenizer.save_pretrained(out / "tokenizer")
 
@@ -146,7 +175,7 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
         "max_position_embeddings": 4096,
         "rope_scaling": {"type": "mrope", "mrope_section": mrope},
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope},
-        "torch_dtype": "bfloat16",
+        "torch_dtype": spec.dtype,
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
@@ -164,7 +193,7 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
         "window_size": 112,
     }
     config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **text_config)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
     text_encoder.save_pretrained(out / "text_encoder", safe_serialization=True)
 
     transformer = QwenImageTransformer2DModel(
@@ -176,7 +205,7 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
         num_attention_heads=spec.transformer_heads,
         joint_attention_dim=spec.text_hidden_size,
         axes_dims_rope=(8, 12, 12),
-    ).to(torch.bfloat16)
+    ).to(dtype)
     transformer.save_pretrained(out / "transformer", safe_serialization=True)
 
     vae = AutoencoderKLQwenImage(
@@ -187,7 +216,7 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
         temperal_downsample=[False, True, True],
         latents_mean=[0.0] * 4,
         latents_std=[1.0] * 4,
-    ).to(torch.bfloat16)
+    ).to(dtype)
     vae.save_pretrained(out / "vae", safe_serialization=True)
 
     FlowMatchEulerDiscreteScheduler(

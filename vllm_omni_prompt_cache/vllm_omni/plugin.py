@@ -2,9 +2,11 @@
 
 ``register`` is loaded by vLLM-Omni (``vllm_omni.general_plugins``: diffusion workers, stage
 processes, engine-argument construction) and ``register_vllm`` by vLLM (``vllm.general_plugins``:
-before the serve parser is built). Both are idempotent and cheap: they only arrange for hooks to
-run when the vLLM-Omni modules concerned are imported, so a process that never imports them
-(plain vLLM serving a language model) is untouched.
+before the serve parser is built). ``register_at_platform_detection`` rides on both platform
+groups, because ``AsyncOmni(...)`` builds its stage config, where our kwargs are read, before any
+general plugin runs, while platforms are detected as soon as vLLM is imported. All are idempotent
+and cheap: they only arrange for hooks to run when the vLLM-Omni modules concerned are imported,
+so a process that never imports them (plain vLLM serving a language model) is untouched.
 
 Set ``VLLM_OMNI_PROMPT_CACHE_PLUGIN=0`` to keep stock behaviour. On a vLLM-Omni version other
 than 0.30.x the plugin logs one warning and changes nothing.
@@ -55,11 +57,11 @@ def register() -> None:
     if supported_vllm_omni_version() is None:
         return
 
-    from vllm_omni_prompt_cache.vllm_omni import bindings, cli_args, lifecycle, settings
+    from vllm_omni_prompt_cache.vllm_omni import bindings, cli_args, lifecycle, runner, settings
     from vllm_omni_prompt_cache.vllm_omni.imports import when_imported
 
     when_imported(bindings.CACHE_MODULE, bindings.patch_cache_module)
-    when_imported(bindings.RUNNER_MODULE, bindings.patch_runner_module)
+    when_imported(runner.RUNNER_MODULE, runner.patch_runner_module)
     when_imported("vllm_omni.diffusion.worker.diffusion_worker", lifecycle.patch_worker)
     when_imported("vllm_omni.diffusion.lora.manager", lifecycle.patch_lora_manager)
     when_imported("vllm_omni.config.config_factory", settings.patch_stage_config_factory)
@@ -71,3 +73,15 @@ def register_vllm() -> None:
     if importlib.util.find_spec("vllm_omni") is None:
         return
     register()
+
+
+def register_at_platform_detection() -> None:
+    """Platform-group entry point that registers the cache early and never offers a platform.
+
+    Returns None, which both frameworks read as "this plugin provides no platform".
+    """
+    try:
+        register_vllm()
+    except Exception:  # platform detection must go on whatever happens here
+        logger.exception("vllm-omni-prompt-cache: could not register the prompt-embed cache integration")
+    return None

@@ -1,11 +1,10 @@
-"""How our settings travel from ``AsyncOmni`` / ``Omni`` kwargs and serve flags to the worker.
+"""How the cache's settings travel from ``AsyncOmni`` / ``Omni`` kwargs and serve flags to the worker.
 
 vLLM-Omni 0.30 builds a diffusion stage's config from a fixed list of keyword arguments and
-drops the rest. ``enable_prompt_embed_cache`` and ``prompt_embed_cache_size`` are on that list
-and reach ``OmniDiffusionConfig`` as they always did. Our extra settings ride in the config's
-``extras`` dict under :data:`EXTRAS_KEY`; the hook below puts them there, after validating every
-cache setting (env vars included) so that a bad value fails when the engine is constructed, in
-the caller's process, rather than later in a worker.
+drops the rest. The hook below resolves every cache setting once, in the caller's process (so a
+bad kwarg or env var fails when the engine is constructed), and puts the one resolved
+:class:`PromptEmbedCacheSettings` into the stage config's ``extras`` under :data:`EXTRAS_KEY`.
+The worker reads it back with :func:`stage_settings`.
 """
 
 from __future__ import annotations
@@ -17,24 +16,22 @@ from typing import Any
 
 from vllm_omni_prompt_cache.config import (
     ENABLE,
-    MAX_BYTES,
     MAX_SIZE,
-    VERIFY,
+    SETTINGS,
     PromptEmbedCacheSettings,
-    parse_setting,
-    resolve_prompt_embed_cache_settings,
+    resolve_settings,
 )
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 #: Key of our settings inside ``OmniDiffusionConfig.extras``.
 EXTRAS_KEY = "prompt_embed_cache"
-#: Settings vLLM-Omni does not know; they are carried in ``extras``.
-EXTRA_SETTINGS = (MAX_BYTES, VERIFY)
 KWARG_SOURCE = "AsyncOmni/Omni keyword argument"
+#: Settings vLLM-Omni knows itself: they stay in the kwargs (and reach ``OmniDiffusionConfig``).
+_UPSTREAM_SETTINGS = (ENABLE.name, MAX_SIZE.name)
 
 
 def patch_stage_config_factory(module: ModuleType) -> None:
-    """Make vLLM-Omni's default diffusion stage builder validate and carry our settings."""
+    """Make vLLM-Omni's default diffusion stage builder resolve and carry our settings."""
     replace_once(module.StageConfigFactory, "_normalize_default_diffusion", _carrying_our_settings)
 
 
@@ -44,35 +41,33 @@ def _carrying_our_settings(original: classmethod) -> classmethod:
     @functools.wraps(original_function)
     def normalize_default_diffusion(cls: type, kwargs: dict[str, Any]) -> Any:
         kwargs = dict(kwargs)
-        # Normalized here ("256MiB" -> 268435456) so the worker receives plain values.
-        extra = {
-            s.name: parse_setting(s, kwargs.pop(s.name), f"{KWARG_SOURCE} {s.name}")
-            for s in EXTRA_SETTINGS
-            if kwargs.get(s.name) is not None
+        given = {
+            setting.name: kwargs.get(setting.name) if setting.name in _UPSTREAM_SETTINGS else kwargs.pop(setting.name)
+            for setting in SETTINGS
+            if setting.name in kwargs
         }
-        resolve_prompt_embed_cache_settings(
-            enable=kwargs.get(ENABLE.name),
-            max_size=kwargs.get(MAX_SIZE.name),
-            max_bytes=extra.get(MAX_BYTES.name),
-            verify=extra.get(VERIFY.name),
-            source=KWARG_SOURCE,
-        )
+        settings = resolve_settings(given, source=KWARG_SOURCE)
         engine_args, *rest = original_function(cls, kwargs)
-        if extra:
-            engine_args["extras"] = {**(engine_args.get("extras") or {}), EXTRAS_KEY: extra}
+        engine_args["extras"] = {**(engine_args.get("extras") or {}), EXTRAS_KEY: settings.as_dict()}
         return (engine_args, *rest)
 
     return classmethod(normalize_default_diffusion)
 
 
-def worker_settings(od_config: Any, *, enable: Any, max_size: Any) -> PromptEmbedCacheSettings:
-    """Return the settings a diffusion worker runs with: env vars over the stage config."""
+def stage_settings(od_config: Any) -> PromptEmbedCacheSettings:
+    """Return the settings a diffusion stage runs with.
+
+    A stage built from kwargs carries them resolved (see above). A stage from a deploy config may
+    name some of ours under ``extras.prompt_embed_cache``; those, its own two fields and the
+    environment are resolved here, once.
+    """
     extras = getattr(od_config, "extras", None) or {}
     ours: Mapping[str, Any] = extras.get(EXTRAS_KEY) or {}
-    return resolve_prompt_embed_cache_settings(
-        enable=enable,
-        max_size=max_size,
-        max_bytes=ours.get(MAX_BYTES.name),
-        verify=ours.get(VERIFY.name),
-        source="diffusion stage config",
-    )
+    if "sources" in ours:  # written by the hook above
+        return PromptEmbedCacheSettings.from_dict(ours, "the diffusion stage config")
+    given = {
+        ENABLE.name: getattr(od_config, ENABLE.name, None),
+        MAX_SIZE.name: getattr(od_config, MAX_SIZE.name, None),
+        **ours,
+    }
+    return resolve_settings(given, source="diffusion stage config")

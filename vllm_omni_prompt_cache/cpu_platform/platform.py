@@ -1,8 +1,8 @@
-"""An opt-in CPU platform for vLLM-Omni's diffusion engine.
+"""The CPU platform for vLLM-Omni's diffusion engine.
 
 vLLM-Omni 0.30 has no CPU platform: on a machine without an accelerator its diffusion worker
 fails in ``set_device``. With ``VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM=1`` the entry points in
-:mod:`.platform_plugins` select vLLM's own ``CpuPlatform`` and :class:`CpuOmniPlatform` below, so
+:mod:`.entry_points` select vLLM's own ``CpuPlatform`` and :class:`CpuOmniPlatform` below, so
 the real engine (``Omni`` / ``AsyncOmni`` -> diffusion worker -> model runner) runs small models
 on the CPU. That is how this project's tests and demo go through the engine users run.
 
@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 
-from vllm_omni_prompt_cache.vllm_omni.platform_plugins import (
+from vllm_omni_prompt_cache.cpu_platform.entry_points import (
     CPU_PLATFORM_ENV,
     active_accelerators,
     cpu_platform_requested,
@@ -30,10 +30,17 @@ logger = init_logger(__name__)
 
 
 class HostMemoryAllocator:
-    """Stands in for vLLM's CuMemAllocator, which needs CUDA: on the CPU there is no device pool
-    to release, so sleep and wake keep their stock control flow with nothing to move."""
+    """Stands in for vLLM's CuMemAllocator, which needs CUDA, with the same public methods.
+
+    On the CPU there is no device pool to unmap: sleep, wake and shutdown keep their stock control
+    flow, and the allocator only records which tags are asleep and which pools were opened.
+    """
 
     _instance: HostMemoryAllocator | None = None
+
+    def __init__(self) -> None:
+        self.pool_tags: set[str] = set()  # tags a memory pool was opened for, until release_pools()
+        self.asleep_tags: set[str] = set()
 
     @classmethod
     def get_instance(cls) -> HostMemoryAllocator:
@@ -42,16 +49,29 @@ class HostMemoryAllocator:
         return cls._instance
 
     def get_current_usage(self) -> int:
-        return 0
-
-    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
-        return None
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        return None
+        return 0  # host tensors are torch's, not the allocator's
 
     def use_memory_pool(self, tag: str | None = None) -> contextlib.AbstractContextManager[None]:
+        self.pool_tags.add(tag or "default")
         return contextlib.nullcontext()
+
+    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
+        # CuMem backs up ``offload_tags`` to the host and discards the rest: either way, all sleep.
+        self.asleep_tags |= self.pool_tags
+
+    def discard(self, tags: tuple[str, ...] | str) -> None:
+        self.asleep_tags |= {tags} if isinstance(tags, str) else set(tags)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.asleep_tags -= set(self.asleep_tags if tags is None else tags)
+
+    def release_pools(self) -> None:
+        """Forget every pool (vLLM-Omni's worker shutdown calls this); safe to call twice."""
+        self.pool_tags.clear()
+        self.asleep_tags.clear()
+
+    def close(self) -> None:
+        self.release_pools()
 
 
 def host_output_loop(proc: Any) -> None:
@@ -161,7 +181,7 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
         if selected_backend is not None and selected_backend.upper() not in ("TORCH_SDPA", "SDPA"):
             logger.warning("The CPU platform runs attention with PyTorch SDPA, not %s.", selected_backend)
         # A path, not a class: the backend module imports current_omni_platform, which is this.
-        return "vllm_omni_prompt_cache.vllm_omni.cpu_attention.CpuSDPABackend"
+        return "vllm_omni_prompt_cache.cpu_platform.attention.CpuSDPABackend"
 
     @classmethod
     def init_diffusion_worker_vllm_config(cls, vllm_config: Any) -> None:

@@ -1,0 +1,81 @@
+"""Where a diffusion worker gets its cache: right after ``DiffusionModelRunner.load_model``.
+
+Stock ``load_model`` resolves two settings and calls ``install_prompt_embed_cache`` (a name it
+imported at import time) with them. Ours need the whole stage config, so the runner module's
+installer name is pointed at :func:`_installed_after_load_model` (it installs nothing) and
+``load_model`` is wrapped: once the pipeline is built, :func:`install_for_stage` installs the
+cache the stage's settings ask for, with ``self.od_config`` in hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+from typing import Any
+
+from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
+from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
+from vllm_omni_prompt_cache.vllm_omni.lifecycle import StatsLogger, watch_weight_loads
+from vllm_omni_prompt_cache.vllm_omni.settings import stage_settings
+from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache
+
+logger = logging.getLogger("vllm_omni_prompt_cache")
+
+RUNNER_MODULE = "vllm_omni.diffusion.worker.diffusion_model_runner"
+#: Seconds between the worker's cache statistics log lines.
+STATS_LOG_INTERVAL_S = 30.0
+
+
+def patch_runner_module(module: ModuleType) -> None:
+    """Install the stage's cache after ``load_model``, instead of inside it."""
+    if not hasattr(module, "install_prompt_embed_cache") or not hasattr(module.DiffusionModelRunner, "load_model"):
+        logger.warning(
+            "vllm-omni-prompt-cache: %s has no install_prompt_embed_cache / DiffusionModelRunner.load_model; "
+            "the worker keeps vLLM-Omni's cache.",
+            module.__name__,
+        )
+        return
+    module.install_prompt_embed_cache = _installed_after_load_model
+    replace_once(module.DiffusionModelRunner, "load_model", _installing_after)
+
+
+def _installed_after_load_model(pipeline: Any, **_: Any) -> None:
+    """Stock ``load_model``'s install call: a no-op, :func:`install_for_stage` follows it."""
+    return None
+
+
+def _installing_after(load_model: Any) -> Any:
+    @functools.wraps(load_model)
+    def load_model_then_install(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = load_model(self, *args, **kwargs)
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None:  # a "dummy" load builds no pipeline
+            settings = stage_settings(self.od_config)
+            self.prompt_embed_cache = install_for_stage(pipeline, settings, self.od_config.model_class_name)
+        return result
+
+    return load_model_then_install
+
+
+def install_for_stage(pipeline: Any, settings: PromptEmbedCacheSettings, model_tag: str | None) -> Any:
+    """Install the cache ``settings`` ask for on ``pipeline``; return it, or None when off."""
+    if not settings.enabled:
+        return None
+    if settings.backend == "vllm-omni":
+        upstream = upstream_cache_module()
+        return upstream.install_prompt_embed_cache(
+            pipeline, max_size=settings.max_size, enabled=True, model_tag=model_tag
+        )
+    cache = install_prompt_embed_cache(
+        pipeline,
+        max_size=settings.max_size,
+        model_tag=model_tag,
+        max_bytes=settings.max_bytes,
+        verify=settings.verify,
+        report=StatsLogger(STATS_LOG_INTERVAL_S),
+    )
+    if cache is not None:
+        watch_weight_loads(pipeline)
+    return cache
