@@ -1,0 +1,51 @@
+"""Benchmark-wide set-up: record the machine facts the tables need next to the timings."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import torch
+import xxhash
+
+# The instruction-set extensions that decide how fast hashing and bf16 matmuls run here.
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def _lscpu() -> dict[str, str]:
+    """Return lscpu's fields by name, or an empty dict where lscpu is missing."""
+    if shutil.which("lscpu") is None:
+        return {}
+    output = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    fields = (line.split(":", 1) for line in output.splitlines() if ":" in line)
+    return {name.strip(): value.strip() for name, value in fields}
+
+
+def _memory_gib() -> float | None:
+    """Return total memory in GiB from /proc/meminfo, or None off Linux."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        return None
+    return round(kib / 2**20, 1)
+
+
+def pytest_benchmark_update_machine_info(config, machine_info) -> None:
+    lscpu = _lscpu()
+    flags = set(lscpu.get("Flags", "").split())
+    machine_info.pop("node", None)  # a host name: of no use to a reader of the committed JSON
+    machine_info["lscpu_model_name"] = lscpu.get("Model name")
+    machine_info["simd_flags"] = [flag for flag in SIMD_FLAGS if flag in flags]
+    machine_info["cpus_available"] = len(os.sched_getaffinity(0))
+    machine_info["memory_gib"] = _memory_gib()
+    machine_info["torch_version"] = torch.__version__
+    machine_info["torch_threads"] = torch.get_num_threads()
+    machine_info["xxhash_version"] = xxhash.VERSION
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json) -> None:
+    # Every round's timing would make the committed JSON ~6x larger; the stats are what we read.
+    for benchmark in output_json["benchmarks"]:
+        benchmark["stats"].pop("data", None)
