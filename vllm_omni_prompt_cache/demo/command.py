@@ -242,10 +242,13 @@ class ModeProgress:
 
     def advance(self) -> None:
         self.bar.update()
+        if self.bar.n == self.total:
+            self.close()  # now, so the final rate is the rollout's, not the engine shutdown's
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def environment_summary(on_cpu: bool) -> dict[str, str]:
@@ -267,6 +270,7 @@ def environment_summary(on_cpu: bool) -> dict[str, str]:
 
 #: CPU flags that decide how fast bf16 and fp32 kernels run, in the order lscpu prints them.
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+KERNEL_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 
 def cpu_summary() -> str:
@@ -279,4 +283,7 @@ def cpu_summary() -> str:
     model = fields.get("model name\t", "unknown").strip()
     flags = set(fields.get("flags\t\t", "").split())
     present = [flag for flag in SPEED_FLAGS if flag in flags]
-    return f"{model}, flags: {' '.join(present) or 'none of ' + '/'.join(SPEED_FLAGS)}"
+    summary = f"{model}, flags: {' '.join(present) or 'none of ' + '/'.join(SPEED_FLAGS)}"
+    # These cap the instruction sets torch's kernels use (how we time an AVX2-only CPU on a newer one).
+    caps = [f"{name}={os.environ[name]}" for name in KERNEL_CAPS if name in os.environ]
+    return summary + (f", kernels capped with {' '.join(caps)}" if caps else "")
