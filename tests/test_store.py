@@ -225,6 +225,28 @@ def test_reentrant_identical_call_computes_instead_of_deadlocking() -> None:
     assert cache.stats()["bypass_reasons"] == {REENTRANT_REASON: 1}
 
 
+def test_a_caller_arriving_after_a_clear_does_not_take_an_older_encode() -> None:
+    """An encode running when the weights change must not serve callers that come after the change."""
+    cache = PromptEmbedCache()
+    started, release = threading.Event(), threading.Event()
+
+    def old_weights_encode():
+        started.set()
+        release.wait(5)
+        return embedding(1)
+
+    owner = threading.Thread(target=lambda: cache.get_or_compute(key(1), old_weights_encode))
+    owner.start()
+    started.wait(5)
+    cache.clear()  # weights changed while the old encode runs
+    fresh = cache.get_or_compute(key(1), lambda: embedding(2))  # must not wait for, or take, the old result
+    release.set()
+    owner.join(10)
+    assert torch.equal(fresh, embedding(2))
+    assert torch.equal(cache.get_or_compute(key(1), lambda: pytest.fail("cached")), embedding(2))
+    assert (cache.hits, cache.misses) == (1, 2)
+
+
 def test_a_result_computed_across_a_clear_is_returned_but_not_stored() -> None:
     """clear() marks a weight change: an encode that started before it must not fill the cache."""
     cache = PromptEmbedCache()
@@ -264,7 +286,7 @@ def test_put_overwrites_and_evicts_least_recently_used() -> None:
     assert (len(cache), cache.stats()["evictions"], cache.stats()["bytes"]) == (2, 1, 2 * 32)
 
 
-def test_put_keeps_the_byte_budget_and_an_oversize_value_replaces_nothing() -> None:
+def test_put_keeps_the_byte_budget_and_an_oversize_value_is_not_kept() -> None:
     cache = PromptEmbedCache(max_size=8, max_bytes=64)
     cache.put("a", embedding(1))
     cache.put("a", embedding(2, width=32))  # 128 B: over budget, not kept; the old value is gone too
@@ -288,6 +310,8 @@ def test_counters_are_assignable_as_upstreams_wrapper_does() -> None:
     cache.hits += 2
     assert (cache.hits, cache.bypassed) == (2, 1)
     assert cache.stats()["bypass_reasons"] == {UNSPECIFIED_REASON: 1}
+    cache.bypassed = 0  # a reset leaves no zero-count reason behind
+    assert cache.stats()["bypass_reasons"] == {}
 
 
 def test_stats_snapshot_deltas_and_summary() -> None:

@@ -218,6 +218,7 @@ class PromptEmbedCache:
     # under ``cache._lock``): readable and assignable here too, without taking the lock.
     @property
     def hits(self) -> int:
+        """Calls served from the cache."""
         return self._hits
 
     @hits.setter
@@ -226,6 +227,7 @@ class PromptEmbedCache:
 
     @property
     def misses(self) -> int:
+        """Calls that ran the encoder and offered its result to the cache."""
         return self._misses
 
     @misses.setter
@@ -234,6 +236,7 @@ class PromptEmbedCache:
 
     @property
     def bypassed(self) -> int:
+        """Calls that did not use the cache, whatever the reason."""
         return sum(self._bypass_reasons.values())
 
     @bypassed.setter
@@ -335,19 +338,24 @@ class PromptEmbedCache:
         except BaseException:
             with self._lock:
                 flight.failed = True
-                del self._flights[key.identity]
+                self._land(key.identity, flight)
             flight.done.set()
             raise
         value = detach_value(result)
         nbytes = value_nbytes(value) + (0 if flight.witness is None else witness_nbytes(flight.witness))
         with self._lock:
             flight.value = value
-            del self._flights[key.identity]
+            self._land(key.identity, flight)
             # A clear() while encoding voids the result (weights may have changed): return it, keep nothing.
             if flight.generation == self._generation:
                 self._store(key.identity, _Entry(value, flight.witness, nbytes))
         flight.done.set()
         return result
+
+    def _land(self, identity: Hashable, flight: _Flight) -> None:
+        """Retire ``flight``; a clear() may already have replaced it with a newer one. Lock held."""
+        if self._flights.get(identity) is flight:
+            del self._flights[identity]
 
     def record_bypass(self, reason: str) -> None:
         """Count one call that did not use the cache, under ``reason``."""
@@ -355,9 +363,14 @@ class PromptEmbedCache:
             self._bypass_reasons[reason] += 1
 
     def clear(self) -> None:
-        """Drop every entry, and any result still being computed; counters are kept."""
+        """Drop every entry, and any result still being computed; counters are kept.
+
+        Callers already waiting on an encode get its result; callers arriving after the clear
+        encode again (the weights may have changed).
+        """
         with self._lock:
             self._entries.clear()
+            self._flights.clear()
             self._bytes = 0
             self._generation += 1
 
@@ -368,7 +381,7 @@ class PromptEmbedCache:
                 hits=self._hits,
                 misses=self._misses,
                 bypassed=sum(self._bypass_reasons.values()),
-                bypass_reasons=dict(self._bypass_reasons.most_common()),
+                bypass_reasons={reason: count for reason, count in self._bypass_reasons.most_common() if count},
                 evictions=self._evictions,
                 oversize_rejections=self._oversize,
                 size=len(self._entries),
