@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("vllm_omni", reason="the plugin tests need the vllm-omni extra")
 
-from vllm_omni_prompt_cache import MISS, PromptEmbedCache, PromptEmbedCacheSettings, install_prompt_embed_cache
+from vllm_omni_prompt_cache import MISS, PromptEmbedCache, PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.store import UNSPECIFIED_REASON
 from vllm_omni_prompt_cache.vllm_omni import bindings, runner
 
@@ -58,8 +58,10 @@ def test_upstreams_own_wrapper_runs_on_our_store() -> None:
     """Code written against upstream's get/put contract (here: upstream's wrapper itself) keeps working."""
     spec = importlib.util.spec_from_file_location("upstream_copy", bindings.upstream_cache_module().__file__)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # a fresh copy of upstream's module, with upstream's wrapper
-    module.PromptEmbedCache, module._CACHE_MISS = PromptEmbedCache, MISS  # what the swap does to the real one
+    spec.loader.exec_module(module)  # a fresh copy of upstream's module
+    upstream_install = module.install_prompt_embed_cache  # upstream's wrapper, reading the module's globals
+    bindings.patch_cache_module(module)  # the swap the plugin makes on the real module
+    assert module.PromptEmbedCache is PromptEmbedCache and module._CACHE_MISS is MISS
 
     class Pipeline:
         runs = 0
@@ -69,7 +71,7 @@ def test_upstreams_own_wrapper_runs_on_our_store() -> None:
             return torch.full((num_images_per_prompt, 2), float(len(prompt)))
 
     pipeline = Pipeline()
-    cache = module.install_prompt_embed_cache(pipeline, max_size=2, enabled=True, model_tag="t")
+    cache = upstream_install(pipeline, max_size=2, enabled=True, model_tag="t")
     assert isinstance(cache, PromptEmbedCache)
     for _ in range(3):
         pipeline.encode_prompt("a red fox")
@@ -92,7 +94,41 @@ def test_the_vllm_omni_backend_installs_upstreams_untouched_cache() -> None:
     assert type(stock).__name__ == "PromptEmbedCache" and not isinstance(stock, PromptEmbedCache)
     assert isinstance(ours, PromptEmbedCache)
     assert off is None
-    assert install_prompt_embed_cache is bindings.PUBLIC_API["install_prompt_embed_cache"]
+
+
+def test_interaction_handlers_built_inside_load_model_see_the_cache() -> None:
+    """Stock load_model builds interaction handlers after its install point; they capture encode_prompt."""
+    from types import SimpleNamespace
+
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.interaction.coordinator import InteractionCoordinator
+
+    class InteractivePipeline:  # SupportsInteractionApply, as Helios is
+        device = torch.device("cpu")
+        transformer = SimpleNamespace(dtype=torch.float32)
+
+        def encode_prompt(self, prompt):
+            return torch.zeros(1)
+
+        def peek_chunk_media(self, state): ...
+
+        def apply_interaction_at_chunk_boundary(self, state): ...
+
+        def prepare_next_chunk(self, state): ...
+
+    class Runner:
+        def load_model(self):  # what stock load_model does after its own install point
+            self.pipeline = InteractivePipeline()
+            self.prompt_embed_cache = None
+            self._interaction_coordinator = InteractionCoordinator.build(self.pipeline, self.od_config)
+
+    Runner.load_model = runner._installing_after(Runner.load_model)
+    stage = Runner()
+    stage.od_config = OmniDiffusionConfig.from_kwargs(model_class_name="HeliosPipeline", enable_prompt_embed_cache=True)
+    stage.load_model()
+    assert isinstance(stage.prompt_embed_cache, PromptEmbedCache)
+    handler = stage._interaction_coordinator.get_handler("prompt")
+    assert handler._encode_prompt is stage.pipeline.encode_prompt  # the cached wrapper, not the raw method
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:

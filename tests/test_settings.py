@@ -18,7 +18,7 @@ from vllm_omni.utils.tracking_parser import TrackingArgumentParser
 from vllm_omni_prompt_cache.config import BACKEND, MAX_BYTES, MAX_SIZE, VERIFY, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 from vllm_omni_prompt_cache.vllm_omni.cli_args import GROUP_TITLE
-from vllm_omni_prompt_cache.vllm_omni.settings import EXTRAS_KEY, stage_settings
+from vllm_omni_prompt_cache.vllm_omni.settings import EXTRAS_KEY, RESOLVED_KEY, stage_settings
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_upstream_kwargs_alone_still_work(model) -> None:
 def test_settings_are_resolved_once_in_the_callers_process_and_carried_whole(model, monkeypatch) -> None:
     monkeypatch.setenv(MAX_BYTES.env, "2KiB")
     config = diffusion_config({"model": model, "prompt_embed_cache_max_bytes": 1000})
-    carried = config.extras[EXTRAS_KEY]
+    carried = config.extras[RESOLVED_KEY]
     assert carried[MAX_BYTES.name] == 2048  # the env var won, at construction
     assert carried["sources"][MAX_BYTES.name] == f"environment variable {MAX_BYTES.env}"
     monkeypatch.setenv(MAX_BYTES.env, "4KiB")  # the worker does not resolve again
@@ -86,6 +86,10 @@ def test_a_deploy_config_stage_is_resolved_in_the_worker(monkeypatch) -> None:
     assert settings.backend == "vllm-omni"
     config.extras[EXTRAS_KEY] = {"prompt_embed_cache_max_byte": "1KiB"}  # a typo is an error, not ignored
     with pytest.raises(PromptEmbedCacheConfigError, match=r"unknown prompt-embed cache setting\(s\) \['prompt_embed"):
+        stage_settings(config)
+    # Enabling there would slip past vLLM-Omni's own checks, which read the stage's fields.
+    config.extras[EXTRAS_KEY] = {"enable_prompt_embed_cache": True}
+    with pytest.raises(PromptEmbedCacheConfigError, match="set them as the stage's own engine_args"):
         stage_settings(config)
 
 

@@ -4,7 +4,9 @@ Stock ``load_model`` resolves two settings and calls ``install_prompt_embed_cach
 imported at import time) with them. Ours need the whole stage config, so the runner module's
 installer name is pointed at :func:`_installed_after_load_model` (it installs nothing) and
 ``load_model`` is wrapped: once the pipeline is built, :func:`install_for_stage` installs the
-cache the stage's settings ask for, with ``self.od_config`` in hand.
+cache the stage's settings ask for, with ``self.od_config`` in hand. Interaction handlers that
+``load_model`` built after its own install point captured ``pipeline.encode_prompt`` unwrapped;
+they are built again so they see the cache, as they would have in stock vLLM-Omni.
 """
 
 from __future__ import annotations
@@ -54,9 +56,21 @@ def _installing_after(load_model: Any) -> Any:
         if pipeline is not None:  # a "dummy" load builds no pipeline
             settings = stage_settings(self.od_config)
             self.prompt_embed_cache = install_for_stage(pipeline, settings, self.od_config.model_class_name)
+            if self.prompt_embed_cache is not None:
+                _rebuild_interaction_handlers(self)
         return result
 
     return load_model_then_install
+
+
+def _rebuild_interaction_handlers(runner: Any) -> None:
+    """Build the runner's interaction coordinator again, now that ``encode_prompt`` is wrapped."""
+    coordinator = getattr(runner, "_interaction_coordinator", None)
+    if coordinator is None:
+        return
+    runner._interaction_coordinator = type(coordinator).build(runner.pipeline, runner.od_config)
+    if hasattr(runner.pipeline, "_interaction_coordinator"):  # as stock load_model hands it over
+        runner.pipeline._interaction_coordinator = runner._interaction_coordinator
 
 
 def install_for_stage(pipeline: Any, settings: PromptEmbedCacheSettings, model_tag: str | None) -> Any:
