@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 
 import torch
 import xxhash
 
-# The instruction-set extensions that decide how fast hashing and bf16 matmuls run here.
-SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def _lscpu() -> dict[str, str]:
-    """Return lscpu's fields by name, or an empty dict where lscpu is missing."""
-    if shutil.which("lscpu") is None:
-        return {}
-    output = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    fields = (line.split(":", 1) for line in output.splitlines() if ":" in line)
-    return {name.strip(): value.strip() for name, value in fields}
+from vllm_omni_prompt_cache.demo.machine import cpu_facts
 
 
 def _memory_gib() -> float | None:
@@ -33,11 +21,10 @@ def _memory_gib() -> float | None:
 
 
 def pytest_benchmark_update_machine_info(config, machine_info) -> None:
-    lscpu = _lscpu()
-    flags = set(lscpu.get("Flags", "").split())
+    model, flags = cpu_facts()
     machine_info.pop("node", None)  # a host name: of no use to a reader of the committed JSON
-    machine_info["lscpu_model_name"] = lscpu.get("Model name")
-    machine_info["simd_flags"] = [flag for flag in SIMD_FLAGS if flag in flags]
+    machine_info["lscpu_model_name"] = model
+    machine_info["simd_flags"] = flags
     machine_info["cpus_available"] = len(os.sched_getaffinity(0))
     machine_info["memory_gib"] = _memory_gib()
     machine_info["torch_version"] = torch.__version__

@@ -24,7 +24,8 @@ def main() -> None:
     args = parser.parse_args()
     opt_in_where_no_gpu()  # before vLLM is imported
 
-    from vllm_omni_prompt_cache.demo.command import DEMO_MODEL, cpu_summary
+    from vllm_omni_prompt_cache.demo.command import DEMO_MODEL
+    from vllm_omni_prompt_cache.demo.machine import cpu_summary
     from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, engine_kwargs, open_engine
     from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+from vllm_omni_prompt_cache.demo.machine import SPEED_FLAGS as SIMD_FLAGS
 
 
 def machine_line(report: dict) -> str:

@@ -5,10 +5,17 @@ None of this needs vLLM-Omni installed.
 
 from __future__ import annotations
 
+import io
+import json
+import subprocess
+import sys
+
 import pytest
 
 from vllm_omni_prompt_cache.cli import main
-from vllm_omni_prompt_cache.demo import command
+from vllm_omni_prompt_cache.demo import command, report
+from vllm_omni_prompt_cache.demo.rollout import RolloutResult, RolloutSpec
+from vllm_omni_prompt_cache.store import CacheStats
 
 
 @pytest.mark.parametrize(
@@ -21,6 +28,7 @@ from vllm_omni_prompt_cache.demo import command
         (["--size", "50"], "multiple of 16 pixels"),
         (["--modes", "ours,fast"], "unknown mode(s) ['fast']"),
         (["--max-bytes", "0"], "invalid prompt_embed_cache_max_bytes='0' from command-line flag --max-bytes"),
+        (["--cache-size", "0"], "invalid prompt_embed_cache_size='0' from command-line flag --cache-size"),
         (["--model", "/nonexistent/model"], "argument --model: model directory '/nonexistent/model' does not exist"),
         (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
     ],
@@ -67,3 +75,42 @@ def test_matplotlib_is_only_needed_for_a_chart(monkeypatch) -> None:
     )
     assert command.missing_extras(chart=False) == {}
     assert command.missing_extras(chart=True) == {"demo": ["matplotlib"]}
+
+
+def test_arguments_and_extras_are_checked_where_vllm_omni_is_not_installed() -> None:
+    """In a process where vllm, vllm_omni and diffusers cannot be imported, as after a core-only install."""
+    blocked = "import sys\nfor name in ('vllm', 'vllm_omni', 'diffusers'):\n    sys.modules[name] = None\n"
+    run = "from vllm_omni_prompt_cache.cli import main\nmain({argv!r})\n"
+
+    def demo(*argv: str) -> subprocess.CompletedProcess:
+        code = blocked + run.format(argv=["demo", *argv])
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+    bad = demo("--group-size", "0")
+    assert bad.returncode == 2 and "argument --group-size: expected an integer >= 1, got 0" in bad.stderr
+    missing = demo()
+    assert missing.returncode == 2, missing.stderr[-2000:]
+    assert "the demo needs vllm, vllm_omni, diffusers (the 'vllm-omni' extra)" in missing.stderr
+    assert "pip install 'vllm-omni-prompt-cache[vllm-omni]'" in missing.stderr
+    assert "Traceback" not in bad.stderr + missing.stderr
+
+
+def test_a_failing_chart_costs_only_the_chart(monkeypatch, tmp_path) -> None:
+    spec = RolloutSpec(model_dir=tmp_path, prompts=("a red fox",), group_size=2)
+    results = [
+        RolloutResult("off", 2.0, 1.0, 2, None, 4, 0.5),
+        RolloutResult("ours", 1.0, 1.0, 2, CacheStats(hits=3, misses=1, size=1, max_size=8), 1, 0.1),
+    ]
+
+    def broken_chart(results, path):
+        raise RuntimeError("no display backend")
+
+    monkeypatch.setattr(report, "write_chart", broken_chart)
+    printed = io.StringIO()
+    out = tmp_path / "out"
+    paths = command.save_results(out, spec, results, None, "vllm-omni-prompt-cache demo", {"cpu": "x"}, printed)
+    assert paths == [out / "report.md", out / "results.json"]
+    assert json.loads((out / "results.json").read_text())["modes"]["ours"]["cache_stats"]["hits"] == 3
+    assert "| vllm-omni-prompt-cache | 1 | 3 | 1 | 0 |" in (out / "report.md").read_text()
+    assert "Could not draw" in printed.getvalue() and "no display backend" in printed.getvalue()
+    assert not (out / "time.png").exists()

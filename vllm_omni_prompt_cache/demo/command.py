@@ -12,8 +12,11 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from vllm_omni_prompt_cache.config import MAX_BYTES, MAX_SIZE
+from vllm_omni_prompt_cache.demo import machine, report
 from vllm_omni_prompt_cache.demo.rollout import DEFAULT_PROMPTS, MODES, RolloutResult, RolloutSpec
 from vllm_omni_prompt_cache.tiny.qwen_image import TinyQwenImageSpec
+from vllm_omni_prompt_cache.vllm_omni.cli_args import setting_type
 
 #: The demo's default model: Qwen-Image's architecture, sized so that on 2 CPU cores the text
 #: encoder takes a visible share of each request and three modes finish in about a minute.
@@ -70,9 +73,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="which cache modes to run, in order (default off,stock,ours; the first is the exactness reference)",
     )
     parser.add_argument(
-        "--cache-size", type=_positive_int, default=64, help="prompt_embed_cache_size for the cached modes (default 64)"
+        "--cache-size",
+        type=setting_type(MAX_SIZE, "--cache-size"),
+        default=64,
+        help="prompt_embed_cache_size for the cached modes (default 64)",
     )
-    parser.add_argument("--max-bytes", default=None, help="prompt_embed_cache_max_bytes for our cache (e.g. 512MiB)")
+    parser.add_argument(
+        "--max-bytes",
+        type=setting_type(MAX_BYTES, "--max-bytes"),
+        default=None,
+        help="prompt_embed_cache_max_bytes for our cache (e.g. 512MiB)",
+    )
     parser.add_argument(
         "--model",
         type=Path,
@@ -92,13 +103,6 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if args.size % 16:
         parser.error(f"argument --size: Qwen-Image needs a multiple of 16 pixels, got {args.size}")
-    if args.max_bytes is not None:
-        from vllm_omni_prompt_cache.config import MAX_BYTES
-
-        try:
-            args.max_bytes = MAX_BYTES.parse(args.max_bytes, "command-line flag --max-bytes")
-        except ValueError as error:
-            parser.error(f"argument --max-bytes: {error}")
     if args.model is not None:
         from vllm_omni_prompt_cache.tiny.qwen_image import check_model_dir
 
@@ -156,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
-    from vllm_omni_prompt_cache.demo import report
     from vllm_omni_prompt_cache.demo.rollout import run_mode
     from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 
@@ -175,6 +178,7 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
         base_seed=args.seed,
     )
     requests = len(spec.requests())
+    environment = environment_summary(on_cpu)  # before any engine: if it fails, nothing is lost
     print(
         f"Rollout: {args.prompts} prompts x {args.group_size} siblings = {requests} requests per mode, "
         f"{args.steps} steps at {args.size}x{args.size}, CFG with a shared negative prompt; "
@@ -214,18 +218,34 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
     print(report.exactness_line(exactness), file=out)
     print(f"Demo finished in {total:.0f} s (engine start-ups included).", file=out)
     if args.out is not None:
-        environment = environment_summary(on_cpu)
         command = shlex.join(["vllm-omni-prompt-cache", *args.argv])
-        paths = report.write_report(args.out, spec, results, exactness, command, environment)
-        # The numbers are on disk first: a failing chart costs only the chart.
-        chart = args.out / "time.png"
-        try:
-            report.write_chart(results, chart)
-            paths.append(chart)
-        except Exception as error:
-            print(f"Could not draw {chart}: {type(error).__name__}: {error}", file=out)
+        paths = save_results(args.out, spec, results, exactness, command, environment, out)
         print("Wrote " + ", ".join(str(path) for path in paths), file=out)
     return 0 if exactness is None or exactness.all_identical else 1
+
+
+def save_results(
+    out_dir: Path,
+    spec: RolloutSpec,
+    results: list[RolloutResult],
+    exactness: report.Exactness | None,
+    command: str,
+    environment: dict[str, str],
+    out: TextIO,
+) -> list[Path]:
+    """Write results.json and report.md, then the chart; return what was written.
+
+    The numbers are on disk first: a failing chart costs only the chart, and says why.
+    """
+    paths = report.write_report(out_dir, spec, results, exactness, command, environment)
+    chart = out_dir / "time.png"
+    try:
+        report.write_chart(results, chart)
+    except Exception as error:
+        print(f"Could not draw {chart}: {type(error).__name__}: {error}", file=out)
+    else:
+        paths.append(chart)
+    return paths
 
 
 class ModeProgress:
@@ -241,6 +261,8 @@ class ModeProgress:
         self.bar = tqdm(total=self.total, unit="req", desc=f"{self.label:>22}", file=self.out)
 
     def advance(self) -> None:
+        if self.bar is None:
+            return
         self.bar.update()
         if self.bar.n == self.total:
             self.close()  # now, so the final rate is the rollout's, not the engine shutdown's
@@ -257,33 +279,12 @@ def environment_summary(on_cpu: bool) -> dict[str, str]:
 
     import torch
 
-    device = "CPU" if on_cpu else torch.cuda.get_device_name(0)
+    device = torch.cuda.get_device_name(0) if not on_cpu and torch.cuda.is_available() else "CPU"
     return {
         "device": f"{device} ({os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads)",
-        "cpu": cpu_summary(),
+        "cpu": machine.cpu_summary(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "vllm": version("vllm"),
         "vllm-omni": version("vllm-omni"),
     }
-
-
-#: CPU flags that decide how fast bf16 and fp32 kernels run, in the order lscpu prints them.
-SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-KERNEL_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-
-
-def cpu_summary() -> str:
-    """Return the CPU model and which of :data:`SPEED_FLAGS` it has (from /proc/cpuinfo on Linux)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    fields = dict(line.split(":", 1) for line in cpuinfo.split("\n\n", 1)[0].splitlines() if ":" in line)
-    model = fields.get("model name\t", "unknown").strip()
-    flags = set(fields.get("flags\t\t", "").split())
-    present = [flag for flag in SPEED_FLAGS if flag in flags]
-    summary = f"{model}, flags: {' '.join(present) or 'none of ' + '/'.join(SPEED_FLAGS)}"
-    # These cap the instruction sets torch's kernels use (how we time an AVX2-only CPU on a newer one).
-    caps = [f"{name}={os.environ[name]}" for name in KERNEL_CAPS if name in os.environ]
-    return summary + (f", kernels capped with {' '.join(caps)}" if caps else "")

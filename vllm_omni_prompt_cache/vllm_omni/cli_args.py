@@ -24,10 +24,13 @@ GROUP_DESCRIPTION = (
 )
 
 
-def _flag_type(setting: Setting) -> Any:
+def setting_type(setting: Setting, flag: str | None = None) -> Any:
+    """Return an argparse ``type`` that parses ``setting``; its errors name ``flag`` (the setting's own by default)."""
+    source = f"command-line flag {flag or setting.flag}"
+
     def parse(text: str) -> Any:
         try:
-            return setting.parse(text, f"command-line flag {setting.flag}")
+            return setting.parse(text, source)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -64,7 +67,7 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             setting.flag,
             dest=setting.name,
-            type=_flag_type(setting),
+            type=setting_type(setting),
             default=argparse.SUPPRESS,
             metavar=metavar,
             help=f"{setting.help} Allowed: {setting.allowed}. Default: {_describe_default(setting)}. "
