@@ -84,6 +84,7 @@ class Setting:
     """One setting: its names as a keyword argument, a serve flag and an env var, and its parser."""
 
     name: str  # AsyncOmni / Omni keyword argument and OmniDiffusionConfig field
+    field: str  # the PromptEmbedCacheSettings attribute that holds it
     flag: str
     env: str
     default: Any
@@ -101,6 +102,7 @@ class Setting:
 
 ENABLE = Setting(
     "enable_prompt_embed_cache",
+    "enabled",
     "--enable-prompt-embed-cache",
     "OMNI_DIFFUSION_PROMPT_EMBED_CACHE",
     False,
@@ -110,6 +112,7 @@ ENABLE = Setting(
 )
 MAX_SIZE = Setting(
     "prompt_embed_cache_size",
+    "max_size",
     "--prompt-embed-cache-size",
     "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_SIZE",
     32,
@@ -119,6 +122,7 @@ MAX_SIZE = Setting(
 )
 MAX_BYTES = Setting(
     "prompt_embed_cache_max_bytes",
+    "max_bytes",
     "--prompt-embed-cache-max-bytes",
     "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_MAX_BYTES",
     None,
@@ -128,6 +132,7 @@ MAX_BYTES = Setting(
 )
 VERIFY = Setting(
     "prompt_embed_cache_verify",
+    "verify",
     "--prompt-embed-cache-verify",
     "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_VERIFY",
     True,
@@ -137,6 +142,7 @@ VERIFY = Setting(
 )
 BACKEND = Setting(
     "prompt_embed_cache_backend",
+    "backend",
     "--prompt-embed-cache-backend",
     "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_BACKEND",
     "content-keyed",
@@ -179,7 +185,7 @@ class PromptEmbedCacheSettings:
     def as_dict(self) -> dict[str, Any]:
         """Return the settings as plain values keyed by setting name, plus their sources."""
         return {
-            **{setting.name: getattr(self, _FIELDS[setting.name]) for setting in SETTINGS},
+            **{setting.name: getattr(self, setting.field) for setting in SETTINGS},
             "sources": dict(self.sources),
         }
 
@@ -193,20 +199,11 @@ class PromptEmbedCacheSettings:
                 f"expected {', '.join(setting.name for setting in SETTINGS)}"
             )
         values = {
-            _FIELDS[setting.name]: setting.parse(carried[setting.name], f"{source} {setting.name}")
+            setting.field: setting.parse(carried[setting.name], f"{source} {setting.name}")
             for setting in SETTINGS
             if carried.get(setting.name) is not None
         }
         return cls(**values, sources=dict(carried.get("sources") or {}))
-
-
-_FIELDS = {
-    ENABLE.name: "enabled",
-    MAX_SIZE.name: "max_size",
-    MAX_BYTES.name: "max_bytes",
-    VERIFY.name: "verify",
-    BACKEND.name: "backend",
-}
 
 
 def resolve_settings(
@@ -219,7 +216,7 @@ def resolve_settings(
 
     Each setting: its env var, else the given value, else its default.
     """
-    unknown = set(given) - set(_FIELDS)
+    unknown = set(given) - {setting.name for setting in SETTINGS}
     if unknown:
         raise PromptEmbedCacheConfigError(
             f"unknown prompt-embed cache setting(s) {sorted(unknown)} from {source}: "
@@ -231,10 +228,10 @@ def resolve_settings(
     for setting in SETTINGS:
         if setting.env in environ:
             origin = f"environment variable {setting.env}"
-            values[_FIELDS[setting.name]] = setting.parse(environ[setting.env], origin)
+            values[setting.field] = setting.parse(environ[setting.env], origin)
         elif given.get(setting.name) is not None:
             origin = f"{source} {setting.name}"
-            values[_FIELDS[setting.name]] = setting.parse(given[setting.name], origin)
+            values[setting.field] = setting.parse(given[setting.name], origin)
         else:
             origin = "default"
         sources[setting.name] = origin

@@ -44,25 +44,31 @@ class HostMemoryAllocator:
 
     @classmethod
     def get_instance(cls) -> HostMemoryAllocator:
+        """Return the process-wide allocator, as vLLM's singleton does."""
         if cls._instance is None:
             cls._instance = cls()
         return cls._instance
 
     def get_current_usage(self) -> int:
+        """Return 0: host tensors belong to torch, not to this allocator."""
         return 0  # host tensors are torch's, not the allocator's
 
     def use_memory_pool(self, tag: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """Return a no-op context for allocations under ``tag``, and remember the tag."""
         self.pool_tags.add(tag or "default")
         return contextlib.nullcontext()
 
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
+        """Mark every pool asleep."""
         # CuMem backs up ``offload_tags`` to the host and discards the rest: either way, all sleep.
         self.asleep_tags |= self.pool_tags
 
     def discard(self, tags: tuple[str, ...] | str) -> None:
+        """Mark ``tags`` asleep, as if their memory had been released without a backup."""
         self.asleep_tags |= {tags} if isinstance(tags, str) else set(tags)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags``, or every tag when None."""
         self.asleep_tags -= set(self.asleep_tags if tags is None else tags)
 
     def release_pools(self) -> None:
@@ -71,6 +77,7 @@ class HostMemoryAllocator:
         self.asleep_tags.clear()
 
     def close(self) -> None:
+        """Alias of :meth:`release_pools`, as vLLM's allocator has."""
         self.release_pools()
 
 
