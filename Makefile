@@ -26,10 +26,10 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-# Micro benchmarks (pytest-benchmark, not collected by `make test`): the JSON is kept next to the
-# docs generated from it; the Markdown tables are rendered from the JSON.
+# Micro benchmarks (pytest-benchmark, not collected by `make test`): the JSON is committed, and the
+# tables in docs/benchmarks.md are rendered from it.
 bench: $(VENV)/.installed
 	mkdir -p benchmarks/results
 	$(VENV)/bin/python -m pytest benchmarks --benchmark-only --benchmark-disable-gc \
 		--benchmark-columns=min,median,rounds,iterations --benchmark-json=benchmarks/results/keys.json
-	$(VENV)/bin/python benchmarks/render_tables.py benchmarks/results/keys.json
+	$(VENV)/bin/python benchmarks/render_tables.py benchmarks/results/keys.json --write-into docs/benchmarks.md

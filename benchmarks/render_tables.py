@@ -83,10 +83,30 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+#: The rendered tables replace whatever stands between these two lines of a Markdown file.
+BEGIN_MARK = "<!-- tables rendered by benchmarks/render_tables.py: begin -->"
+END_MARK = "<!-- tables rendered by benchmarks/render_tables.py: end -->"
+
+
+def write_into(markdown: Path, tables: str) -> None:
+    """Replace the text between :data:`BEGIN_MARK` and :data:`END_MARK` in ``markdown`` with ``tables``."""
+    text = markdown.read_text()
+    if text.count(BEGIN_MARK) != 1 or text.count(END_MARK) != 1:
+        raise SystemExit(f"{markdown}: needs exactly one {BEGIN_MARK!r} and one {END_MARK!r} line")
+    head, rest = text.split(BEGIN_MARK)
+    _, tail = rest.split(END_MARK)
+    markdown.write_text(f"{head}{BEGIN_MARK}\n\n{tables}\n\n{END_MARK}{tail}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path, help="a file written by pytest --benchmark-json")
-    print(render(json.loads(parser.parse_args().json.read_text())))
+    parser.add_argument("--write-into", type=Path, help="also put the tables between the marks in this Markdown file")
+    args = parser.parse_args()
+    tables = render(json.loads(args.json.read_text()))
+    print(tables)
+    if args.write_into is not None:
+        write_into(args.write_into, tables.strip())
 
 
 if __name__ == "__main__":
