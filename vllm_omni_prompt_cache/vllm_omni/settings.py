@@ -44,12 +44,9 @@ def _carrying_our_settings(original: classmethod) -> classmethod:
 
     @functools.wraps(original_function)
     def normalize_default_diffusion(cls: type, kwargs: dict[str, Any]) -> Any:
-        kwargs = dict(kwargs)
-        given = {
-            setting.name: kwargs.get(setting.name) if setting.name in _UPSTREAM_SETTINGS else kwargs.pop(setting.name)
-            for setting in SETTINGS
-            if setting.name in kwargs
-        }
+        given = {setting.name: kwargs.get(setting.name) for setting in SETTINGS}
+        # vLLM-Omni refuses keyword arguments it does not know; its own two stay.
+        kwargs = {name: value for name, value in kwargs.items() if name not in given or name in _UPSTREAM_SETTINGS}
         settings = resolve_settings(given, source=KWARG_SOURCE)
         engine_args, *rest = original_function(cls, kwargs)
         engine_args["extras"] = {**(engine_args.get("extras") or {}), RESOLVED_KEY: settings.as_dict()}
