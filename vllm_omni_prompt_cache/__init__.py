@@ -15,6 +15,7 @@ from vllm_omni_prompt_cache.config import (
     resolve_prompt_embed_cache_settings,
 )
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.rows import RowLayout, RowOutput
 from vllm_omni_prompt_cache.store import MISS, CacheStats, PromptEmbedCache
 from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache, uninstall_prompt_embed_cache
 
@@ -29,6 +30,8 @@ __all__ = [
     "PromptEmbedCache",
     "PromptEmbedCacheConfigError",
     "PromptEmbedCacheSettings",
+    "RowLayout",
+    "RowOutput",
     "install_prompt_embed_cache",
     "resolve_prompt_embed_cache_config",
     "resolve_prompt_embed_cache_settings",

@@ -66,6 +66,9 @@ MAX_KEY_ITEMS = 10_000
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 _NONE = ("none",)
+#: Follows the model tag in a row's identity (see :mod:`.rows`); no argument value encodes to it,
+#: so a row never shares an entry with a whole call.
+_ROW = ("row",)
 
 
 class CallKey(NamedTuple):
@@ -267,15 +270,22 @@ class CallKeyBuilder:
 
     def build(self, args: tuple, kwargs: Mapping[str, Any]) -> CallKey | Bypass:
         """Return the call's key, or a Bypass saying why it has none."""
+        arguments = self.bind(args, kwargs)
+        if type(arguments) is Bypass:
+            return arguments
+        return self.build_from_arguments(arguments)
+
+    def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any] | Bypass:
+        """Return the call's arguments by name in signature order, defaults applied."""
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError:
             return Bypass("arguments do not match the encode_prompt signature")
         bound.apply_defaults()
-        return self.build_from_arguments(bound.arguments)
+        return bound.arguments
 
-    def build_from_arguments(self, arguments: Mapping[str, Any]) -> CallKey | Bypass:
-        """Return the key for already-bound arguments (defaults applied)."""
+    def precomputed(self, arguments: Mapping[str, Any]) -> Bypass | None:
+        """Return a Bypass when the call passes precomputed embeddings (a pass-through), else None."""
         for name in self._precomputed_names:
             if arguments[name] is not None:
                 return Bypass(f"precomputed {name} given")
@@ -284,10 +294,17 @@ class CallKeyBuilder:
             for name in PRECOMPUTED_EMBED_ARGS:
                 if extra.get(name) is not None:
                     return Bypass(f"precomputed {name} given")
+        return None
+
+    def build_from_arguments(self, arguments: Mapping[str, Any], *, row: bool = False) -> CallKey | Bypass:
+        """Return the key for already-bound arguments (defaults applied); ``row``: one row's key."""
+        precomputed = self.precomputed(arguments)
+        if precomputed is not None:
+            return precomputed
         encoder = _Encoder(self.digest)
         encode = encoder.encode
         # Bound arguments come in signature order, so values alone identify the call.
-        parts = [self.model_tag]
+        parts = [self.model_tag, _ROW] if row else [self.model_tag]
         for name, value in arguments.items():
             try:
                 parts.append(encode(value))

@@ -9,7 +9,10 @@
 * exact verification of every hit against the witness (see :mod:`.keys`);
 * single-flight (:meth:`PromptEmbedCache.get_or_compute`): concurrent identical misses run the
   encoder once; if that run raises, its caller sees the error and nothing is cached;
-* statistics with a count for every bypass reason, as one :class:`CacheStats` snapshot.
+* rows (:meth:`PromptEmbedCache.get_or_compute_rows`): a batched call's rows are entries of their
+  own, with the same verification and single-flight per row (see :mod:`.rows`);
+* statistics with a count for every bypass reason, for calls and for rows, as one
+  :class:`CacheStats` snapshot.
 
 Every decision depends only on the order of calls, never on timing or on
 memory addresses, so ranks that see the same calls take the same decisions.
@@ -18,9 +21,10 @@ memory addresses, so ranks that see the same calls take the same decisions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -48,6 +52,9 @@ class _Miss:
 #: What :meth:`PromptEmbedCache.get` returns for an absent key, so that a cached ``None`` is a hit.
 MISS: Any = _Miss()
 
+# How a key is served (see PromptEmbedCache._claim).
+_HIT, _OWN, _JOIN, _DIRECT = "hit", "own", "join", "direct"
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
@@ -66,6 +73,12 @@ class CacheStats:
     max_bytes: int | None = None
     enabled: bool = True
     verify: bool = True
+    # Rows of batched calls (pipelines with a row layout): each row is an entry of its own.
+    row_hits: int = 0  # rows served without this call encoding them (cache, another call's encode, a duplicate)
+    row_misses: int = 0  # rows this cache encoded and stored
+    row_bypass_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)  # rows encoded, not stored
+    rows_encoded: int = 0  # rows that reached the encoder: row misses and bypasses, and rows of whole calls
+    whole_call_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)  # calls not split, and why
 
     @property
     def calls(self) -> int:
@@ -77,18 +90,26 @@ class CacheStats:
         """Return hits over all calls, bypasses included (0.0 before any call)."""
         return self.hits / self.calls if self.calls else 0.0
 
+    @property
+    def row_bypassed(self) -> int:
+        """Return the rows of split calls that were encoded without being cached."""
+        return sum(self.row_bypass_reasons.values())
+
     def since(self, earlier: CacheStats) -> CacheStats:
         """Return the counts between ``earlier`` and this snapshot; sizes and settings stay as now."""
-        reasons = Counter(self.bypass_reasons)
-        reasons.subtract(earlier.bypass_reasons)
         return dataclasses.replace(
             self,
             hits=self.hits - earlier.hits,
             misses=self.misses - earlier.misses,
             bypassed=self.bypassed - earlier.bypassed,
-            bypass_reasons={reason: count for reason, count in reasons.most_common() if count},
+            bypass_reasons=_reasons_since(self.bypass_reasons, earlier.bypass_reasons),
             evictions=self.evictions - earlier.evictions,
             oversize_rejections=self.oversize_rejections - earlier.oversize_rejections,
+            row_hits=self.row_hits - earlier.row_hits,
+            row_misses=self.row_misses - earlier.row_misses,
+            row_bypass_reasons=_reasons_since(self.row_bypass_reasons, earlier.row_bypass_reasons),
+            rows_encoded=self.rows_encoded - earlier.rows_encoded,
+            whole_call_reasons=_reasons_since(self.whole_call_reasons, earlier.whole_call_reasons),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,15 +123,27 @@ class CacheStats:
         return cls(**{key: value for key, value in stats.items() if key in names})
 
     def summary(self) -> str:
-        """Return the one-line summary the worker logs: hit rate, size, bytes, top bypass reasons."""
+        """Return the one-line summary the worker logs: calls, rows, size, bytes, top bypass reasons."""
         budget = "no limit" if self.max_bytes is None else f"{self.max_bytes / 2**20:.1f} MiB"
         reasons = "; ".join(f"{reason} x{count}" for reason, count in list(self.bypass_reasons.items())[:3])
+        rows = (
+            f"rows: {self.row_hits} hits, {self.row_misses} misses, {self.row_bypassed} bypassed, "
+            f"{self.rows_encoded} encoded; "
+            if self.row_hits or self.rows_encoded
+            else ""
+        )
         return (
             f"Prompt-embed cache: hit rate {self.hit_rate:.1%} "
-            f"({self.hits} hits, {self.misses} misses, {self.bypassed} bypassed), "
+            f"({self.hits} hits, {self.misses} misses, {self.bypassed} bypassed), {rows}"
             f"{self.size}/{self.max_size} entries, {self.bytes / 2**20:.1f} MiB of {budget}, "
             f"{self.evictions} evictions" + (f"; top bypass reasons: {reasons}" if reasons else "")
         )
+
+
+def _reasons_since(now: Mapping[str, int], earlier: Mapping[str, int]) -> dict[str, int]:
+    reasons = Counter(now)
+    reasons.subtract(earlier)
+    return {reason: count for reason, count in reasons.most_common() if count}
 
 
 class _Entry(NamedTuple):
@@ -199,6 +232,11 @@ class PromptEmbedCache:
         self._evictions = 0
         self._oversize = 0
         self._bypass_reasons: Counter[str] = Counter()
+        self._row_hits = 0
+        self._row_misses = 0
+        self._row_bypass_reasons: Counter[str] = Counter()
+        self._rows_encoded = 0
+        self._whole_call_reasons: Counter[str] = Counter()
         self._generation = 0  # bumped by clear(): results computed before it are not stored
 
     # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
@@ -280,44 +318,123 @@ class PromptEmbedCache:
             self._bytes -= evicted.nbytes
             self._evictions += 1
 
+    def _claim(self, key: CallKey) -> tuple[str, Any]:
+        """Decide how ``key`` is served; the lock is held. Counts nothing: callers count calls or rows.
+
+        Returns ``(HIT, value)``, ``(OWN, flight)`` (the caller encodes and lands it), ``(JOIN, flight)``
+        (another thread encodes it) or ``(DIRECT, reason)`` (encode without caching).
+        """
+        entry = self._entries.get(key.identity)
+        if entry is not None:
+            if entry.witness is None or witness_matches(entry.witness, key.witness):
+                self._entries.move_to_end(key.identity)
+                return _HIT, entry.value
+            return _DIRECT, COLLISION_REASON
+        flight = self._flights.get(key.identity)
+        if flight is None:
+            witness = freeze_witness(key.witness) if self.verify else None
+            flight = self._flights[key.identity] = _Flight(witness, self._generation)
+            return _OWN, flight
+        if flight.witness is not None and not witness_matches(flight.witness, key.witness):
+            return _DIRECT, COLLISION_REASON  # also two colliding rows of one call
+        if flight.owner == threading.get_ident():
+            return _DIRECT, REENTRANT_REASON
+        flight.waiters += 1
+        return _JOIN, flight
+
     def get_or_compute(self, key: CallKey, compute: Callable[[], T]) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result."""
         while True:
             with self._lock:
-                entry = self._entries.get(key.identity)
-                if entry is not None:
-                    if entry.witness is None or witness_matches(entry.witness, key.witness):
-                        self._entries.move_to_end(key.identity)
-                        self._hits += 1
-                        return entry.value
-                    self._bypass_reasons[COLLISION_REASON] += 1
-                    flight = None
-                    owner = False
-                else:
-                    flight = self._flights.get(key.identity)
-                    owner = flight is None
-                    if owner:
-                        witness = freeze_witness(key.witness) if self.verify else None
-                        flight = self._flights[key.identity] = _Flight(witness, self._generation)
-                        self._misses += 1
-                    elif flight.owner == threading.get_ident():
-                        self._bypass_reasons[REENTRANT_REASON] += 1
-                        flight = None
-                    elif flight.witness is not None and not witness_matches(flight.witness, key.witness):
-                        self._bypass_reasons[COLLISION_REASON] += 1
-                        flight = None
-                    else:
-                        flight.waiters += 1
-            if flight is None:
+                outcome, claimed = self._claim(key)
+                if outcome is _HIT:
+                    self._hits += 1
+                    return claimed
+                if outcome is _OWN:
+                    self._misses += 1
+                elif outcome is _DIRECT:
+                    self._bypass_reasons[claimed] += 1
+            if outcome is _DIRECT:
                 return compute()
-            if owner:
-                return self._run_flight(key, flight, compute)
-            flight.done.wait()
-            if not flight.failed:
+            if outcome is _OWN:
+                return self._run_flight(key, claimed, compute)
+            claimed.done.wait()
+            if not claimed.failed:
                 with self._lock:
                     self._hits += 1
-                return flight.value
+                return claimed.value
             # The owner's encode raised and its caller got the error; try again ourselves.
+
+    def get_or_compute_rows(self, keys: Sequence[CallKey], compute: Callable[[int], T], *, repeats: int = 0) -> list[T]:
+        """Return a value for each of ``keys`` (distinct rows of one call), running ``compute(i)`` per missing row.
+
+        Each row is looked up, verified, encoded once across concurrent calls, and stored on its own.
+        ``repeats``: the call's other rows, each a copy of one of ``keys``, counted as row hits. The
+        call counts as a hit when it encoded no row itself. It encodes the rows it owns before it
+        waits for rows other calls are encoding, so two calls waiting on each other cannot deadlock.
+        """
+        with self._lock:
+            self._row_hits += repeats
+        values: list[Any] = [MISS] * len(keys)
+        pending: Sequence[int] = range(len(keys))
+        encoded = 0
+        succeeded = False
+        try:
+            while pending:
+                claims = []
+                with self._lock:
+                    for index in pending:
+                        outcome, claimed = self._claim(keys[index])
+                        if outcome is _HIT:
+                            self._row_hits += 1
+                            values[index] = claimed
+                            continue
+                        if outcome is _OWN:
+                            self._row_misses += 1
+                        elif outcome is _DIRECT:
+                            self._row_bypass_reasons[claimed] += 1
+                        claims.append((index, outcome, claimed))
+                owned = [(index, flight) for index, outcome, flight in claims if outcome is _OWN]
+                for position, (index, flight) in enumerate(owned):
+                    try:
+                        values[index] = self._run_flight(keys[index], flight, functools.partial(compute, index))
+                    except BaseException:
+                        self._abandon([(keys[later], unrun) for later, unrun in owned[position + 1 :]])
+                        raise
+                    encoded += 1
+                for index, outcome, _ in claims:
+                    if outcome is _DIRECT:
+                        values[index] = compute(index)
+                        encoded += 1
+                pending = []
+                for index, outcome, flight in claims:
+                    if outcome is not _JOIN:
+                        continue
+                    flight.done.wait()
+                    if flight.failed:  # its owner's caller got the error; claim the row again
+                        pending.append(index)
+                        continue
+                    values[index] = flight.value
+                    with self._lock:
+                        self._row_hits += 1
+            succeeded = True
+            return values
+        finally:
+            with self._lock:
+                self._rows_encoded += encoded
+                if encoded or not succeeded:
+                    self._misses += 1
+                else:
+                    self._hits += 1
+
+    def _abandon(self, flights: list[tuple[CallKey, _Flight]]) -> None:
+        """Retire flights whose encode will not run (an earlier row raised): their waiters try again."""
+        with self._lock:
+            for key, flight in flights:
+                flight.failed = True
+                self._land(key.identity, flight)
+        for _, flight in flights:
+            flight.done.set()
 
     def _run_flight(self, key: CallKey, flight: _Flight, compute: Callable[[], T]) -> T:
         try:
@@ -349,6 +466,16 @@ class PromptEmbedCache:
         with self._lock:
             self._bypass_reasons[reason] += 1
 
+    def record_whole_call(self, reason: str) -> None:
+        """Count one call of a pipeline with a row layout that was keyed as a whole, under ``reason``."""
+        with self._lock:
+            self._whole_call_reasons[reason] += 1
+
+    def record_rows_encoded(self, rows: int) -> None:
+        """Count ``rows`` rows a whole call sends to the encoder (split calls count their own)."""
+        with self._lock:
+            self._rows_encoded += rows
+
     def clear(self) -> None:
         """Drop every entry, and any result still being computed; counters are kept.
 
@@ -377,6 +504,11 @@ class PromptEmbedCache:
                 max_bytes=self.max_bytes,
                 enabled=self.enabled,
                 verify=self.verify,
+                row_hits=self._row_hits,
+                row_misses=self._row_misses,
+                row_bypass_reasons=dict(self._row_bypass_reasons.most_common()),
+                rows_encoded=self._rows_encoded,
+                whole_call_reasons=dict(self._whole_call_reasons.most_common()),
             )
 
     def stats(self) -> dict[str, Any]:

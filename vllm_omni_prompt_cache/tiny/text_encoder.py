@@ -63,3 +63,40 @@ class TokenIdTextPipeline(torch.nn.Module):
             embeds.repeat_interleave(num_images_per_prompt, dim=0),
             attention_mask.repeat_interleave(num_images_per_prompt, dim=0),
         )
+
+
+class QwenStyleTokenPipeline(TokenIdTextPipeline):
+    """Encodes token ids the way Qwen-Image token-ID adapters do: each prompt's attended hidden
+    states, right-padded with zeros to the longest prompt of the batch (its padding is not kept).
+
+    Its ``encode_prompt`` has the signature vLLM-Omni's token-ID layout recognises, so tests can use
+    that layout without vLLM-Omni; ``encoded_rows`` counts rows that reached the encoder.
+    """
+
+    def __init__(self, text_encoder: torch.nn.Module) -> None:
+        super().__init__(text_encoder)
+        self.encoded_rows = 0
+
+    @torch.inference_mode()
+    def encode_prompt(
+        self,
+        prompt_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_images_per_prompt: int = 1,
+        max_sequence_length: int = 1024,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(prompt_embeds [B*n, S, D], mask [B*n, S])``, S the longest attended row."""
+        self.encoder_runs += 1
+        self.encoded_rows += prompt_ids.shape[0]
+        mask = attention_mask.bool()
+        hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=mask.long()).last_hidden_state
+        rows = torch.split(hidden[mask], mask.sum(dim=1).tolist())
+        longest = max(row.shape[0] for row in rows)
+        embeds = torch.stack([torch.cat([row, row.new_zeros(longest - row.shape[0], row.shape[1])]) for row in rows])
+        lengths = torch.tensor([row.shape[0] for row in rows])
+        embeds_mask = (torch.arange(longest) < lengths[:, None]).long()
+        embeds, embeds_mask = embeds[:, :max_sequence_length], embeds_mask[:, :max_sequence_length]
+        return (
+            embeds.repeat_interleave(num_images_per_prompt, dim=0),
+            embeds_mask.repeat_interleave(num_images_per_prompt, dim=0),
+        )

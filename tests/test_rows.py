@@ -1,0 +1,396 @@
+"""Row-level caching of batched encode_prompt calls, on real (tiny, random-weight) transformers encoders.
+
+Exactness is stated as in docs/design.md: an assembled output is bit-identical to encoding each
+row alone and laying the rows out as the uncached call does; against one uncached call on the
+whole batch it differs only as much as the encoder's kernels are not batch-invariant.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache
+from vllm_omni_prompt_cache.rows import LayoutMismatch
+from vllm_omni_prompt_cache.store import COLLISION_REASON
+from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
+from vllm_omni_prompt_cache.vllm_omni.layouts import QWEN_IMAGE_TEXT, TOKEN_IDS
+from vllm_omni_prompt_cache.wrapper import LAYOUT_DROPPED_REASON
+
+WIDTH = 24
+
+
+@pytest.fixture(scope="module")
+def encoder() -> torch.nn.Module:
+    return build_qwen2_encoder()
+
+
+def token_rows(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, WIDTH - 4, (count,), generator=generator).tolist()
+    return [torch.randint(1, 1000, (length,), generator=generator).tolist() for length in lengths]
+
+
+def collate(rows: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh right-padded int64 ids and a bool mask, as an RL adapter collates a request batch."""
+    width = width or max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = torch.tensor(row)
+    return ids, ids != 0
+
+
+def rows_alone(pipeline, rows: list[list[int]], copies: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: each row encoded alone (a batch of one), padded and laid out as one call would."""
+    alone = [pipeline.encode_prompt(*collate([row]), num_images_per_prompt=1) for row in rows]
+    longest = max(embeds.shape[1] for embeds, _ in alone)
+    embeds = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[1])) for e, _ in alone])
+    masks = torch.cat([torch.nn.functional.pad(m, (0, longest - m.shape[1])) for _, m in alone])
+    return embeds.repeat_interleave(copies, dim=0), masks.repeat_interleave(copies, dim=0)
+
+
+class SiblingsBatch:
+    """P prompts x K siblings collated into one call, the way max_num_seqs batches requests."""
+
+    def __init__(self, prompts: int, siblings: int, seed: int = 0) -> None:
+        self.distinct = token_rows(prompts, seed)
+        self.rows = [self.distinct[i % prompts] for i in range(prompts * siblings)]
+
+
+def test_siblings_in_one_call_encode_each_distinct_row_once_alone(encoder) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    reference = QwenStyleTokenPipeline(encoder)
+    batch = SiblingsBatch(prompts=3, siblings=4)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    embeds, mask = pipeline.encode_prompt(*collate(batch.rows))
+    assert (pipeline.encoder_runs, pipeline.encoded_rows) == (3, 3)  # three runs of one row each
+    expected_embeds, expected_mask = rows_alone(reference, batch.rows, copies=1)
+    assert torch.equal(embeds, expected_embeds) and torch.equal(mask, expected_mask)
+    full_embeds, full_mask = reference.encode_prompt(*collate(batch.rows))
+    assert embeds.shape == full_embeds.shape and torch.equal(mask, full_mask)
+    # The batch-invariance gap of this encoder on this CPU, reported (docs/benchmarks.md quotes it).
+    gap = (embeds - full_embeds).abs().max().item()
+    print(f"max |assembled - uncached full batch| = {gap:.3g}")
+    assert gap < 1e-4
+    stats = cache.snapshot()
+    assert (stats.row_misses, stats.row_hits, stats.rows_encoded, stats.size) == (3, 9, 3, 3)
+    assert (stats.misses, stats.hits) == (1, 0)
+
+
+def test_trailing_padding_is_not_part_of_a_row(encoder) -> None:
+    """The same prompt padded to two batch widths is one row: the second batch only hits."""
+    pipeline = QwenStyleTokenPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    rows = token_rows(4, seed=1)
+    pipeline.encode_prompt(*collate(rows[:2], width=WIDTH))
+    runs = pipeline.encoder_runs
+    embeds, mask = pipeline.encode_prompt(*collate([rows[1], rows[0], rows[1]], width=WIDTH + 9))
+    assert pipeline.encoder_runs == runs
+    expected = rows_alone(QwenStyleTokenPipeline(encoder), [rows[1], rows[0], rows[1]], copies=1)
+    assert torch.equal(embeds, expected[0]) and torch.equal(mask, expected[1])
+    assert cache.snapshot().hits == 1
+
+
+def test_masked_positions_inside_a_row_stay_in_its_key(encoder) -> None:
+    """Only trailing masked columns are dropped: a hole in the mask makes a different row."""
+    pipeline = QwenStyleTokenPipeline(encoder)
+    install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    ids, mask = collate(token_rows(1, seed=2))
+    holed = mask.clone()
+    holed[0, 2] = False
+    pipeline.encode_prompt(ids, mask)
+    pipeline.encode_prompt(ids, holed)
+    assert pipeline.encoder_runs == 2
+
+
+def test_copies_are_laid_out_as_the_uncached_call_does(encoder) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    rows = token_rows(1, seed=3)
+    embeds, mask = pipeline.encode_prompt(*collate(rows), num_images_per_prompt=3)
+    expected = QwenStyleTokenPipeline(encoder).encode_prompt(*collate(rows), num_images_per_prompt=3)
+    assert torch.equal(embeds, expected[0]) and torch.equal(mask, expected[1])
+
+
+def test_undeclared_copy_order_keys_a_multi_row_multi_copy_call_whole(encoder) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    ids, mask = collate(token_rows(2, seed=4))
+    first = pipeline.encode_prompt(ids, mask, num_images_per_prompt=2)
+    second = pipeline.encode_prompt(ids.clone(), mask.clone(), num_images_per_prompt=2)
+    assert pipeline.encoder_runs == 1 and torch.equal(first[0], second[0])
+    stats = cache.snapshot()
+    ((reason, count),) = stats.whole_call_reasons.items()
+    assert count == 2 and "copy order is not declared" in reason
+    assert stats.rows_encoded == 2  # the whole call's two rows reached the encoder once
+
+
+class TextPipeline(torch.nn.Module):
+    """Stock QwenImagePipeline.encode_prompt's exact layout code over a real encoder, text in.
+
+    Its embeddings keep each prompt's copies together (``repeat`` on the sequence dimension, then
+    ``view``); its mask tiles the batch (``repeat(1, n, 1)`` on a 2-D tensor).
+    """
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = QwenStyleTokenPipeline(encoder)
+
+    def encode_prompt(self, prompt, num_images_per_prompt=1, prompt_embeds=None, max_sequence_length=1024):
+        prompt = [prompt] if isinstance(prompt, str) else prompt
+        ids = [[ord(character) for character in text] for text in prompt]
+        prompt_embeds, prompt_embeds_mask = self.inner.encode_prompt(*collate(ids))
+        prompt_embeds = prompt_embeds[:, :max_sequence_length]
+        prompt_embeds_mask = prompt_embeds_mask[:, :max_sequence_length]
+        batch_size, seq_len, _ = prompt_embeds.shape
+        prompt_embeds = prompt_embeds.repeat(1, num_images_per_prompt, 1)
+        prompt_embeds = prompt_embeds.view(batch_size * num_images_per_prompt, seq_len, -1)
+        prompt_embeds_mask = prompt_embeds_mask.repeat(1, num_images_per_prompt, 1)
+        prompt_embeds_mask = prompt_embeds_mask.view(batch_size * num_images_per_prompt, seq_len)
+        return prompt_embeds, prompt_embeds_mask
+
+
+@pytest.mark.parametrize("copies", [1, 2, 3])
+def test_text_rows_reproduce_stock_interleaved_embeds_and_tiled_mask(encoder, copies) -> None:
+    pipeline = TextPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=QWEN_IMAGE_TEXT)
+    prompts = ["a red fox", "a much longer prompt about a cat", "a red fox", "sky"]
+    embeds, mask = pipeline.encode_prompt(prompts, num_images_per_prompt=copies)
+    reference = TextPipeline(encoder)
+    alone = [reference.encode_prompt([text]) for text in prompts]
+    longest = max(e.shape[1] for e, _ in alone)
+    rows_embeds = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[1])) for e, _ in alone])
+    rows_mask = torch.cat([torch.nn.functional.pad(m, (0, longest - m.shape[1])) for _, m in alone])
+    assert torch.equal(embeds, rows_embeds.repeat_interleave(copies, dim=0))
+    assert torch.equal(mask, rows_mask.repeat(copies, 1))
+    full_embeds, full_mask = reference.encode_prompt(prompts, num_images_per_prompt=copies)
+    assert torch.equal(mask, full_mask) and (embeds - full_embeds).abs().max().item() < 1e-4
+    assert pipeline.inner.encoded_rows == 3
+    assert cache.snapshot().row_hits == 1
+
+
+def test_a_lone_string_and_a_one_element_list_share_a_row(encoder) -> None:
+    pipeline = TextPipeline(encoder)
+    install_prompt_embed_cache(pipeline, max_size=4, row_layout=QWEN_IMAGE_TEXT)
+    pipeline.encode_prompt("a red fox")
+    pipeline.encode_prompt(["a red fox", "a red fox"])
+    assert pipeline.inner.encoder_runs == 1
+
+
+def test_forced_digest_collisions_return_no_wrong_row(encoder) -> None:
+    """Every row digests alike: rows in one call and across calls must still stay apart."""
+    pipeline = QwenStyleTokenPipeline(encoder)
+    reference = QwenStyleTokenPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS, digest=lambda _: b"same")
+    rows = [row[:6] for row in token_rows(4, seed=5)]  # equal shapes: identities match, bytes differ
+    for batch in ([rows[0], rows[1], rows[0], rows[2]], [rows[3], rows[1], rows[0]]):
+        embeds, mask = pipeline.encode_prompt(*collate(batch))
+        expected = rows_alone(reference, batch, copies=1)
+        assert torch.equal(embeds, expected[0]) and torch.equal(mask, expected[1])
+    stats = cache.snapshot()
+    assert stats.row_bypass_reasons.get(COLLISION_REASON, 0) >= 3
+    assert stats.row_hits >= 1  # the duplicate of rows[0] in the first call, verified byte for byte
+
+
+def test_two_concurrent_batches_sharing_a_missing_row_encode_it_once(encoder) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    original = pipeline.encode_prompt
+    shared, first_only, second_only = token_rows(3, seed=6)
+    encoded: list[int] = []
+    second_joined = threading.Event()
+
+    def encode(prompt_ids, attention_mask, num_images_per_prompt=1, max_sequence_length=1024):
+        encoded.append(prompt_ids.shape[1])
+        if prompt_ids.shape[1] == len(shared) and threading.current_thread().name == "first":
+            assert second_joined.wait(timeout=30)  # hold the shared row until the second batch waits on it
+        return original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+
+    pipeline.encode_prompt = encode
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    results = {}
+
+    def run(name, batch):
+        results[name] = pipeline.encode_prompt(*collate(batch))
+
+    first = threading.Thread(target=run, name="first", args=("first", [shared, first_only]))
+    first.start()
+    while not cache._flights:  # the first batch has claimed its rows
+        threading.Event().wait(0.001)
+    second = threading.Thread(target=run, name="second", args=("second", [second_only, shared]))
+    second.start()
+    while not any(flight.waiters for flight in list(cache._flights.values())):
+        threading.Event().wait(0.001)
+    second_joined.set()
+    first.join(30)
+    second.join(30)
+    assert sorted(encoded) == sorted([len(shared), len(first_only), len(second_only)])
+    reference = QwenStyleTokenPipeline(encoder)
+    for name, batch in (("first", [shared, first_only]), ("second", [second_only, shared])):
+        expected = rows_alone(reference, batch, copies=1)
+        assert torch.equal(results[name][0], expected[0])
+    stats = cache.snapshot()
+    assert (stats.row_misses, stats.row_hits, stats.rows_encoded) == (3, 1, 3)
+
+
+def test_a_failed_row_encode_is_retried_by_the_batch_that_waited(encoder) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    original = pipeline.encode_prompt
+    shared, other = token_rows(2, seed=7)
+    calls = {"failed": False}
+    waiting = threading.Event()
+
+    def encode(prompt_ids, attention_mask, num_images_per_prompt=1, max_sequence_length=1024):
+        if threading.current_thread().name == "failing" and not calls["failed"]:
+            assert waiting.wait(timeout=30)
+            calls["failed"] = True
+            raise RuntimeError("encoder out of memory")
+        return original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+
+    pipeline.encode_prompt = encode
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    outcome = {}
+
+    def run(name, batch):
+        try:
+            outcome[name] = pipeline.encode_prompt(*collate(batch))
+        except RuntimeError as error:
+            outcome[name] = error
+
+    failing = threading.Thread(target=run, name="failing", args=("failing", [shared]))
+    failing.start()
+    while not cache._flights:
+        threading.Event().wait(0.001)
+    waiter = threading.Thread(target=run, name="waiter", args=("waiter", [other, shared]))
+    waiter.start()
+    while not any(flight.waiters for flight in list(cache._flights.values())):
+        threading.Event().wait(0.001)
+    waiting.set()
+    failing.join(30)
+    waiter.join(30)
+    assert isinstance(outcome["failing"], RuntimeError)
+    expected = rows_alone(QwenStyleTokenPipeline(encoder), [other, shared], copies=1)
+    assert torch.equal(outcome["waiter"][0], expected[0])
+    assert len(cache) == 2
+
+
+def test_entry_budget_counts_rows(encoder) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=2, row_layout=TOKEN_IDS)
+    rows = token_rows(3, seed=8)
+    embeds, _ = pipeline.encode_prompt(*collate(rows))
+    assert torch.equal(embeds, rows_alone(QwenStyleTokenPipeline(encoder), rows, copies=1)[0])
+    stats = cache.snapshot()
+    assert (stats.size, stats.evictions, stats.row_misses) == (2, 1, 3)
+
+
+def test_precomputed_embeddings_stay_a_bypass_and_count_no_rows(encoder) -> None:
+    pipeline = TextPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=4, row_layout=QWEN_IMAGE_TEXT)
+    pipeline.encode_prompt(["a"], prompt_embeds=torch.zeros(1, 2, 3))
+    stats = cache.snapshot()
+    assert stats.bypass_reasons == {"precomputed prompt_embeds given": 1} and stats.rows_encoded == 0
+
+
+def test_a_layout_that_does_not_match_the_outputs_is_dropped_once(encoder, caplog) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    wrong = RowLayout(
+        rows=("prompt_ids", "attention_mask"),
+        mask="attention_mask",
+        outputs=(RowOutput(), RowOutput(), RowOutput()),
+        name="three outputs",
+    )
+    cache = install_prompt_embed_cache(pipeline, max_size=8, row_layout=wrong)
+    rows = token_rows(2, seed=9)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.wrapper"):
+        first = pipeline.encode_prompt(*collate(rows))
+        second = pipeline.encode_prompt(*collate(rows))
+    expected = QwenStyleTokenPipeline(encoder).encode_prompt(*collate(rows))
+    assert torch.equal(first[0], expected[0]) and torch.equal(second[0], expected[0])
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "three outputs" in caplog.records[0].message
+    stats = cache.snapshot()
+    assert stats.whole_call_reasons == {LAYOUT_DROPPED_REASON: 1}
+    assert stats.hits == 1 and len(cache) == 1  # later calls are keyed whole, and hit
+
+
+def test_a_layout_naming_a_missing_parameter_is_refused_at_install(encoder, caplog) -> None:
+    pipeline = TokenIdTextPipeline(encoder)
+    layout = RowLayout(rows=("input_ids",), outputs=(RowOutput(),))
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.wrapper"):
+        install_prompt_embed_cache(pipeline, max_size=4, row_layout=layout)
+    assert "has no parameter 'input_ids'" in caplog.text
+
+
+def test_a_declared_layout_on_the_class_is_used(encoder) -> None:
+    class Declared(TokenIdTextPipeline):
+        # Outputs keep the input width (no trimming): rows are keyed with their padding.
+        prompt_embed_row_layout = RowLayout(
+            rows=("prompt_ids", "attention_mask"),
+            copies="num_images_per_prompt",
+            outputs=(RowOutput(pad_dim=1), RowOutput(pad_dim=1)),
+        )
+
+    pipeline = Declared(encoder)
+    install_prompt_embed_cache(pipeline, max_size=8)
+    batch = SiblingsBatch(prompts=2, siblings=3, seed=10)
+    ids, mask = collate(batch.rows, width=WIDTH)
+    embeds, embeds_mask = pipeline.encode_prompt(ids, mask, num_images_per_prompt=2)
+    expected = TokenIdTextPipeline(encoder).encode_prompt(ids, mask, num_images_per_prompt=2)
+    assert pipeline.encoder_runs == 2
+    assert torch.equal(embeds_mask, expected[1]) and (embeds - expected[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("arguments", "reason"),
+    [
+        ({"prompt_ids": torch.zeros(2, 3), "attention_mask": torch.ones(3, 3)}, "disagree on the batch size"),
+        ({"prompt_ids": torch.zeros(0, 3), "attention_mask": torch.ones(0, 3)}, "empty batch"),
+        ({"prompt_ids": 7, "attention_mask": torch.ones(1, 3)}, "not rows"),
+        ({"prompt_ids": torch.zeros(1, 3), "attention_mask": torch.ones(1)}, "not a [B, L] tensor"),
+        ({"prompt_ids": torch.zeros(2, 3), "attention_mask": torch.tensor([[1, 0, 0], [0, 0, 0]])}, "no position"),
+    ],
+)
+def test_calls_the_layout_cannot_split_say_why(arguments, reason) -> None:
+    split = TOKEN_IDS.split({**arguments, "num_images_per_prompt": 1, "max_sequence_length": 8})
+    assert isinstance(split, str) and reason in split
+
+
+@pytest.mark.parametrize("copies", [0, -1, 2.0, True])
+def test_copies_must_be_a_positive_integer(copies) -> None:
+    split = TOKEN_IDS.split(
+        {"prompt_ids": torch.zeros(1, 3), "attention_mask": torch.ones(1, 3), "num_images_per_prompt": copies}
+    )
+    assert isinstance(split, str) and "num_images_per_prompt" in split
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rows": (), "outputs": (RowOutput(),)}, "at least one argument"),
+        ({"rows": ("a",), "outputs": ()}, "non-empty tuple of RowOutput"),
+        ({"rows": ("a",), "outputs": (RowOutput(),), "mask": "b"}, "must be one of its rows"),
+        ({"rows": ("a",), "outputs": (RowOutput(),), "copies": "a"}, "cannot also be a row"),
+    ],
+)
+def test_bad_layout_declarations_are_refused(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        RowLayout(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"pad_dim": 0}, "pad_dim"), ({"copies": "zip"}, "copies")])
+def test_bad_row_outputs_are_refused(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        RowOutput(**kwargs)
+
+
+def test_row_outputs_of_the_wrong_form_raise_layout_mismatch() -> None:
+    split = TOKEN_IDS.split(
+        {"prompt_ids": torch.zeros(1, 3), "attention_mask": torch.ones(1, 3), "num_images_per_prompt": 1}
+    )
+    with pytest.raises(LayoutMismatch, match="tuple of 2 tensors"):
+        split.check_row(torch.zeros(1, 3, 4))
+    with pytest.raises(LayoutMismatch, match=r"expected a \[1, \.\.\.\] tensor"):
+        split.check_row((torch.zeros(2, 3, 4), torch.zeros(2, 3)))

@@ -1,0 +1,281 @@
+"""What a row of a batched ``encode_prompt`` call is, and how cached rows become its output.
+
+A request-batched forward calls ``encode_prompt`` once with B prompts. Keyed as a whole, such a
+call misses whenever its batch differs from an earlier one, and K siblings of one prompt in one
+batch are encoded K times. A :class:`RowLayout` says how a call splits into rows and how its
+outputs are laid out, so each row is cached on its own and the output is assembled exactly as
+the uncached call would lay it out.
+
+A row is encoded *alone*: the original function is called with a batch of one, and with one copy
+(``num_images_per_prompt=1``). Its embedding therefore never depends on the other rows of the
+batch, and an assembled output is bit-identical to encoding each row alone and concatenating.
+Against one uncached call on the full batch it is as close as the kernels are batch-invariant
+(docs/benchmarks.md gives the measured difference).
+
+A token row is trimmed of its trailing masked positions (the padding a batch adds to its shorter
+rows): the same prompt padded to two batch widths is one row. Masked positions before the last
+attended one stay in the row, ids included.
+
+A call the layout cannot split exactly is keyed as a whole, with the reason counted. Nothing
+here knows about vLLM-Omni.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+#: The attribute a pipeline class sets to declare its layout (see :class:`RowLayout`).
+ROW_LAYOUT_ATTRIBUTE = "prompt_embed_row_layout"
+
+#: How an output holds each row's copies: ``"interleave"`` is r0, r0, r1, r1 (``repeat_interleave``),
+#: ``"tile"`` is r0, r1, r0, r1 (``repeat``); ``None``: not declared, so a call with several rows and
+#: several copies is keyed as a whole.
+CopyOrder = Literal["interleave", "tile"] | None
+
+
+class LayoutMismatch(Exception):
+    """A row's output does not have the shape its layout declares; the layout cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOutput:
+    """One tensor of ``encode_prompt``'s returned tuple: its row dimension is 0.
+
+    ``pad_dim``: rows may differ in length along this dimension and are right-padded with zeros to
+    the longest row of the batch; ``None`` when every row has the same shape. ``copies``: how the
+    uncached call orders each row's copies (see :data:`CopyOrder`).
+    """
+
+    pad_dim: int | None = 1
+    copies: CopyOrder = "interleave"
+
+    def __post_init__(self) -> None:
+        if self.pad_dim is not None and (type(self.pad_dim) is not int or self.pad_dim < 1):
+            raise ValueError(f"RowOutput.pad_dim must be None or an integer >= 1, got {self.pad_dim!r}")
+        if self.copies not in ("interleave", "tile", None):
+            raise ValueError(f"RowOutput.copies must be 'interleave', 'tile' or None, got {self.copies!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """How one ``encode_prompt`` signature batches rows. Declare it on the pipeline class::
+
+        class MyPipeline(...):
+            prompt_embed_row_layout = RowLayout(
+                rows=("prompt_ids", "attention_mask"),
+                mask="attention_mask",
+                copies="num_images_per_prompt",
+                outputs=(RowOutput(pad_dim=1), RowOutput(pad_dim=1)),
+            )
+
+    ``rows``: the arguments that carry one entry per row: tensors (row dimension 0) or lists and
+    tuples; a lone ``str`` is one row. ``mask``: a ``[B, L]`` tensor among them; each row drops its
+    trailing masked columns from every row tensor that has L columns. ``copies``: the integer
+    argument that repeats each row in the outputs. ``outputs``: the returned tuple, one entry per
+    tensor. Every other argument is shared by the rows and enters each row's key.
+
+    Declaring a layout asserts that a row's output does not depend on the other rows of its batch
+    beyond padding, and that ``copies`` only repeats rows.
+    """
+
+    rows: tuple[str, ...]
+    outputs: tuple[RowOutput, ...]
+    mask: str | None = None
+    copies: str | None = None
+    name: str = "declared"
+
+    def __post_init__(self) -> None:
+        if not self.rows or not all(type(name) is str for name in self.rows):
+            raise ValueError(f"RowLayout.rows must name at least one argument, got {self.rows!r}")
+        if not self.outputs or not all(isinstance(output, RowOutput) for output in self.outputs):
+            raise ValueError(f"RowLayout.outputs must be a non-empty tuple of RowOutput, got {self.outputs!r}")
+        if self.mask is not None and self.mask not in self.rows:
+            raise ValueError(f"RowLayout.mask {self.mask!r} must be one of its rows {self.rows!r}")
+        if self.copies is not None and self.copies in self.rows:
+            raise ValueError(f"RowLayout.copies {self.copies!r} cannot also be a row argument")
+
+    def unusable_with(self, signature: inspect.Signature) -> str | None:
+        """Return why this layout cannot describe ``signature``, or None when it can."""
+        parameters = signature.parameters
+        for name in (*self.rows, *(n for n in (self.copies,) if n is not None)):
+            parameter = parameters.get(name)
+            if parameter is None:
+                return f"encode_prompt has no parameter {name!r}"
+            if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+                return f"parameter {name!r} is variadic"
+        return None
+
+    def split(self, arguments: Mapping[str, Any]) -> RowSplit | str:
+        """Return the call's rows, or the reason it must be keyed as a whole."""
+        values = [arguments[name] for name in self.rows]
+        sizes = set()
+        for name, value in zip(self.rows, values, strict=True):
+            size = _row_count(value)
+            if size is None:
+                return f"argument {name!r} is a {type(value).__qualname__}, not rows"
+            sizes.add(size)
+        if len(sizes) != 1:
+            return f"row arguments disagree on the batch size: {sorted(sizes)}"
+        (batch,) = sizes
+        if batch == 0:
+            return "empty batch"
+        copies = 1
+        if self.copies is not None:
+            copies = arguments[self.copies]
+            if type(copies) is not int or copies < 1:
+                return f"argument {self.copies!r} is {copies!r}, not an integer >= 1"
+            if batch > 1 and copies > 1 and any(output.copies is None for output in self.outputs):
+                return f"{self.copies}={copies} with {batch} rows: the outputs' copy order is not declared"
+        lengths = None
+        if self.mask is not None:
+            mask = arguments[self.mask]
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+                return f"mask {self.mask!r} is not a [B, L] tensor"
+            lengths = _attended_lengths(mask)
+            if min(lengths) == 0:
+                return f"a row of {self.mask!r} attends to no position"
+        return RowSplit(self, arguments, batch, copies, lengths)
+
+    def batch_size(self, arguments: Mapping[str, Any]) -> int | None:
+        """Return how many rows the call holds, or None when its row arguments do not say."""
+        sizes = {_row_count(arguments[name]) for name in self.rows}
+        return sizes.pop() if len(sizes) == 1 else None
+
+
+def _row_count(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() >= 1 else None
+    if isinstance(value, str):
+        return 1
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return None
+
+
+def _attended_lengths(mask: torch.Tensor) -> list[int]:
+    """Return, per row, one past its last attended (non-zero) column; 0 for a row with none."""
+    attended = (mask != 0).cpu()
+    columns = torch.arange(1, attended.shape[1] + 1)
+    return (attended * columns).amax(dim=1).tolist() if attended.shape[1] else [0] * attended.shape[0]
+
+
+class RowSplit:
+    """One call cut into rows: each row's arguments for its key and for the encoder, and the assembly."""
+
+    def __init__(
+        self,
+        layout: RowLayout,
+        arguments: Mapping[str, Any],
+        batch: int,
+        copies: int,
+        lengths: list[int] | None,
+    ) -> None:
+        self.layout = layout
+        self.arguments = arguments
+        self.batch = batch
+        self.copies = copies
+        self.lengths = lengths
+        mask = arguments[layout.mask] if layout.mask is not None else None
+        self._width = None if mask is None else mask.shape[1]
+        # Keys read CPU bytes: each batched tensor crosses to the CPU once, not once per row.
+        self._on_cpu = {
+            name: value.detach().cpu()
+            for name in layout.rows
+            if isinstance(value := arguments[name], torch.Tensor) and not value.is_cpu
+        }
+
+    def _row(self, value: Any, index: int, *, for_key: bool) -> Any:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)):
+            # A key holds the bare item, so a lone string and a list of one share a row.
+            if for_key:
+                return value[index]
+            return [value[index]] if isinstance(value, list) else (value[index],)
+        row = value[index : index + 1]
+        if self.lengths is not None and value.dim() >= 2 and value.shape[1] == self._width:
+            row = row[:, : self.lengths[index]]
+        return row
+
+    def key_arguments(self, index: int) -> dict[str, Any]:
+        """Return row ``index``'s arguments as its key reads them (CPU tensors, one copy)."""
+        return self._arguments(index, for_key=True)
+
+    def call_arguments(self, index: int) -> dict[str, Any]:
+        """Return row ``index``'s arguments for the original function (the caller's devices, one copy)."""
+        return self._arguments(index, for_key=False)
+
+    def _arguments(self, index: int, *, for_key: bool) -> dict[str, Any]:
+        row_arguments = dict(self.arguments)  # signature order is kept: keys depend on it
+        for name in self.layout.rows:
+            value = self._on_cpu.get(name, self.arguments[name]) if for_key else self.arguments[name]
+            row_arguments[name] = self._row(value, index, for_key=for_key)
+        if self.layout.copies is not None:
+            row_arguments[self.layout.copies] = 1
+        return row_arguments
+
+    def check_row(self, value: Any) -> Any:
+        """Return ``value`` (one row's output) if it has the declared form; raise LayoutMismatch if not."""
+        outputs = self.layout.outputs
+        if not isinstance(value, (tuple, list)) or len(value) != len(outputs):
+            raise LayoutMismatch(
+                f"a row returned {type(value).__qualname__}"
+                + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
+                + f", the layout declares a tuple of {len(outputs)} tensors"
+            )
+        for position, (tensor, output) in enumerate(zip(value, outputs, strict=True)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] != 1:
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__qualname__
+                raise LayoutMismatch(f"output {position} of a one-row call is {shape}, expected a [1, ...] tensor")
+            if output.pad_dim is not None and tensor.dim() <= output.pad_dim:
+                raise LayoutMismatch(f"output {position} has no dimension {output.pad_dim} to pad")
+        return value
+
+    def assemble(self, row_values: Sequence[Any]) -> Any:
+        """Return the call's output from each row's one-copy output (``row_values[i]`` for row i)."""
+        assembled = [
+            self._assemble_output(position, output, [value[position] for value in row_values])
+            for position, output in enumerate(self.layout.outputs)
+        ]
+        kind = type(row_values[0])
+        if kind is tuple or kind is list:
+            return kind(assembled)
+        return kind(*assembled) if hasattr(kind, "_fields") else kind(assembled)  # named tuples too
+
+    def _assemble_output(self, position: int, output: RowOutput, rows: list[torch.Tensor]) -> torch.Tensor:
+        first = rows[0]
+        for row in rows[1:]:
+            same_rest = row.shape[1:] == first.shape[1:] if output.pad_dim is None else _same_except(row, first, output)
+            if row.dtype != first.dtype or row.device != first.device or not same_rest:
+                raise LayoutMismatch(
+                    f"output {position}: rows of {tuple(first.shape)} {first.dtype} and "
+                    f"{tuple(row.shape)} {row.dtype} cannot be stacked as declared"
+                )
+        if output.pad_dim is None:
+            batch = torch.cat(rows)
+        else:
+            dim = output.pad_dim
+            longest = max(row.shape[dim] for row in rows)
+            shape = list(first.shape)
+            shape[0], shape[dim] = len(rows), longest
+            batch = first.new_zeros(shape)
+            for index, row in enumerate(rows):
+                batch[index : index + 1].narrow(dim, 0, row.shape[dim]).copy_(row)
+        if self.copies == 1:
+            return batch
+        if output.copies == "tile" and self.batch > 1:
+            return batch.repeat(self.copies, *([1] * (batch.dim() - 1)))
+        return batch.repeat_interleave(self.copies, dim=0)
+
+
+def _same_except(row: torch.Tensor, first: torch.Tensor, output: RowOutput) -> bool:
+    if row.dim() != first.dim():
+        return False
+    return all(
+        a == b for d, (a, b) in enumerate(zip(row.shape, first.shape, strict=True)) if d not in (0, output.pad_dim)
+    )
