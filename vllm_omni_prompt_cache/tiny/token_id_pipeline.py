@@ -5,7 +5,9 @@ verl-omni's Qwen-Image rollout adapter receives requests that carry pre-tokenize
 collates them into an int64 ``[B, L]`` tensor and a bool ``[B, L]`` mask on the worker's device, and
 calls a token-ID ``encode_prompt(prompt_ids, attention_mask, ...)``. This subclass of vLLM-Omni's
 ``QwenImagePipeline`` does exactly that, then denoises and decodes as the stock pipeline does.
-Load it with ``custom_pipeline_args={"pipeline_class": PIPELINE_CLASS}``.
+Load it with ``custom_pipeline_args={"pipeline_class": PIPELINE_CLASS}``. It serves both of
+vLLM-Omni's execution modes: the request batch (``forward``) and step execution
+(``step_execution=True``: ``prepare_encode`` per request, then the stock denoise steps).
 
 Every request collates *fresh* tensors, so with stock vLLM-Omni every ``encode_prompt`` call
 bypasses the prompt-embed cache; with this package installed, siblings hit.
@@ -13,6 +15,8 @@ bypasses the prompt-embed cache; with this package installed, siblings hit.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import time
 from typing import Any, ClassVar
@@ -23,6 +27,8 @@ from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImageP
 from vllm_omni.diffusion.models.qwen_image.rope_utils import txt_seq_lens_from_embeds
 from vllm_omni.diffusion.utils.size_utils import normalize_min_aligned_size
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch, split_diffusion_output_by_request
+from vllm_omni.diffusion.worker.utils import StepRequestState
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 PIPELINE_CLASS = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
 
@@ -30,21 +36,51 @@ _ID_KEYS = {"prompt": ("prompt_ids", "prompt_token_ids"), "negative_prompt": ("n
 _MASK_KEYS = {"prompt": "prompt_mask", "negative_prompt": "negative_prompt_mask"}
 
 
+@dataclasses.dataclass
+class _PreparedGeneration:
+    """What both execution modes need before denoising: encoded prompts, start latents, schedule."""
+
+    height: int
+    width: int
+    true_cfg_scale: float
+    do_true_cfg: bool
+    prompt_embeds: torch.Tensor
+    prompt_embeds_mask: torch.Tensor
+    negative_embeds: torch.Tensor | None
+    negative_mask: torch.Tensor | None
+    latents: torch.Tensor
+    img_shapes: list[list[tuple[int, int, int]]]
+    timesteps: torch.Tensor
+    guidance: torch.Tensor | None
+    txt_seq_lens: list[int]
+    negative_txt_seq_lens: list[int] | None
+
+
+def _images_per_prompt(sampling: OmniDiffusionSamplingParams) -> int:
+    return sampling.num_outputs_per_prompt if sampling.num_outputs_per_prompt > 0 else 1
+
+
 class TokenIdQwenImagePipeline(QwenImagePipeline):
     """Qwen-Image that encodes pre-tokenized prompts (template already applied by the client)."""
 
-    # The step-wise execution path calls encode_prompt with the text signature.
-    supports_step_execution: ClassVar[bool] = False
+    # prepare_encode below replaces the stock one, which calls encode_prompt with the text signature.
+    supports_step_execution: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.set_progress_bar_config(disable=True)  # one bar per request is noise in a rollout
         self.encoder_runs = 0  # calls that reached the text encoder (cache hits do not)
+        self.encoder_rows = 0  # prompt rows those calls encoded: batching shows here, not in encoder_runs
         self.encode_seconds = 0.0
 
     def text_encoder_counters(self) -> dict[str, float]:
-        """Return how often, and for how long, the text encoder actually ran (and in which process)."""
-        return {"encoder_runs": self.encoder_runs, "encode_seconds": self.encode_seconds, "pid": os.getpid()}
+        """Return how often, for how many rows and how long the text encoder ran (and in which process)."""
+        return {
+            "encoder_runs": self.encoder_runs,
+            "encoder_rows": self.encoder_rows,
+            "encode_seconds": self.encode_seconds,
+            "pid": os.getpid(),
+        }
 
     def encode_prompt(
         self,
@@ -56,6 +92,7 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         """Return ``(prompt_embeds, prompt_embeds_mask)`` for int64 ids and a bool mask ``[B, L]``."""
         started = time.perf_counter()
         self.encoder_runs += 1
+        self.encoder_rows += int(prompt_ids.shape[0])
         try:
             return self._encode_token_ids(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
         finally:
@@ -131,16 +168,23 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         templated = self.prompt_template_encode.format(text)
         return self.tokenizer(templated, add_special_tokens=False)["input_ids"]
 
-    def forward(self, req: DiffusionRequestBatch) -> list[DiffusionOutput]:
-        sampling = req.sampling_params_list[0]
+    def _prepare_generation(
+        self,
+        prompts: list[Any],
+        sampling: OmniDiffusionSamplingParams,
+        generator: torch.Generator | list[torch.Generator] | None,
+        latents: torch.Tensor | None,
+        attention_kwargs: dict[str, Any] | None = None,
+    ) -> _PreparedGeneration:
+        """Encode ``prompts`` (one row each) and draw start latents: the one path both modes share."""
         height = sampling.height or self.default_sample_size * self.vae_scale_factor
         width = sampling.width or self.default_sample_size * self.vae_scale_factor
         height, width = normalize_min_aligned_size(height, width, self.vae_scale_factor * 2)
-        images_per_prompt = sampling.num_outputs_per_prompt if sampling.num_outputs_per_prompt > 0 else 1
+        images_per_prompt = _images_per_prompt(sampling)
         max_sequence_length = sampling.max_sequence_length or self.tokenizer_max_length
         true_cfg_scale = sampling.true_cfg_scale or 4.0
 
-        positive = self.collate_token_ids(req.prompts, "prompt")
+        positive = self.collate_token_ids(prompts, "prompt")
         if positive is None:
             raise ValueError(
                 "TokenIdQwenImagePipeline needs every request to carry 'prompt_ids', 'prompt_token_ids' or 'prompt'"
@@ -148,7 +192,7 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         prompt_embeds, prompt_embeds_mask = self.encode_prompt(
             *positive, num_images_per_prompt=images_per_prompt, max_sequence_length=max_sequence_length
         )
-        negative = self.collate_token_ids(req.prompts, "negative_prompt")
+        negative = self.collate_token_ids(prompts, "negative_prompt")
         do_true_cfg = true_cfg_scale > 1 and negative is not None
         self.check_cfg_parallel_validity(true_cfg_scale, negative is not None)
         negative_embeds = negative_mask = None
@@ -158,10 +202,10 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
             )
 
         self._guidance_scale = sampling.guidance_scale if sampling.guidance_scale_provided else 1.0
-        self._attention_kwargs = {}
+        self._attention_kwargs = attention_kwargs or {}
         self._current_timestep = None
         self._interrupt = False
-        batch_size = len(req.prompts)
+        batch_size = len(prompts)
         latents = self.prepare_latents(
             batch_size * images_per_prompt,
             self.transformer.in_channels // 4,
@@ -169,8 +213,8 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
             width,
             prompt_embeds.dtype,
             self.device,
-            req.collate_request_generators(images_per_prompt, None),
-            req.collate_request_tensors("latents", None),
+            generator,
+            latents,
         )
         img_shapes = [[(1, height // self.vae_scale_factor // 2, width // self.vae_scale_factor // 2)]] * batch_size
         timesteps, _ = self.prepare_timesteps(sampling.num_inference_steps or 50, sampling.sigmas, latents.shape[1])
@@ -178,26 +222,51 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         guidance = None
         if self.transformer.guidance_embeds:
             guidance = torch.full([1], self._guidance_scale, dtype=torch.float32).expand(latents.shape[0])
+        return _PreparedGeneration(
+            height=height,
+            width=width,
+            true_cfg_scale=true_cfg_scale,
+            do_true_cfg=do_true_cfg,
+            prompt_embeds=prompt_embeds,
+            prompt_embeds_mask=prompt_embeds_mask,
+            negative_embeds=negative_embeds,
+            negative_mask=negative_mask,
+            latents=latents,
+            img_shapes=img_shapes,
+            timesteps=timesteps,
+            guidance=guidance,
+            txt_seq_lens=txt_seq_lens_from_embeds(prompt_embeds),
+            negative_txt_seq_lens=txt_seq_lens_from_embeds(negative_embeds),
+        )
 
+    def forward(self, req: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        sampling = req.sampling_params_list[0]
+        images_per_prompt = _images_per_prompt(sampling)
+        prepared = self._prepare_generation(
+            req.prompts,
+            sampling,
+            req.collate_request_generators(images_per_prompt, None),
+            req.collate_request_tensors("latents", None),
+        )
         latents = self.diffuse(
-            prompt_embeds,
-            prompt_embeds_mask,
-            negative_embeds,
-            negative_mask,
-            latents,
-            img_shapes,
-            txt_seq_lens_from_embeds(prompt_embeds),
-            txt_seq_lens_from_embeds(negative_embeds),
-            timesteps,
-            do_true_cfg,
-            guidance,
-            true_cfg_scale,
+            prepared.prompt_embeds,
+            prepared.prompt_embeds_mask,
+            prepared.negative_embeds,
+            prepared.negative_mask,
+            prepared.latents,
+            prepared.img_shapes,
+            prepared.txt_seq_lens,
+            prepared.negative_txt_seq_lens,
+            prepared.timesteps,
+            prepared.do_true_cfg,
+            prepared.guidance,
+            prepared.true_cfg_scale,
             image_latents=None,
             cfg_normalize=True,
             additional_transformer_kwargs={"return_dict": False, "attention_kwargs": self.attention_kwargs},
         )
         self._current_timestep = None
-        result = self._decode_latents(latents, height, width, sampling.output_type or "pil")
+        result = self._decode_latents(latents, prepared.height, prepared.width, sampling.output_type or "pil")
         outputs = split_diffusion_output_by_request(result, req, num_outputs_per_prompt=images_per_prompt)
         # RL trainers need the final latents (log-probs, exactness checks); the split drops them.
         for index, (output, params) in enumerate(zip(outputs, req.sampling_params_list, strict=True)):
@@ -205,3 +274,37 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
                 rows = slice(index * images_per_prompt, (index + 1) * images_per_prompt)
                 output.trajectory_latents = latents[rows].detach().clone()
         return outputs
+
+    def prepare_encode(self, state: StepRequestState, **kwargs: Any) -> StepRequestState:
+        """Fill ``state`` for step execution; the request's ids take forward's encode path."""
+        sampling = state.sampling
+        prepared = self._prepare_generation(
+            [state.prompt], sampling, sampling.generator, sampling.latents, kwargs.get("attention_kwargs")
+        )
+        # post_decode unpacks at sampling's size: give it the aligned size the latents were drawn at.
+        sampling.height, sampling.width = prepared.height, prepared.width
+        # prepare_timesteps left this request's schedule on self.scheduler; the next request resets it.
+        scheduler = copy.deepcopy(self.scheduler)
+        scheduler.set_begin_index(0)
+        state.prompt_embeds = prepared.prompt_embeds
+        state.prompt_embeds_mask = prepared.prompt_embeds_mask
+        state.negative_prompt_embeds = prepared.negative_embeds
+        state.negative_prompt_embeds_mask = prepared.negative_mask
+        state.latents = prepared.latents
+        state.timesteps = prepared.timesteps
+        state.step_index = 0
+        state.scheduler = scheduler
+        state.do_true_cfg = prepared.do_true_cfg
+        state.guidance = prepared.guidance
+        state.img_shapes = prepared.img_shapes
+        state.txt_seq_lens = prepared.txt_seq_lens
+        state.negative_txt_seq_lens = prepared.negative_txt_seq_lens
+        sampling.cfg_normalize = True  # as forward's diffuse(cfg_normalize=True)
+        return state
+
+    def post_decode(self, state: StepRequestState, **kwargs: Any) -> DiffusionOutput:
+        """Decode as the stock step path does, and keep the final latents as forward does."""
+        output = super().post_decode(state, **kwargs)
+        if state.sampling.return_trajectory_latents:
+            output.trajectory_latents = state.latents.detach().clone()
+        return output
