@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from vllm_omni_prompt_cache.cli import main
 from vllm_omni_prompt_cache.demo import command, report
@@ -31,6 +32,9 @@ from vllm_omni_prompt_cache.store import CacheStats
         (["--cache-size", "0"], "invalid prompt_embed_cache_size='0' from command-line flag --cache-size"),
         (["--model", "/nonexistent/model"], "argument --model: model directory '/nonexistent/model' does not exist"),
         (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
+        (["--max-num-seqs", "0"], "argument --max-num-seqs: expected comma-separated integers >= 1"),
+        (["--max-num-seqs", "1,abc"], "got 'abc' in '1,abc'"),
+        (["--max-num-seqs", "4,4"], "value listed twice in '4,4'"),
     ],
 )
 def test_bad_arguments_get_a_clear_error_not_a_traceback(arguments, message, capsys) -> None:
@@ -98,8 +102,8 @@ def test_arguments_and_extras_are_checked_where_vllm_omni_is_not_installed() -> 
 def test_a_failing_chart_costs_only_the_chart(monkeypatch, tmp_path) -> None:
     spec = RolloutSpec(model_dir=tmp_path, prompts=("a red fox",), group_size=2)
     results = [
-        RolloutResult("off", 2.0, 1.0, 2, None, 4, 0.5),
-        RolloutResult("ours", 1.0, 1.0, 2, CacheStats(hits=3, misses=1, size=1, max_size=8), 1, 0.1),
+        RolloutResult("off", 2.0, 1.0, 2, None, 4, 0.5, encoder_rows=4),
+        RolloutResult("ours", 1.0, 1.0, 2, CacheStats(hits=3, misses=1, size=1, max_size=8), 1, 0.1, encoder_rows=1),
     ]
 
     def broken_chart(results, path):
@@ -108,9 +112,26 @@ def test_a_failing_chart_costs_only_the_chart(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(report, "write_chart", broken_chart)
     printed = io.StringIO()
     out = tmp_path / "out"
-    paths = command.save_results(out, spec, results, None, "vllm-omni-prompt-cache demo", {"cpu": "x"}, printed)
+    paths = command.save_results(out, spec, results, [], "vllm-omni-prompt-cache demo", {"cpu": "x"}, printed)
     assert paths == [out / "report.md", out / "results.json"]
-    assert json.loads((out / "results.json").read_text())["modes"]["ours"]["cache_stats"]["hits"] == 3
-    assert "| vllm-omni-prompt-cache | 1 | 3 | 1 | 0 |" in (out / "report.md").read_text()
+    assert json.loads((out / "results.json").read_text())["runs"][1]["cache_stats"]["hits"] == 3
+    assert "| 1 | vllm-omni-prompt-cache | 1 | 1 | 3 | 1 | 0 | 0 |" in (out / "report.md").read_text()
     assert "Could not draw" in printed.getvalue() and "no display backend" in printed.getvalue()
     assert not (out / "time.png").exists()
+
+
+def test_latents_are_judged_bit_for_bit_only_where_requests_run_alone(tmp_path) -> None:
+    exact = {0: torch.zeros(2), 1: torch.ones(2)}
+    nudged = {0: torch.zeros(2), 1: torch.ones(2) + 2**-20}
+    results = [
+        RolloutResult(mode, 1.0, 1.0, 2, None, 2, 0.1, latents=latents, max_num_seqs=max_num_seqs)
+        for max_num_seqs in (1, 8)
+        for mode, latents in (("off", exact), ("ours", nudged))
+    ]
+    checks = report.check_exactness(results)
+    assert [check.max_num_seqs for check in checks] == [1, 8]
+    assert checks[0].compared["ours"] == report.Comparison(1, 2, 2**-20)
+    assert not checks[0].passed and checks[1].passed
+    first, second = report.exactness_lines(checks)
+    assert "final latents NOT identical to no cache" in first
+    assert "not judged bit for bit" in second

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import platform
 import shlex
@@ -53,6 +54,23 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _max_num_seqs(text: str) -> tuple[int, ...]:
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers >= 1 (e.g. 1,4,8,16), got {part.strip()!r} in {text!r}"
+            )
+        values.append(value)
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"value listed twice in {text!r}")
+    return tuple(values)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
     parser.add_argument(
@@ -71,6 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_modes,
         default=MODES,
         help="which cache modes to run, in order (default off,stock,ours; the first is the exactness reference)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=_max_num_seqs,
+        default=(1, 8),
+        help="vLLM-Omni's max_num_seqs, one run of every mode per value: how many waiting requests one "
+        "forward batches into one encode_prompt call (default 1,8)",
+    )
+    parser.add_argument(
+        "--step-execution",
+        action="store_true",
+        help="run vLLM-Omni's step execution (continuous batching across denoising steps; each request "
+        "is encoded alone when it is admitted)",
     )
     parser.add_argument(
         "--cache-size",
@@ -176,24 +207,28 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
         width=args.size,
         steps=args.steps,
         base_seed=args.seed,
+        step_execution=args.step_execution,
     )
     requests = len(spec.requests())
     environment = environment_summary(on_cpu)  # before any engine: if it fails, nothing is lost
     print(
         f"Rollout: {args.prompts} prompts x {args.group_size} siblings = {requests} requests per mode, "
         f"{args.steps} steps at {args.size}x{args.size}, CFG with a shared negative prompt; "
-        f"modes: {', '.join(args.modes)}; device: {'CPU' if on_cpu else 'accelerator'}.",
+        f"modes: {', '.join(args.modes)}; max_num_seqs: {', '.join(map(str, args.max_num_seqs))}"
+        f"{'; step execution' if args.step_execution else ''}; device: {'CPU' if on_cpu else 'accelerator'}.",
         file=out,
     )
     results: list[RolloutResult] = []
     started = time.perf_counter()
-    for mode in args.modes:
-        print(f"Starting an engine for {report.MODE_LABELS[mode]} ...", file=out)
-        progress = ModeProgress(report.MODE_LABELS[mode], requests, out)
+    runs = [(max_num_seqs, mode) for max_num_seqs in args.max_num_seqs for mode in args.modes]
+    for max_num_seqs, mode in runs:
+        label = f"{report.MODE_LABELS[mode]} @ {max_num_seqs}"
+        print(f"Starting an engine for {report.MODE_LABELS[mode]}, max_num_seqs {max_num_seqs} ...", file=out)
+        progress = ModeProgress(label, requests, out)
         try:
             result = asyncio.run(
                 run_mode(
-                    spec,
+                    dataclasses.replace(spec, max_num_seqs=max_num_seqs),
                     mode,
                     cache_size=args.cache_size,
                     max_bytes=args.max_bytes,
@@ -205,30 +240,31 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
             progress.close()
         results.append(result)
     total = time.perf_counter() - started
-    exactness = report.check_exactness(results)
+    checks = report.check_exactness(results)
 
     print(file=out)
     print(report.render_table(report.table_rows(results)), file=out)
     print(file=out)
-    off = next((r for r in results if r.mode == "off"), None)
-    if off is not None:
-        print(f"Text encoding took {report.encoder_share(off):.0%} of the uncached rollout.", file=out)
+    share = report.encoder_share_line(results)
+    if share is not None:
+        print(share, file=out)
     for line in report.bypass_lines(results):
         print(f"Bypasses, {line}", file=out)
-    print(report.exactness_line(exactness), file=out)
+    for line in report.exactness_lines(checks):
+        print(line, file=out)
     print(f"Demo finished in {total:.0f} s (engine start-ups included).", file=out)
     if args.out is not None:
         command = shlex.join(["vllm-omni-prompt-cache", *args.argv])
-        paths = save_results(args.out, spec, results, exactness, command, environment, out)
+        paths = save_results(args.out, spec, results, checks, command, environment, out)
         print("Wrote " + ", ".join(str(path) for path in paths), file=out)
-    return 0 if exactness is None or exactness.all_identical else 1
+    return 0 if all(check.passed for check in checks) else 1
 
 
 def save_results(
     out_dir: Path,
     spec: RolloutSpec,
     results: list[RolloutResult],
-    exactness: report.Exactness | None,
+    checks: list[report.Exactness],
     command: str,
     environment: dict[str, str],
     out: TextIO,
@@ -237,7 +273,7 @@ def save_results(
 
     The numbers are on disk first: a failing chart costs only the chart, and says why.
     """
-    paths = report.write_report(out_dir, spec, results, exactness, command, environment)
+    paths = report.write_report(out_dir, spec, results, checks, command, environment)
     chart = out_dir / "time.png"
     try:
         report.write_chart(results, chart)
@@ -258,7 +294,7 @@ class ModeProgress:
     def start(self) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=self.total, unit="req", desc=f"{self.label:>22}", file=self.out)
+        self.bar = tqdm(total=self.total, unit="req", desc=f"{self.label:>27}", file=self.out)
 
     def advance(self) -> None:
         if self.bar is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,27 +21,69 @@ MODE_LABELS = {
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """One mode's final latents against the reference mode's, request by request."""
+
+    identical: int
+    requests: int
+    max_abs_difference: float
+
+
+@dataclass(frozen=True)
 class Exactness:
-    """Whether every request's final latents match the no-cache run bit for bit."""
+    """How each mode's final latents compare with the first mode's, at one ``max_num_seqs``.
+
+    With ``max_num_seqs`` 1 every request is encoded and denoised alone, so the cache must leave the
+    latents bit-identical. With more, vLLM-Omni batches whichever requests are waiting: two uncached
+    runs already differ in which requests share a batch, so the difference is reported, not judged.
+    """
 
     reference: str
-    compared: dict[str, tuple[int, int]]  # mode -> (identical requests, requests)
+    max_num_seqs: int
+    compared: dict[str, Comparison]
+
+    @property
+    def bit_identity_expected(self) -> bool:
+        return self.max_num_seqs == 1
 
     @property
     def all_identical(self) -> bool:
-        return all(same == total for same, total in self.compared.values())
+        return all(c.identical == c.requests for c in self.compared.values())
+
+    @property
+    def passed(self) -> bool:
+        return self.all_identical or not self.bit_identity_expected
 
 
-def check_exactness(results: Sequence[RolloutResult]) -> Exactness | None:
-    """Compare each mode's latents with the first mode's (the uncached one when it ran)."""
-    if len(results) < 2:
-        return None
-    reference = results[0]
-    compared = {}
-    for result in results[1:]:
-        same = sum(torch.equal(latents, reference.latents[index]) for index, latents in result.latents.items())
-        compared[result.mode] = (same, len(result.latents))
-    return Exactness(reference.mode, compared)
+def check_exactness(results: Sequence[RolloutResult]) -> list[Exactness]:
+    """Compare each mode's latents with the first mode's at the same ``max_num_seqs`` (the uncached one when it ran)."""
+    checks = []
+    for max_num_seqs, group in _by_max_num_seqs(results).items():
+        if len(group) < 2:
+            continue
+        reference = group[0]
+        compared = {}
+        for result in group[1:]:
+            differences = [
+                (latents.float() - reference.latents[index].float()).abs().max().item()
+                for index, latents in result.latents.items()
+            ]
+            compared[result.mode] = Comparison(
+                identical=sum(
+                    torch.equal(latents, reference.latents[index]) for index, latents in result.latents.items()
+                ),
+                requests=len(result.latents),
+                max_abs_difference=max(differences, default=0.0),
+            )
+        checks.append(Exactness(reference.mode, max_num_seqs, compared))
+    return checks
+
+
+def _by_max_num_seqs(results: Sequence[RolloutResult]) -> dict[int, list[RolloutResult]]:
+    groups: dict[int, list[RolloutResult]] = {}
+    for result in results:
+        groups.setdefault(result.max_num_seqs, []).append(result)
+    return groups
 
 
 def encoder_share(result: RolloutResult) -> float:
@@ -48,40 +91,55 @@ def encoder_share(result: RolloutResult) -> float:
     return result.encode_seconds / result.wall_seconds if result.wall_seconds else 0.0
 
 
+def encoder_share_line(results: Sequence[RolloutResult]) -> str | None:
+    """Return the sentence saying how much of the first uncached rollout was text encoding."""
+    off = next((r for r in results if r.mode == "off"), None)
+    if off is None:
+        return None
+    return f"Text encoding took {encoder_share(off):.0%} of the uncached rollout at max_num_seqs {off.max_num_seqs}."
+
+
 def table_rows(results: Sequence[RolloutResult]) -> list[list[str]]:
-    """Return the summary table: header first, then one row per mode."""
-    baseline = next((r for r in results if r.mode == "off"), results[0])
+    """Return the summary table: header first, then one row per run (max_num_seqs, mode)."""
     rows = [
         [
+            "max_num_seqs",
             "mode",
-            "text-encoder runs",
+            "encode calls",
+            "rows encoded",
             "hits",
             "misses",
             "bypassed",
+            "row hits",
             "text-encode s",
             "rollout s",
             "speed-up",
         ]
     ]
-    for result in results:
-        stats = result.stats
-        rows.append(
-            [
-                MODE_LABELS[result.mode],
-                str(result.encoder_runs),
-                "-" if stats is None else str(stats.hits),
-                "-" if stats is None else str(stats.misses),
-                "-" if stats is None else str(stats.bypassed),
-                f"{result.encode_seconds:.2f}",
-                f"{result.wall_seconds:.2f}",
-                f"{baseline.wall_seconds / result.wall_seconds:.2f}x",
-            ]
-        )
+    for group in _by_max_num_seqs(results).values():
+        baseline = next((r for r in group if r.mode == "off"), group[0])
+        for result in group:
+            stats = result.stats
+            rows.append(
+                [
+                    str(result.max_num_seqs),
+                    MODE_LABELS[result.mode],
+                    str(result.encoder_runs),
+                    str(result.encoder_rows),
+                    "-" if stats is None else str(stats.hits),
+                    "-" if stats is None else str(stats.misses),
+                    "-" if stats is None else str(stats.bypassed),
+                    "-" if stats is None or result.mode != "ours" else str(stats.row_hits),
+                    f"{result.encode_seconds:.2f}",
+                    f"{result.wall_seconds:.2f}",
+                    f"{baseline.wall_seconds / result.wall_seconds:.2f}x",
+                ]
+            )
     return rows
 
 
 def bypass_lines(results: Sequence[RolloutResult]) -> list[str]:
-    """Return one line per mode that bypassed, with its reasons when the cache records them."""
+    """Return one line per run that bypassed, with its reasons when the cache records them."""
     lines = []
     for result in results:
         stats = result.stats
@@ -92,7 +150,9 @@ def bypass_lines(results: Sequence[RolloutResult]) -> list[str]:
             if stats.bypass_reasons
             else "reasons not recorded by this cache (upstream counts bypasses only: every call with a tensor)"
         )
-        lines.append(f"{MODE_LABELS[result.mode]}: {stats.bypassed} bypassed - {detail}")
+        lines.append(
+            f"{MODE_LABELS[result.mode]} at max_num_seqs {result.max_num_seqs}: {stats.bypassed} bypassed - {detail}"
+        )
     return lines
 
 
@@ -116,19 +176,31 @@ def render_markdown_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def exactness_line(exactness: Exactness | None) -> str:
-    """Return the sentence that states the exactness check's outcome."""
-    if exactness is None:
-        return "Exactness: not checked (only one mode ran)."
-    parts = [f"{MODE_LABELS[mode]} {same}/{total}" for mode, (same, total) in exactness.compared.items()]
-    verdict = "bit-identical" if exactness.all_identical else "NOT identical"
-    return (
-        f"Exactness: final latents {verdict} to {MODE_LABELS[exactness.reference]} for the same seeds "
-        f"({', '.join(parts)} requests)."
-    )
+def exactness_lines(checks: Sequence[Exactness]) -> list[str]:
+    """Return one sentence per ``max_num_seqs`` stating how the latents compared."""
+    if not checks:
+        return ["Exactness: not checked (one mode per max_num_seqs)."]
+    lines = []
+    for check in checks:
+        reference = MODE_LABELS[check.reference]
+        parts = ", ".join(
+            f"{MODE_LABELS[mode]} {c.identical}/{c.requests} identical, max |diff| {c.max_abs_difference:.2g}"
+            for mode, c in check.compared.items()
+        )
+        if check.bit_identity_expected:
+            verdict = "bit-identical" if check.all_identical else "NOT identical"
+            lines.append(
+                f"Exactness at max_num_seqs 1: final latents {verdict} to {reference} for the same seeds ({parts})."
+            )
+        else:
+            lines.append(
+                f"At max_num_seqs {check.max_num_seqs}, final latents against {reference} ({parts}): not judged "
+                "bit for bit, since which requests share a batch varies from run to run, cache or not."
+            )
+    return lines
 
 
-def summary(spec: RolloutSpec, results: Sequence[RolloutResult], exactness: Exactness | None) -> dict[str, Any]:
+def summary(spec: RolloutSpec, results: Sequence[RolloutResult], checks: Sequence[Exactness]) -> dict[str, Any]:
     """Return every measured number, for the JSON file."""
     return {
         "spec": {
@@ -141,26 +213,33 @@ def summary(spec: RolloutSpec, results: Sequence[RolloutResult], exactness: Exac
             "width": spec.width,
             "steps": spec.steps,
             "true_cfg_scale": spec.true_cfg_scale,
+            "step_execution": spec.step_execution,
         },
-        "modes": {
-            result.mode: {
+        "runs": [
+            {
+                "max_num_seqs": result.max_num_seqs,
+                "mode": result.mode,
                 "label": MODE_LABELS[result.mode],
                 "rollout_seconds": result.wall_seconds,
                 "engine_init_seconds": result.engine_init_seconds,
                 "text_encoder_runs": result.encoder_runs,
+                "text_encoder_rows": result.encoder_rows,
                 "text_encode_seconds": result.encode_seconds,
                 "text_encoder_share": encoder_share(result),
                 "cache_stats": None if result.stats is None else result.stats.as_dict(),
             }
             for result in results
-        },
-        "exactness": None
-        if exactness is None
-        else {
-            "reference": exactness.reference,
-            "identical_requests": {mode: list(pair) for mode, pair in exactness.compared.items()},
-            "all_identical": exactness.all_identical,
-        },
+        ],
+        "exactness": [
+            {
+                "max_num_seqs": check.max_num_seqs,
+                "reference": check.reference,
+                "bit_identity_expected": check.bit_identity_expected,
+                "all_identical": check.all_identical,
+                "compared": {mode: dataclasses.asdict(c) for mode, c in check.compared.items()},
+            }
+            for check in checks
+        ],
     }
 
 
@@ -171,10 +250,11 @@ def write_chart(results: Sequence[RolloutResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [MODE_LABELS[r.mode] for r in results]
+    several = len({r.max_num_seqs for r in results}) > 1
+    labels = [MODE_LABELS[r.mode] + (f" @ {r.max_num_seqs}" if several else "") for r in results]
     encode = [r.encode_seconds for r in results]
     rest = [max(r.wall_seconds - r.encode_seconds, 0.0) for r in results]
-    figure, axes = plt.subplots(figsize=(7, 3.6), dpi=120)
+    figure, axes = plt.subplots(figsize=(7, 1.6 + 0.65 * len(results)), dpi=120)
     axes.barh(labels, encode, color="#d1495b", label="text encoder")
     axes.barh(labels, rest, left=encode, color="#2e86ab", label="denoise, decode, engine")
     for y, result in enumerate(results):
@@ -193,33 +273,35 @@ def write_report(
     out_dir: Path,
     spec: RolloutSpec,
     results: Sequence[RolloutResult],
-    exactness: Exactness | None,
+    checks: Sequence[Exactness],
     command: str,
     environment: dict[str, str],
 ) -> list[Path]:
     """Write results.json and report.md into ``out_dir``; return their paths (the chart is separate)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    numbers = summary(spec, results, exactness)
+    numbers = summary(spec, results, checks)
     numbers["environment"] = environment
     numbers["command"] = command
     json_path = out_dir / "results.json"
     json_path.write_text(json.dumps(numbers, indent=2) + "\n")
-    off = next((r for r in results if r.mode == "off"), None)
-    share = "" if off is None else f"Text encoding took {encoder_share(off):.0%} of the uncached rollout.\n\n"
+    share_line = encoder_share_line(results)
+    share = "" if share_line is None else share_line + "\n\n"
     bypasses = "\n".join(f"- {line}" for line in bypass_lines(results)) or "- none"
     report = f"""# GRPO rollout with and without the prompt-embed cache
 
 {spec.group_size} sibling requests for each of {len(spec.prompts)} prompts ({len(spec.requests())} requests,
 each with its own seed), sent concurrently to vLLM-Omni's `AsyncOmni`; every request carries the
 token ids of its prompt and of a shared negative prompt (CFG {spec.true_cfg_scale}), and is encoded,
-denoised for {spec.steps} steps at {spec.width}x{spec.height} and decoded. One engine per mode.
+denoised for {spec.steps} steps at {spec.width}x{spec.height} and decoded. One engine per mode and
+`max_num_seqs` (how many waiting requests vLLM-Omni's forward batches into one `encode_prompt`
+call){"; step execution on" if spec.step_execution else ""}.
 
 {render_markdown_table(table_rows(results))}
 
 {share}Bypasses:
 {bypasses}
 
-{exactness_line(exactness)}
+{chr(10).join(exactness_lines(checks))}
 
 ![where the time went](time.png)
 

@@ -49,6 +49,8 @@ class RolloutSpec:
     steps: int = 2
     true_cfg_scale: float = 4.0
     base_seed: int = 1234
+    max_num_seqs: int = 1  # requests vLLM-Omni's forward batches into one encode_prompt call
+    step_execution: bool = False  # vLLM-Omni's continuous batching across denoising steps
 
     def requests(self) -> list[tuple[int, int, int]]:
         """Return ``(request_index, prompt_index, seed)`` for every request, siblings interleaved."""
@@ -74,6 +76,8 @@ class RolloutResult:
     latents: dict[int, torch.Tensor] = field(repr=False, default_factory=dict)
     image_sizes: set[tuple[int, int]] = field(default_factory=set)
     worker_pid: int | None = None  # the diffusion worker's process (this one, unless spawned)
+    encoder_rows: int = 0  # prompt rows that reached the text encoder
+    max_num_seqs: int = 1
 
 
 def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str | int | None) -> dict[str, Any]:
@@ -89,7 +93,10 @@ def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str 
         "enable_prompt_embed_cache": mode != "off",
         "prompt_embed_cache_size": cache_size,
         "log_stats": False,
+        "max_num_seqs": spec.max_num_seqs,
     }
+    if spec.step_execution:
+        kwargs["step_execution"] = True
     dtype = checkpoint_dtype(spec.model_dir)
     if dtype is not None:  # vLLM-Omni's default is bf16 whatever the weights are
         kwargs["dtype"] = dtype
@@ -200,8 +207,10 @@ async def run_mode(
         requests=len(spec.requests()),
         stats=None if stats_after is None else stats_after.since(stats_before or CacheStats()),
         encoder_runs=int(counters_after["encoder_runs"] - counters_before["encoder_runs"]),
+        encoder_rows=int(counters_after["encoder_rows"] - counters_before["encoder_rows"]),
         encode_seconds=counters_after["encode_seconds"] - counters_before["encode_seconds"],
         latents=latents,
         image_sizes=sizes,
         worker_pid=counters_before["pid"],
+        max_num_seqs=spec.max_num_seqs,
     )
