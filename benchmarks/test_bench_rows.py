@@ -1,0 +1,76 @@
+"""Row-level hit path (pytest-benchmark): what serving a batched call from cached rows costs.
+
+    make bench      # runs these with the key benchmarks; docs/benchmarks.md gets the tables
+
+A request-batched forward sends 16 rows (4 prompts x 4 siblings, Qwen-Image-templated lengths of
+100-250 tokens, right-padded, a bool mask) in one ``encode_prompt`` call. Side by side, on the
+same real 6-layer Qwen2 encoder as the key benchmarks:
+
+* reference   one uncached call that encodes the 16 rows as one batch (the cheapest uncached way)
+* ours        the whole wrapped call when every row is cached: split, 16 row keys, lookups, assembly
+* part        the assembly alone: 16 cached rows padded into the output tensors
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, build_qwen2_encoder
+from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
+
+PROMPTS, SIBLINGS = 4, 4
+ROUNDS = 100
+
+
+@pytest.fixture(scope="module")
+def batched_call() -> tuple[QwenStyleTokenPipeline, torch.Tensor, torch.Tensor, str]:
+    encoder = build_qwen2_encoder(vocab_size=32_000, hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6)
+    parameters = sum(p.numel() for p in encoder.parameters())
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(100, 250, (PROMPTS,), generator=generator).tolist()
+    prompts = [torch.randint(1, 32_000, (length,), generator=generator) for length in lengths]
+    rows = [prompts[index % PROMPTS] for index in range(PROMPTS * SIBLINGS)]
+    ids = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = row
+    pipeline = QwenStyleTokenPipeline(encoder)
+    install_prompt_embed_cache(pipeline, max_size=64, row_layout=TOKEN_IDS)
+    pipeline.encode_prompt(ids, ids != 0)  # every row cached from here on
+    group = (
+        f"rows: a batch of {len(rows)} cached rows ({PROMPTS} prompts x {SIBLINGS}) "
+        f"on a {parameters / 1e6:.1f}M-param Qwen2 encoder"
+    )
+    return pipeline, ids, ids != 0, group
+
+
+def test_encode_the_rows(benchmark, batched_call) -> None:
+    pipeline, ids, mask, group = batched_call
+    original = pipeline._prompt_embed_cache_original_fn
+    benchmark.group = group
+    benchmark.extra_info.update(variant="encode the 16 rows (one uncached call)", role="reference")
+    benchmark.pedantic(lambda: original(ids.clone(), mask.clone()), rounds=10, warmup_rounds=1)
+
+
+def test_cached_rows_call(benchmark, batched_call) -> None:
+    pipeline, ids, mask, group = batched_call
+    runs_before = pipeline.encoder_runs
+    benchmark.group = group
+    benchmark.extra_info.update(variant="whole wrapper call, every row cached", role="ours")
+    benchmark.pedantic(
+        lambda: pipeline.encode_prompt(ids.clone(), mask.clone()), rounds=ROUNDS, iterations=10, warmup_rounds=3
+    )
+    assert pipeline.encoder_runs == runs_before, "a timed call encoded a row"
+
+
+def test_assembly_alone(benchmark, batched_call) -> None:
+    pipeline, ids, mask, group = batched_call
+    split = TOKEN_IDS.split(
+        {"prompt_ids": ids, "attention_mask": mask, "num_images_per_prompt": 1, "max_sequence_length": 1024}
+    )
+    original = pipeline._prompt_embed_cache_original_fn
+    row_values = [original(**split.call_arguments(index)) for index in range(split.batch)]
+    benchmark.group = group
+    benchmark.extra_info.update(variant="(assembly of 16 cached rows alone)", role="part")
+    benchmark.pedantic(split.assemble, args=(row_values,), rounds=ROUNDS, iterations=10, warmup_rounds=3)
