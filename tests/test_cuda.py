@@ -118,3 +118,23 @@ def test_cuda_bf16_arguments_are_keyed_by_content() -> None:
     changed[0, 0, 0] += 1
     assert build_key(ids, changed).identity != on_cpu.identity
     assert build_key(ids, values.cuda().half()).identity != on_cpu.identity
+
+
+def test_a_batched_cuda_call_encodes_each_distinct_row_once_and_stays_on_the_gpu(cuda_encoder) -> None:
+    """Row-level caching with CUDA ids: rows are keyed from one CPU copy, encoded alone on the GPU,
+    and assembled on the GPU, bit-identical to encoding each row alone."""
+    from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline
+    from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
+
+    pipeline = QwenStyleTokenPipeline(cuda_encoder)
+    reference = QwenStyleTokenPipeline(cuda_encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=8, row_layout=TOKEN_IDS)
+    rows = [cuda_ids_and_mask(seed) for seed in (0, 1, 0, 1, 0)]
+    ids, mask = torch.cat([row for row, _ in rows]), torch.cat([row_mask for _, row_mask in rows])
+    embeds, embeds_mask = pipeline.encode_prompt(ids, mask)
+    assert (embeds.device.type, embeds_mask.device.type) == ("cuda", "cuda")
+    assert pipeline.encoder_rows == 2 and cache.snapshot().row_hits == 3
+    alone = [reference.encode_prompt(row, row_mask) for row, row_mask in rows]
+    assert torch.equal(embeds, torch.cat([a for a, _ in alone])) and torch.equal(
+        embeds_mask, torch.cat([m for _, m in alone])
+    )

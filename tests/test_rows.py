@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def test_siblings_in_one_call_encode_each_distinct_row_once_alone(encoder) -> No
     batch = SiblingsBatch(prompts=3, siblings=4)
     cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
     embeds, mask = pipeline.encode_prompt(*collate(batch.rows))
-    assert (pipeline.encoder_runs, pipeline.encoded_rows) == (3, 3)  # three runs of one row each
+    assert (pipeline.encoder_runs, pipeline.encoder_rows) == (3, 3)  # three runs of one row each
     expected_embeds, expected_mask = rows_alone(reference, batch.rows, copies=1)
     assert torch.equal(embeds, expected_embeds) and torch.equal(mask, expected_mask)
     full_embeds, full_mask = reference.encode_prompt(*collate(batch.rows))
@@ -168,7 +169,7 @@ def test_text_rows_reproduce_stock_interleaved_embeds_and_tiled_mask(encoder, co
     assert torch.equal(mask, rows_mask.repeat(copies, 1))
     full_embeds, full_mask = reference.encode_prompt(prompts, num_images_per_prompt=copies)
     assert torch.equal(mask, full_mask) and (embeds - full_embeds).abs().max().item() < 1e-4
-    assert pipeline.inner.encoded_rows == 3
+    assert pipeline.inner.encoder_rows == 3
     assert cache.snapshot().row_hits == 1
 
 
@@ -195,6 +196,27 @@ def test_forced_digest_collisions_return_no_wrong_row(encoder) -> None:
     assert stats.row_hits >= 1  # the duplicate of rows[0] in the first call, verified byte for byte
 
 
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.001)
+
+
+def race(cache, first: tuple[str, list], second: tuple[str, list], run, release: threading.Event) -> None:
+    """Run two batches on two threads: ``first`` claims its rows, then ``second`` starts and waits on
+    one of them; only then is ``release`` set (the encoder of ``first`` holds on it)."""
+    threads = [threading.Thread(target=run, name=name, args=(name, batch)) for name, batch in (first, second)]
+    threads[0].start()
+    wait_until(lambda: cache._flights, "the first batch has claimed its rows")
+    threads[1].start()
+    wait_until(lambda: any(flight.waiters for flight in list(cache._flights.values())), "the second batch waits")
+    release.set()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive(), f"{thread.name} did not finish"
+
+
 def test_two_concurrent_batches_sharing_a_missing_row_encode_it_once(encoder) -> None:
     pipeline = QwenStyleTokenPipeline(encoder)
     original = pipeline.encode_prompt
@@ -215,17 +237,7 @@ def test_two_concurrent_batches_sharing_a_missing_row_encode_it_once(encoder) ->
     def run(name, batch):
         results[name] = pipeline.encode_prompt(*collate(batch))
 
-    first = threading.Thread(target=run, name="first", args=("first", [shared, first_only]))
-    first.start()
-    while not cache._flights:  # the first batch has claimed its rows
-        threading.Event().wait(0.001)
-    second = threading.Thread(target=run, name="second", args=("second", [second_only, shared]))
-    second.start()
-    while not any(flight.waiters for flight in list(cache._flights.values())):
-        threading.Event().wait(0.001)
-    second_joined.set()
-    first.join(30)
-    second.join(30)
+    race(cache, ("first", [shared, first_only]), ("second", [second_only, shared]), run, second_joined)
     assert sorted(encoded) == sorted([len(shared), len(first_only), len(second_only)])
     reference = QwenStyleTokenPipeline(encoder)
     for name, batch in (("first", [shared, first_only]), ("second", [second_only, shared])):
@@ -259,17 +271,7 @@ def test_a_failed_row_encode_is_retried_by_the_batch_that_waited(encoder) -> Non
         except RuntimeError as error:
             outcome[name] = error
 
-    failing = threading.Thread(target=run, name="failing", args=("failing", [shared]))
-    failing.start()
-    while not cache._flights:
-        threading.Event().wait(0.001)
-    waiter = threading.Thread(target=run, name="waiter", args=("waiter", [other, shared]))
-    waiter.start()
-    while not any(flight.waiters for flight in list(cache._flights.values())):
-        threading.Event().wait(0.001)
-    waiting.set()
-    failing.join(30)
-    waiter.join(30)
+    race(cache, ("failing", [shared]), ("waiter", [other, shared]), run, waiting)
     assert isinstance(outcome["failing"], RuntimeError)
     expected = rows_alone(QwenStyleTokenPipeline(encoder), [other, shared], copies=1)
     assert torch.equal(outcome["waiter"][0], expected[0])

@@ -70,12 +70,12 @@ class QwenStyleTokenPipeline(TokenIdTextPipeline):
     states, right-padded with zeros to the longest prompt of the batch (its padding is not kept).
 
     Its ``encode_prompt`` has the signature vLLM-Omni's token-ID layout recognises, so tests can use
-    that layout without vLLM-Omni; ``encoded_rows`` counts rows that reached the encoder.
+    that layout without vLLM-Omni; ``encoder_rows`` counts rows that reached the encoder.
     """
 
     def __init__(self, text_encoder: torch.nn.Module) -> None:
         super().__init__(text_encoder)
-        self.encoded_rows = 0
+        self.encoder_rows = 0
 
     @torch.inference_mode()
     def encode_prompt(
@@ -87,7 +87,7 @@ class QwenStyleTokenPipeline(TokenIdTextPipeline):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(prompt_embeds [B*n, S, D], mask [B*n, S])``, S the longest attended row."""
         self.encoder_runs += 1
-        self.encoded_rows += prompt_ids.shape[0]
+        self.encoder_rows += prompt_ids.shape[0]
         mask = attention_mask.bool()
         hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=mask.long()).last_hidden_state
         rows = torch.split(hidden[mask], mask.sum(dim=1).tolist())
