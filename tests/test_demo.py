@@ -45,6 +45,7 @@ def test_demo_runs_three_modes_and_writes_a_report(model_dir, tmp_path, capfd) -
     exactness = {check["max_num_seqs"]: check for check in numbers["exactness"]}
     assert exactness[1]["all_identical"] is True and exactness[1]["bit_identity_expected"] is True
     assert exactness[4]["bit_identity_expected"] is False
+    assert exactness[4]["within_tolerance"] is True and exactness[4]["passed"] is True
     report = (out / "report.md").read_text()
     command = f"vllm-omni-prompt-cache {' '.join(argv)}"
     assert f"Command: `{command}`" in report

@@ -134,4 +134,15 @@ def test_latents_are_judged_bit_for_bit_only_where_requests_run_alone(tmp_path) 
     assert not checks[0].passed and checks[1].passed
     first, second = report.exactness_lines(checks)
     assert "final latents NOT identical to no cache" in first
-    assert "not judged bit for bit" in second
+    assert "within 0.0001, not judged bit for bit" in second
+
+
+def test_a_misplaced_row_fails_the_batched_check() -> None:
+    """Above max_num_seqs 1 rounding is tolerated; a row or copy in the wrong place is not."""
+    results = [
+        RolloutResult("off", 1.0, 1.0, 2, None, 2, 0.1, latents={0: torch.zeros(2), 1: torch.ones(2)}, max_num_seqs=8),
+        RolloutResult("ours", 1.0, 1.0, 2, None, 2, 0.1, latents={0: torch.ones(2), 1: torch.zeros(2)}, max_num_seqs=8),
+    ]
+    (check,) = report.check_exactness(results)
+    assert not check.within_tolerance and not check.passed
+    assert "NOT within 0.0001" in report.exactness_lines([check])[0]

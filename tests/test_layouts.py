@@ -1,4 +1,4 @@
-"""Which vLLM-Omni pipelines get row-level caching: recognised, declared, or keyed whole.
+"""Which vLLM-Omni pipelines get row-level caching, and that vLLM-Omni's own encode_prompt is laid out right.
 
 Instances are made without running ``__init__`` (which loads a model): recognition reads only the
 class, exactly as it does on a loaded pipeline.
@@ -6,10 +6,17 @@ class, exactly as it does on a loaded pipeline.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
-from vllm_omni_prompt_cache import RowLayout, RowOutput
+from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache, uninstall_prompt_embed_cache
+from vllm_omni_prompt_cache.tiny.qwen_image import (
+    PROMPT_TEMPLATE,
+    TEMPLATE_DROP_TOKENS,
+    ensure_tiny_qwen_image,
+    load_tokenizer,
+)
 from vllm_omni_prompt_cache.tiny.token_id_pipeline import TokenIdQwenImagePipeline
 from vllm_omni_prompt_cache.vllm_omni.layouts import QWEN_IMAGE_TEXT, TOKEN_IDS, row_layout_for
 
@@ -71,3 +78,54 @@ def test_other_pipelines_are_keyed_whole() -> None:
             raise NotImplementedError
 
     assert row_layout_for(NotQwen()) is None
+
+
+@pytest.fixture(scope="module")
+def stock_text_pipelines() -> tuple[QwenImagePipeline, QwenImagePipeline]:
+    """Two stock QwenImagePipelines sharing the tiny model's real tokenizer and text encoder.
+
+    Only the text path is built (``__init__`` would load the transformer and VAE too); the
+    attributes set are the ones stock ``__init__`` sets for ``encode_prompt``.
+    """
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model_dir = ensure_tiny_qwen_image()
+    tokenizer = load_tokenizer(model_dir)
+    encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        model_dir / "text_encoder", torch_dtype=torch.float32
+    ).eval()
+
+    def build() -> QwenImagePipeline:
+        pipeline = QwenImagePipeline.__new__(QwenImagePipeline)
+        torch.nn.Module.__init__(pipeline)
+        pipeline.tokenizer, pipeline.text_encoder, pipeline.device = tokenizer, encoder, torch.device("cpu")
+        pipeline.prompt_template_encode = PROMPT_TEMPLATE
+        pipeline.prompt_template_encode_start_idx = TEMPLATE_DROP_TOKENS
+        pipeline.tokenizer_max_length = 1024
+        return pipeline
+
+    return build(), build()
+
+
+@pytest.mark.parametrize(("copies", "max_sequence_length"), [(1, 1024), (2, 1024), (3, 1024), (2, 10)])
+def test_stock_encode_prompt_output_is_laid_out_as_uncached(stock_text_pipelines, copies, max_sequence_length) -> None:
+    """vLLM-Omni's own encode_prompt, batched: embeddings interleave copies, the mask tiles them."""
+    cached, uncached = stock_text_pipelines
+    cache = install_prompt_embed_cache(cached, max_size=16, row_layout=row_layout_for(cached))
+    try:
+        prompts = ["a red fox in the snow", "sky", "a red fox in the snow", "a lighthouse above a stormy sea"]
+        embeds, mask = cached.encode_prompt(
+            prompts, num_images_per_prompt=copies, max_sequence_length=max_sequence_length
+        )
+        want_embeds, want_mask = uncached.encode_prompt(
+            prompts, num_images_per_prompt=copies, max_sequence_length=max_sequence_length
+        )
+        assert (embeds.shape, embeds.dtype, mask.dtype) == (want_embeds.shape, want_embeds.dtype, want_mask.dtype)
+        assert torch.equal(mask, want_mask)  # the tiled mask order, exactly
+        if max_sequence_length < 1024:
+            assert embeds.shape[1] == max_sequence_length  # the longest rows were truncated
+        # Rows encoded alone vs one batched encode: at most the encoder's batch-invariance gap.
+        assert (embeds - want_embeds).abs().max().item() < 1e-4
+        assert cache.snapshot().rows_encoded == 3
+    finally:
+        uninstall_prompt_embed_cache(cached)

@@ -19,7 +19,7 @@ from vllm_omni_prompt_cache.rows import LayoutMismatch
 from vllm_omni_prompt_cache.store import COLLISION_REASON
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 from vllm_omni_prompt_cache.vllm_omni.layouts import QWEN_IMAGE_TEXT, TOKEN_IDS
-from vllm_omni_prompt_cache.wrapper import LAYOUT_DROPPED_REASON
+from vllm_omni_prompt_cache.wrapper import LAYOUT_DROPPED_REASON, UNSTACKABLE_REASON
 
 WIDTH = 24
 
@@ -307,15 +307,16 @@ def test_a_layout_that_does_not_match_the_outputs_is_dropped_once(encoder, caplo
     cache = install_prompt_embed_cache(pipeline, max_size=8, row_layout=wrong)
     rows = token_rows(2, seed=9)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.wrapper"):
-        first = pipeline.encode_prompt(*collate(rows))
-        second = pipeline.encode_prompt(*collate(rows))
+        outputs = [pipeline.encode_prompt(*collate(rows)) for _ in range(3)]
     expected = QwenStyleTokenPipeline(encoder).encode_prompt(*collate(rows))
-    assert torch.equal(first[0], expected[0]) and torch.equal(second[0], expected[0])
+    assert all(torch.equal(embeds, expected[0]) for embeds, _ in outputs)
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "three outputs" in caplog.records[0].message
     stats = cache.snapshot()
     assert stats.whole_call_reasons == {LAYOUT_DROPPED_REASON: 1}
-    assert stats.hits == 1 and len(cache) == 1  # later calls are keyed whole, and hit
+    # Call 1 found the mismatch (a miss, served uncached), call 2 was keyed whole (a miss), call 3 hit.
+    assert (stats.misses, stats.hits, stats.calls, len(cache)) == (2, 1, 3, 1)
+    assert stats.rows_encoded == 1 + 2  # the one row that showed the mismatch, then the whole call's two
 
 
 def test_a_layout_naming_a_missing_parameter_is_refused_at_install(encoder, caplog) -> None:
@@ -332,7 +333,7 @@ def test_a_declared_layout_on_the_class_is_used(encoder) -> None:
         prompt_embed_row_layout = RowLayout(
             rows=("prompt_ids", "attention_mask"),
             copies="num_images_per_prompt",
-            outputs=(RowOutput(pad_dim=1), RowOutput(pad_dim=1)),
+            outputs=(RowOutput(pad_dim=1, copies="interleave"), RowOutput(pad_dim=1, copies="interleave")),
         )
 
     pipeline = Declared(encoder)
@@ -396,3 +397,110 @@ def test_row_outputs_of_the_wrong_form_raise_layout_mismatch() -> None:
         split.check_row(torch.zeros(1, 3, 4))
     with pytest.raises(LayoutMismatch, match=r"expected a \[1, \.\.\.\] tensor"):
         split.check_row((torch.zeros(2, 3, 4), torch.zeros(2, 3)))
+
+
+def test_a_row_whose_encode_raises_releases_the_rows_it_had_not_encoded(encoder) -> None:
+    """Batch [a, b]: a's encode raises while another call waits on b; that call encodes b itself."""
+    pipeline = QwenStyleTokenPipeline(encoder)
+    original = pipeline.encode_prompt
+    a, b = token_rows(2, seed=11)
+    encoded: list[tuple[str, int]] = []
+    b_waited = threading.Event()
+
+    def encode(prompt_ids, attention_mask, num_images_per_prompt=1, max_sequence_length=1024):
+        name = threading.current_thread().name
+        encoded.append((name, prompt_ids.shape[1]))
+        if name == "failing":
+            assert b_waited.wait(timeout=30)
+            raise RuntimeError("encoder out of memory")
+        return original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+
+    pipeline.encode_prompt = encode
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    outcome = {}
+
+    def run(name, batch):
+        try:
+            outcome[name] = pipeline.encode_prompt(*collate(batch))
+        except RuntimeError as error:
+            outcome[name] = error
+
+    race(cache, ("failing", [a, b]), ("waiter", [b]), run, b_waited)
+    assert isinstance(outcome["failing"], RuntimeError)
+    assert encoded == [("failing", len(a)), ("waiter", len(b))]  # b was never encoded by the failing call
+    assert torch.equal(outcome["waiter"][0], rows_alone(QwenStyleTokenPipeline(encoder), [b], copies=1)[0])
+    assert not cache._flights
+    stats = cache.snapshot()
+    assert (stats.row_misses, stats.rows_encoded, stats.misses, len(cache)) == (1, 2, 2, 1)
+
+
+def test_rows_encoded_across_a_clear_are_returned_but_not_kept(encoder) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    original = pipeline.encode_prompt
+    cache = None
+
+    def encode(prompt_ids, attention_mask, num_images_per_prompt=1, max_sequence_length=1024):
+        if pipeline.encoder_rows == 0:
+            cache.clear()  # new weights arrive while the first row is being encoded
+        return original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+
+    pipeline.encode_prompt = encode
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    rows = token_rows(2, seed=12)
+    first, _ = pipeline.encode_prompt(*collate(rows))
+    assert len(cache) == 0  # both rows were claimed before the clear: neither is kept
+    second, _ = pipeline.encode_prompt(*collate(rows))
+    assert pipeline.encoder_rows == 4 and len(cache) == 2 and torch.equal(first, second)
+
+
+def test_without_verification_identical_rows_still_share_one_encode(encoder) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS, verify=False)
+    batch = SiblingsBatch(prompts=2, siblings=4, seed=13)
+    embeds, _ = pipeline.encode_prompt(*collate(batch.rows))
+    assert pipeline.encoder_rows == 2
+    assert torch.equal(embeds, rows_alone(QwenStyleTokenPipeline(encoder), batch.rows, copies=1)[0])
+
+
+def test_the_byte_budget_counts_row_entries(encoder) -> None:
+    generator = torch.Generator().manual_seed(14)
+    rows = [torch.randint(1, 1000, (10,), generator=generator).tolist() for _ in range(3)]  # equal entry sizes
+    sizer = QwenStyleTokenPipeline(encoder)  # one row's entry size, measured on its own cache
+    sizing = install_prompt_embed_cache(sizer, max_size=16, row_layout=TOKEN_IDS)
+    sizer.encode_prompt(*collate(rows[:1]))
+    one_row = sizing.snapshot().bytes
+    pipeline = QwenStyleTokenPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, max_bytes=2 * one_row, row_layout=TOKEN_IDS)
+    embeds, _ = pipeline.encode_prompt(*collate(rows))
+    stats = cache.snapshot()
+    assert (stats.size, stats.evictions, stats.bytes) == (2, 1, 2 * one_row)
+    assert torch.equal(embeds, rows_alone(QwenStyleTokenPipeline(encoder), rows, copies=1)[0])
+
+
+def test_rows_of_different_dtypes_are_served_whole_without_dropping_the_layout() -> None:
+    """Weights changed dtype without a clear: the cached row cannot be stacked with a fresh one."""
+    encoder = build_qwen2_encoder(seed=1)
+    pipeline = QwenStyleTokenPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    a, b = token_rows(2, seed=15)
+    pipeline.encode_prompt(*collate([a]))  # a cached in fp32
+    encoder.double()
+    embeds, _ = pipeline.encode_prompt(*collate([a, b]))
+    assert embeds.dtype == torch.float64  # what the uncached call returns now
+    assert cache.snapshot().whole_call_reasons == {UNSTACKABLE_REASON: 1}
+    pipeline.encode_prompt(*collate([b]))  # the layout is still in use: b was cached by the call above
+    assert cache.snapshot().row_hits >= 1
+
+
+def test_a_mask_layout_refuses_rows_it_cannot_trim() -> None:
+    arguments = {"prompt_ids": [[5, 6, 0], [7, 0, 0]], "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
+    split = TOKEN_IDS.split({**arguments, "num_images_per_prompt": 1, "max_sequence_length": 8})
+    assert split == "argument 'prompt_ids' is not a [B, 3, ...] tensor to trim with 'attention_mask'"
+
+
+def test_an_undeclared_copy_order_is_never_guessed() -> None:
+    layout = RowLayout(rows=("prompt",), copies="copies", outputs=(RowOutput(),))
+    assert RowOutput().copies is None
+    split = layout.split({"prompt": ["a", "b"], "copies": 2})
+    assert isinstance(split, str) and "copy order is not declared" in split
+    assert not isinstance(layout.split({"prompt": ["a"], "copies": 2}), str)  # one row: no order to know

@@ -276,7 +276,7 @@ class CallKeyBuilder:
         return self.build_from_arguments(arguments)
 
     def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any] | Bypass:
-        """Return the call's arguments by name in signature order, defaults applied."""
+        """Return the call's arguments by name in signature order, defaults applied; a Bypass if they do not bind."""
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError:

@@ -39,7 +39,11 @@ CopyOrder = Literal["interleave", "tile"] | None
 
 
 class LayoutMismatch(Exception):
-    """A row's output does not have the shape its layout declares; the layout cannot be used."""
+    """A row's output does not have the form its layout declares: the layout is wrong for this function."""
+
+
+class UnstackableRows(Exception):
+    """This call's rows cannot be stacked into one output (their dtypes, devices or shapes differ)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +52,12 @@ class RowOutput:
 
     ``pad_dim``: rows may differ in length along this dimension and are right-padded with zeros to
     the longest row of the batch; ``None`` when every row has the same shape. ``copies``: how the
-    uncached call orders each row's copies (see :data:`CopyOrder`).
+    uncached call orders each row's copies (see :data:`CopyOrder`); left undeclared, a call with
+    several rows and several copies is keyed whole rather than guessed.
     """
 
     pad_dim: int | None = 1
-    copies: CopyOrder = "interleave"
+    copies: CopyOrder = None
 
     def __post_init__(self) -> None:
         if self.pad_dim is not None and (type(self.pad_dim) is not int or self.pad_dim < 1):
@@ -70,14 +75,15 @@ class RowLayout:
                 rows=("prompt_ids", "attention_mask"),
                 mask="attention_mask",
                 copies="num_images_per_prompt",
-                outputs=(RowOutput(pad_dim=1), RowOutput(pad_dim=1)),
+                outputs=(RowOutput(pad_dim=1, copies="interleave"), RowOutput(pad_dim=1, copies="interleave")),
             )
 
     ``rows``: the arguments that carry one entry per row: tensors (row dimension 0) or lists and
     tuples; a lone ``str`` is one row. ``mask``: a ``[B, L]`` tensor among them; each row drops its
-    trailing masked columns from every row tensor that has L columns. ``copies``: the integer
-    argument that repeats each row in the outputs. ``outputs``: the returned tuple, one entry per
-    tensor. Every other argument is shared by the rows and enters each row's key.
+    trailing masked columns from every row argument, which must then all be ``[B, L, ...]``
+    tensors. ``copies``: the integer argument that repeats each row in the outputs. ``outputs``:
+    the returned tuple, one entry per tensor. Every other argument is shared by the rows and enters
+    each row's key.
 
     Declaring a layout asserts that a row's output does not depend on the other rows of its batch
     beyond padding, and that ``copies`` only repeats rows.
@@ -136,6 +142,10 @@ class RowLayout:
             mask = arguments[self.mask]
             if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
                 return f"mask {self.mask!r} is not a [B, L] tensor"
+            width = mask.shape[1]
+            for name, value in zip(self.rows, values, strict=True):
+                if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != width:
+                    return f"argument {name!r} is not a [B, {width}, ...] tensor to trim with {self.mask!r}"
             lengths = _attended_lengths(mask)
             if min(lengths) == 0:
                 return f"a row of {self.mask!r} attends to no position"
@@ -180,8 +190,6 @@ class RowSplit:
         self.batch = batch
         self.copies = copies
         self.lengths = lengths
-        mask = arguments[layout.mask] if layout.mask is not None else None
-        self._width = None if mask is None else mask.shape[1]
         # Keys read CPU bytes: each batched tensor crosses to the CPU once, not once per row.
         self._on_cpu = {
             name: value.detach().cpu()
@@ -198,7 +206,7 @@ class RowSplit:
                 return value[index]
             return [value[index]] if isinstance(value, list) else (value[index],)
         row = value[index : index + 1]
-        if self.lengths is not None and value.dim() >= 2 and value.shape[1] == self._width:
+        if self.lengths is not None:  # split() checked every row argument is [B, L, ...]
             row = row[:, : self.lengths[index]]
         return row
 
@@ -237,7 +245,10 @@ class RowSplit:
         return value
 
     def assemble(self, row_values: Sequence[Any]) -> Any:
-        """Return the call's output from each row's one-copy output (``row_values[i]`` for row i)."""
+        """Return the call's output from each row's one-copy output (``row_values[i]`` for row i).
+
+        Raises UnstackableRows when the rows' dtypes, devices or other dimensions differ.
+        """
         assembled = [
             self._assemble_output(position, output, [value[position] for value in row_values])
             for position, output in enumerate(self.layout.outputs)
@@ -252,7 +263,7 @@ class RowSplit:
         for row in rows[1:]:
             same_rest = row.shape[1:] == first.shape[1:] if output.pad_dim is None else _same_except(row, first, output)
             if row.dtype != first.dtype or row.device != first.device or not same_rest:
-                raise LayoutMismatch(
+                raise UnstackableRows(
                     f"output {position}: rows of {tuple(first.shape)} {first.dtype} and "
                     f"{tuple(row.shape)} {row.dtype} cannot be stacked as declared"
                 )

@@ -21,6 +21,7 @@ memory addresses, so ranks that see the same calls take the same decisions.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import threading
 from collections import Counter, OrderedDict
@@ -52,8 +53,14 @@ class _Miss:
 #: What :meth:`PromptEmbedCache.get` returns for an absent key, so that a cached ``None`` is a hit.
 MISS: Any = _Miss()
 
-# How a key is served (see PromptEmbedCache._claim).
-_HIT, _OWN, _JOIN, _DIRECT = "hit", "own", "join", "direct"
+
+class _Outcome(enum.Enum):
+    """How a key is served (see PromptEmbedCache._claim)."""
+
+    HIT = "served from an entry"
+    OWN = "this caller encodes it and lands the flight"
+    JOIN = "another caller is encoding it: wait for its flight"
+    DIRECT = "encode it without caching (a collision or a re-entrant call)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +82,7 @@ class CacheStats:
     verify: bool = True
     # Rows of batched calls (pipelines with a row layout): each row is an entry of its own.
     row_hits: int = 0  # rows served without this call encoding them (cache, another call's encode, a duplicate)
-    row_misses: int = 0  # rows this cache encoded and stored
+    row_misses: int = 0  # rows encoded and offered to the store (kept unless a clear() or a budget intervened)
     row_bypass_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)  # rows encoded, not stored
     rows_encoded: int = 0  # rows that reached the encoder: row misses and bypasses, and rows of whole calls
     whole_call_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)  # calls not split, and why
@@ -318,45 +325,44 @@ class PromptEmbedCache:
             self._bytes -= evicted.nbytes
             self._evictions += 1
 
-    def _claim(self, key: CallKey) -> tuple[str, Any]:
+    def _claim(self, key: CallKey) -> tuple[_Outcome, Any]:
         """Decide how ``key`` is served; the lock is held. Counts nothing: callers count calls or rows.
 
-        Returns ``(HIT, value)``, ``(OWN, flight)`` (the caller encodes and lands it), ``(JOIN, flight)``
-        (another thread encodes it) or ``(DIRECT, reason)`` (encode without caching).
+        Returns ``(HIT, value)``, ``(OWN, flight)``, ``(JOIN, flight)`` or ``(DIRECT, reason)``.
         """
         entry = self._entries.get(key.identity)
         if entry is not None:
             if entry.witness is None or witness_matches(entry.witness, key.witness):
                 self._entries.move_to_end(key.identity)
-                return _HIT, entry.value
-            return _DIRECT, COLLISION_REASON
+                return _Outcome.HIT, entry.value
+            return _Outcome.DIRECT, COLLISION_REASON
         flight = self._flights.get(key.identity)
         if flight is None:
             witness = freeze_witness(key.witness) if self.verify else None
             flight = self._flights[key.identity] = _Flight(witness, self._generation)
-            return _OWN, flight
+            return _Outcome.OWN, flight
         if flight.witness is not None and not witness_matches(flight.witness, key.witness):
-            return _DIRECT, COLLISION_REASON  # also two colliding rows of one call
+            return _Outcome.DIRECT, COLLISION_REASON  # also two colliding rows of one call
         if flight.owner == threading.get_ident():
-            return _DIRECT, REENTRANT_REASON
+            return _Outcome.DIRECT, REENTRANT_REASON
         flight.waiters += 1
-        return _JOIN, flight
+        return _Outcome.JOIN, flight
 
     def get_or_compute(self, key: CallKey, compute: Callable[[], T]) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result."""
         while True:
             with self._lock:
                 outcome, claimed = self._claim(key)
-                if outcome is _HIT:
+                if outcome is _Outcome.HIT:
                     self._hits += 1
                     return claimed
-                if outcome is _OWN:
+                if outcome is _Outcome.OWN:
                     self._misses += 1
-                elif outcome is _DIRECT:
+                elif outcome is _Outcome.DIRECT:
                     self._bypass_reasons[claimed] += 1
-            if outcome is _DIRECT:
+            if outcome is _Outcome.DIRECT:
                 return compute()
-            if outcome is _OWN:
+            if outcome is _Outcome.OWN:
                 return self._run_flight(key, claimed, compute)
             claimed.done.wait()
             if not claimed.failed:
@@ -373,45 +379,33 @@ class PromptEmbedCache:
         call counts as a hit when it encoded no row itself. It encodes the rows it owns before it
         waits for rows other calls are encoding, so two calls waiting on each other cannot deadlock.
         """
-        with self._lock:
-            self._row_hits += repeats
         values: list[Any] = [MISS] * len(keys)
         pending: Sequence[int] = range(len(keys))
-        encoded = 0
+        encoded = 0  # rows this call sent to the encoder, including one that raised
         succeeded = False
         try:
             while pending:
-                claims = []
-                with self._lock:
-                    for index in pending:
-                        outcome, claimed = self._claim(keys[index])
-                        if outcome is _HIT:
-                            self._row_hits += 1
-                            values[index] = claimed
-                            continue
-                        if outcome is _OWN:
-                            self._row_misses += 1
-                        elif outcome is _DIRECT:
-                            self._row_bypass_reasons[claimed] += 1
-                        claims.append((index, outcome, claimed))
-                owned = [(index, flight) for index, outcome, flight in claims if outcome is _OWN]
+                claims = self._claim_rows(keys, pending, values)
+                owned = [(index, flight) for index, outcome, flight in claims if outcome is _Outcome.OWN]
                 for position, (index, flight) in enumerate(owned):
+                    encoded += 1
                     try:
                         values[index] = self._run_flight(keys[index], flight, functools.partial(compute, index))
                     except BaseException:
                         self._abandon([(keys[later], unrun) for later, unrun in owned[position + 1 :]])
                         raise
-                    encoded += 1
+                    with self._lock:
+                        self._row_misses += 1
                 for index, outcome, _ in claims:
-                    if outcome is _DIRECT:
-                        values[index] = compute(index)
+                    if outcome is _Outcome.DIRECT:
                         encoded += 1
+                        values[index] = compute(index)
                 pending = []
                 for index, outcome, flight in claims:
-                    if outcome is not _JOIN:
+                    if outcome is not _Outcome.JOIN:
                         continue
                     flight.done.wait()
-                    if flight.failed:  # its owner's caller got the error; claim the row again
+                    if flight.failed:  # its owner's call raised; claim the row again
                         pending.append(index)
                         continue
                     values[index] = flight.value
@@ -422,10 +416,35 @@ class PromptEmbedCache:
         finally:
             with self._lock:
                 self._rows_encoded += encoded
+                if succeeded:
+                    self._row_hits += repeats
                 if encoded or not succeeded:
                     self._misses += 1
                 else:
                     self._hits += 1
+
+    def _claim_rows(self, keys: Sequence[CallKey], pending: Sequence[int], values: list[Any]) -> list[tuple]:
+        """Claim every pending row under the lock: fill hits into ``values``; return the other claims."""
+        claims: list[tuple[int, _Outcome, Any]] = []
+        with self._lock:
+            try:
+                for index in pending:
+                    outcome, claimed = self._claim(keys[index])
+                    if outcome is _Outcome.HIT:
+                        self._row_hits += 1
+                        values[index] = claimed
+                        continue
+                    if outcome is _Outcome.DIRECT:
+                        self._row_bypass_reasons[claimed] += 1
+                    claims.append((index, outcome, claimed))
+            except BaseException:
+                for index, outcome, flight in claims:  # never leave a claimed flight unrun
+                    if outcome is _Outcome.OWN:
+                        flight.failed = True
+                        self._land(keys[index].identity, flight)
+                        flight.done.set()
+                raise
+        return claims
 
     def _abandon(self, flights: list[tuple[CallKey, _Flight]]) -> None:
         """Retire flights whose encode will not run (an earlier row raised): their waiters try again."""
@@ -437,16 +456,14 @@ class PromptEmbedCache:
             flight.done.set()
 
     def _run_flight(self, key: CallKey, flight: _Flight, compute: Callable[[], T]) -> T:
+        """Run ``compute`` for an owned flight, store its result, and wake the waiters in every case."""
         try:
             result = compute()
+            value = detach_value(result)
+            nbytes = value_nbytes(value) + (0 if flight.witness is None else witness_nbytes(flight.witness))
         except BaseException:
-            with self._lock:
-                flight.failed = True
-                self._land(key.identity, flight)
-            flight.done.set()
+            self._abandon([(key, flight)])  # waiters try again; nothing is stored
             raise
-        value = detach_value(result)
-        nbytes = value_nbytes(value) + (0 if flight.witness is None else witness_nbytes(flight.witness))
         with self._lock:
             flight.value = value
             self._land(key.identity, flight)

@@ -18,15 +18,18 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder, freeze_witness
-from vllm_omni_prompt_cache.rows import ROW_LAYOUT_ATTRIBUTE, LayoutMismatch, RowLayout, RowSplit
+from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder, freeze_witness, witness_matches
+from vllm_omni_prompt_cache.rows import ROW_LAYOUT_ATTRIBUTE, LayoutMismatch, RowLayout, RowSplit, UnstackableRows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 
 logger = logging.getLogger(__name__)
 
 DISABLED_REASON = "cache disabled"
-#: Whole-call reason for calls after a row layout was found not to match the function's outputs.
+#: Whole-call reason for the call that found its row layout not to match the function's outputs
+#: (the calls after it have no layout: they are keyed whole like any pipeline's).
 LAYOUT_DROPPED_REASON = "row layout dropped: it did not match encode_prompt's outputs"
+#: Whole-call reason for a call whose rows differ in dtype, device or shape: served uncached.
+UNSTACKABLE_REASON = "rows could not be stacked into one output (dtype, device or shape differed)"
 
 
 def _set_attribute(pipeline: Any, name: str, value: Any) -> None:
@@ -155,16 +158,18 @@ class _CachedCalls:
         if layout is None or self.key_builder.precomputed(arguments) is not None:
             return self._whole(args, kwargs, arguments, rows=None)
         split = layout.split(arguments)
-        if type(split) is RowSplit:
-            try:
-                return self._by_rows(split, args, kwargs)
-            except LayoutMismatch as mismatch:
-                self._drop_layout(layout, mismatch)
-                whole_reason = LAYOUT_DROPPED_REASON
-        else:
-            whole_reason = split
-        cache.record_whole_call(whole_reason)
-        return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments))
+        if type(split) is not RowSplit:
+            cache.record_whole_call(split)
+            return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments))
+        try:
+            return self._by_rows(split, args, kwargs)
+        except (LayoutMismatch, UnstackableRows) as error:
+            # The rows path counted this call already: serve it once more, whole and uncached.
+            if type(error) is LayoutMismatch:
+                self._drop_layout(layout, error)
+            cache.record_whole_call(LAYOUT_DROPPED_REASON if type(error) is LayoutMismatch else UNSTACKABLE_REASON)
+            cache.record_rows_encoded(split.batch)
+            return self.encode_fn(*args, **kwargs)
 
     def _whole(self, args: tuple, kwargs: dict, arguments: dict[str, Any], rows: int | None) -> Any:
         """Serve the call under one key; ``rows``: how many rows it encodes, when a layout says."""
@@ -185,7 +190,7 @@ class _CachedCalls:
         """Serve each distinct row from the cache or one encode of it alone; assemble the call's output."""
         distinct: list[tuple[CallKey, int]] = []  # (key, first row with it)
         row_entry: list[int] = []  # row -> its index in ``distinct``
-        by_identity: dict[tuple, list[int]] = {}
+        by_identity: dict[tuple, list[tuple[int, tuple[bytes, ...] | None]]] = {}  # -> (entry, its witness bytes)
         for index in range(split.batch):
             key = self.key_builder.build_from_arguments(split.key_arguments(index), row=True)
             if type(key) is Bypass:  # a shared argument no key can hold: no row can be keyed
@@ -204,14 +209,20 @@ class _CachedCalls:
         return split.assemble([values[entry] for entry in row_entry])
 
     def _entry_for(
-        self, key: CallKey, index: int, distinct: list[tuple[CallKey, int]], by_identity: dict[tuple, list[int]]
+        self,
+        key: CallKey,
+        index: int,
+        distinct: list[tuple[CallKey, int]],
+        by_identity: dict[tuple, list[tuple[int, tuple[bytes, ...] | None]]],
     ) -> int:
         """Return the distinct entry row ``index`` shares, adding one; colliding rows stay apart."""
         entries = by_identity.setdefault(key.identity, [])
-        for entry in entries:
-            if not self.cache.verify or freeze_witness(distinct[entry][0].witness) == freeze_witness(key.witness):
+        if not self.cache.verify and entries:  # the digest alone decides, as for every hit
+            return entries[0][0]
+        for entry, witness in entries:
+            if witness_matches(witness, key.witness):
                 return entry
-        entries.append(len(distinct))
+        entries.append((len(distinct), freeze_witness(key.witness) if self.cache.verify else None))
         distinct.append((key, index))
         return len(distinct) - 1
 

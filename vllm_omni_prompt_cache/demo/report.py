@@ -20,6 +20,12 @@ MODE_LABELS = {
 }
 
 
+#: Largest final-latent difference accepted where bit identity is not expected (max_num_seqs > 1).
+#: Measured differences were up to 1.3e-06 (docs/benchmarks.md); a misplaced row or copy shows as
+#: a difference of order 1, so this catches layout errors without judging rounding.
+LATENT_TOLERANCE = 1e-4
+
+
 @dataclass(frozen=True)
 class Comparison:
     """One mode's final latents against the reference mode's, request by request."""
@@ -36,8 +42,8 @@ class Exactness:
     With ``max_num_seqs`` 1 every request is encoded and denoised alone, so the cache must leave the
     latents bit-identical. With more, the cache's rows are encoded alone, which may round differently
     from the uncached batched encode, and vLLM-Omni denoises whichever requests are waiting together,
-    which depends on timing (two uncached runs have differed too): the difference is reported, not
-    judged.
+    which depends on timing (two uncached runs have differed too): the difference is reported and
+    held to :data:`LATENT_TOLERANCE`, not to bit identity.
     """
 
     reference: str
@@ -53,8 +59,12 @@ class Exactness:
         return all(c.identical == c.requests for c in self.compared.values())
 
     @property
+    def within_tolerance(self) -> bool:
+        return all(c.max_abs_difference <= LATENT_TOLERANCE for c in self.compared.values())
+
+    @property
     def passed(self) -> bool:
-        return self.all_identical or not self.bit_identity_expected
+        return self.all_identical or (not self.bit_identity_expected and self.within_tolerance)
 
 
 def check_exactness(results: Sequence[RolloutResult]) -> list[Exactness]:
@@ -213,11 +223,12 @@ def exactness_lines(checks: Sequence[Exactness]) -> list[str]:
                 f"Exactness at max_num_seqs 1: final latents {verdict} to {reference} for the same seeds ({parts})."
             )
         else:
+            verdict = f"within {LATENT_TOLERANCE:g}" if check.within_tolerance else f"NOT within {LATENT_TOLERANCE:g}"
             lines.append(
-                f"At max_num_seqs {check.max_num_seqs}, final latents against {reference} ({parts}): not judged "
-                "bit for bit: cached rows are encoded alone, which may round differently from one batched encode "
-                "(benchmarks/encoder_batch_gap.py measures it), and which requests share a denoising batch "
-                "depends on timing."
+                f"At max_num_seqs {check.max_num_seqs}, final latents against {reference} ({parts}): {verdict}, "
+                "not judged bit for bit: cached rows are encoded alone, which may round differently from one "
+                "batched encode (benchmarks/encoder_batch_gap.py measures it), and which requests share a "
+                "denoising batch depends on timing."
             )
     return lines
 
@@ -258,6 +269,9 @@ def summary(spec: RolloutSpec, results: Sequence[RolloutResult], checks: Sequenc
                 "reference": check.reference,
                 "bit_identity_expected": check.bit_identity_expected,
                 "all_identical": check.all_identical,
+                "within_tolerance": check.within_tolerance,
+                "tolerance": LATENT_TOLERANCE,
+                "passed": check.passed,
                 "compared": {mode: dataclasses.asdict(c) for mode, c in check.compared.items()},
             }
             for check in checks
