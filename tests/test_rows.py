@@ -247,23 +247,26 @@ def test_two_concurrent_batches_sharing_a_missing_row_encode_it_once(encoder) ->
     assert (stats.row_misses, stats.row_hits, stats.rows_encoded) == (3, 1, 3)
 
 
-def test_a_failed_row_encode_is_retried_by_the_batch_that_waited(encoder) -> None:
-    pipeline = QwenStyleTokenPipeline(encoder)
+def install_failing_once(pipeline, release: threading.Event):
+    """Install the cache over an encoder that, on the thread named "failing", waits for ``release``
+    and raises once. Return the cache, the (thread, row length) of every encode, a ``run(name,
+    batch)`` for :func:`race`, and the outcome (output or error) of each run by name."""
     original = pipeline.encode_prompt
-    shared, other = token_rows(2, seed=7)
-    calls = {"failed": False}
-    waiting = threading.Event()
+    encoded: list[tuple[str, int]] = []
+    failed: list[bool] = []
 
     def encode(prompt_ids, attention_mask, num_images_per_prompt=1, max_sequence_length=1024):
-        if threading.current_thread().name == "failing" and not calls["failed"]:
-            assert waiting.wait(timeout=30)
-            calls["failed"] = True
+        name = threading.current_thread().name
+        encoded.append((name, prompt_ids.shape[1]))
+        if name == "failing" and not failed:
+            assert release.wait(timeout=30)
+            failed.append(True)
             raise RuntimeError("encoder out of memory")
         return original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
 
     pipeline.encode_prompt = encode
     cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
-    outcome = {}
+    outcome: dict = {}
 
     def run(name, batch):
         try:
@@ -271,6 +274,14 @@ def test_a_failed_row_encode_is_retried_by_the_batch_that_waited(encoder) -> Non
         except RuntimeError as error:
             outcome[name] = error
 
+    return cache, encoded, run, outcome
+
+
+def test_a_failed_row_encode_is_retried_by_the_batch_that_waited(encoder) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    shared, other = token_rows(2, seed=7)
+    waiting = threading.Event()
+    cache, _, run, outcome = install_failing_once(pipeline, waiting)
     race(cache, ("failing", [shared]), ("waiter", [other, shared]), run, waiting)
     assert isinstance(outcome["failing"], RuntimeError)
     expected = rows_alone(QwenStyleTokenPipeline(encoder), [other, shared], copies=1)
@@ -402,29 +413,9 @@ def test_row_outputs_of_the_wrong_form_raise_layout_mismatch() -> None:
 def test_a_row_whose_encode_raises_releases_the_rows_it_had_not_encoded(encoder) -> None:
     """Batch [a, b]: a's encode raises while another call waits on b; that call encodes b itself."""
     pipeline = QwenStyleTokenPipeline(encoder)
-    original = pipeline.encode_prompt
     a, b = token_rows(2, seed=11)
-    encoded: list[tuple[str, int]] = []
     b_waited = threading.Event()
-
-    def encode(prompt_ids, attention_mask, num_images_per_prompt=1, max_sequence_length=1024):
-        name = threading.current_thread().name
-        encoded.append((name, prompt_ids.shape[1]))
-        if name == "failing":
-            assert b_waited.wait(timeout=30)
-            raise RuntimeError("encoder out of memory")
-        return original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
-
-    pipeline.encode_prompt = encode
-    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
-    outcome = {}
-
-    def run(name, batch):
-        try:
-            outcome[name] = pipeline.encode_prompt(*collate(batch))
-        except RuntimeError as error:
-            outcome[name] = error
-
+    cache, encoded, run, outcome = install_failing_once(pipeline, b_waited)
     race(cache, ("failing", [a, b]), ("waiter", [b]), run, b_waited)
     assert isinstance(outcome["failing"], RuntimeError)
     assert encoded == [("failing", len(a)), ("waiter", len(b))]  # b was never encoded by the failing call
