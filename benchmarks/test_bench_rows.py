@@ -9,6 +9,9 @@ same real 6-layer Qwen2 encoder as the key benchmarks:
 * reference   one uncached call that encodes the 16 rows as one batch (the cheapest uncached way)
 * ours        the whole wrapped call when every row is cached: split, 16 row keys, lookups, assembly
 * part        the assembly alone: 16 cached rows padded into the output tensors
+
+and the one-row call every request makes at ``max_num_seqs`` 1 on a recognised pipeline, whose
+hit goes through the row path (split, trim, row key) instead of the whole-call key.
 """
 
 from __future__ import annotations
@@ -74,3 +77,34 @@ def test_assembly_alone(benchmark, batched_call) -> None:
     benchmark.group = group
     benchmark.extra_info.update(variant="(assembly of 16 cached rows alone)", role="part")
     benchmark.pedantic(split.assemble, args=(row_values,), rounds=ROUNDS, iterations=10, warmup_rounds=3)
+
+
+@pytest.fixture(scope="module")
+def one_row_call() -> tuple[QwenStyleTokenPipeline, torch.Tensor, torch.Tensor, str]:
+    """The max_num_seqs=1 case on a recognised pipeline: every call is one row, keyed as a row."""
+    encoder = build_qwen2_encoder(vocab_size=32_000, hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6)
+    parameters = sum(p.numel() for p in encoder.parameters())
+    ids = torch.randint(1, 32_000, (1, 512), generator=torch.Generator().manual_seed(0))
+    pipeline = QwenStyleTokenPipeline(encoder)
+    install_prompt_embed_cache(pipeline, max_size=8, row_layout=TOKEN_IDS)
+    pipeline.encode_prompt(ids, ids != 0)
+    return pipeline, ids, ids != 0, f"hit path, row layout: [1,512] on a {parameters / 1e6:.1f}M-param Qwen2 encoder"
+
+
+def test_one_row_encode(benchmark, one_row_call) -> None:
+    pipeline, ids, mask, group = one_row_call
+    original = pipeline._prompt_embed_cache_original_fn
+    benchmark.group = group
+    benchmark.extra_info.update(variant="one encode (uncached)", role="reference")
+    benchmark.pedantic(lambda: original(ids.clone(), mask.clone()), rounds=15, warmup_rounds=1)
+
+
+def test_one_row_hit(benchmark, one_row_call) -> None:
+    pipeline, ids, mask, group = one_row_call
+    runs_before = pipeline.encoder_runs
+    benchmark.group = group
+    benchmark.extra_info.update(variant="whole wrapper call on a hit (split, row key, lookup)", role="ours")
+    benchmark.pedantic(
+        lambda: pipeline.encode_prompt(ids.clone(), mask.clone()), rounds=ROUNDS, iterations=100, warmup_rounds=3
+    )
+    assert pipeline.encoder_runs == runs_before, "a timed call missed the cache"
