@@ -297,10 +297,15 @@ class CallKeyBuilder:
         return None
 
     def build_from_arguments(self, arguments: Mapping[str, Any], *, row: bool = False) -> CallKey | Bypass:
-        """Return the key for already-bound arguments (defaults applied); ``row``: one row's key."""
-        precomputed = self.precomputed(arguments)
-        if precomputed is not None:
-            return precomputed
+        """Return the key for already-bound arguments (defaults applied).
+
+        ``row``: the key of one row of a call whose arguments :meth:`precomputed` already cleared
+        (the check is per call, not per row).
+        """
+        if not row:
+            precomputed = self.precomputed(arguments)
+            if precomputed is not None:
+                return precomputed
         encoder = _Encoder(self.digest)
         encode = encoder.encode
         # Bound arguments come in signature order, so values alone identify the call.

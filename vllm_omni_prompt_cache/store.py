@@ -150,6 +150,11 @@ class CacheStats:
 def _reasons_since(now: Mapping[str, int], earlier: Mapping[str, int]) -> dict[str, int]:
     reasons = Counter(now)
     reasons.subtract(earlier)
+    return _ranked(reasons)
+
+
+def _ranked(reasons: Counter[str]) -> dict[str, int]:
+    """Return the non-zero counts, most common first (the order every snapshot shows reasons in)."""
     return {reason: count for reason, count in reasons.most_common() if count}
 
 
@@ -512,7 +517,7 @@ class PromptEmbedCache:
                 hits=self._hits,
                 misses=self._misses,
                 bypassed=sum(self._bypass_reasons.values()),
-                bypass_reasons={reason: count for reason, count in self._bypass_reasons.most_common() if count},
+                bypass_reasons=_ranked(self._bypass_reasons),
                 evictions=self._evictions,
                 oversize_rejections=self._oversize,
                 size=len(self._entries),
@@ -523,9 +528,9 @@ class PromptEmbedCache:
                 verify=self.verify,
                 row_hits=self._row_hits,
                 row_misses=self._row_misses,
-                row_bypass_reasons=dict(self._row_bypass_reasons.most_common()),
+                row_bypass_reasons=_ranked(self._row_bypass_reasons),
                 rows_encoded=self._rows_encoded,
-                whole_call_reasons=dict(self._whole_call_reasons.most_common()),
+                whole_call_reasons=_ranked(self._whole_call_reasons),
             )
 
     def stats(self) -> dict[str, Any]:
