@@ -23,10 +23,11 @@ import inspect
 import pytest
 import torch
 import xxhash
+from conftest import encoder_label, time_hits, time_uncached
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.keys import CallKey, CallKeyBuilder
-from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline
 
 # Calls per round keep a round near 1-3 ms, far above the timer's resolution; many short rounds
 # give the best (min) round a good chance to miss other load on a shared 2-core machine.
@@ -111,32 +112,18 @@ def test_key(benchmark, bound_call, label, role, function) -> None:
 
 
 @pytest.fixture(scope="module")
-def cached_pipeline() -> tuple[TokenIdTextPipeline, torch.Tensor, torch.Tensor, str]:
-    encoder = build_qwen2_encoder(vocab_size=32_000, hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6)
-    parameters = sum(p.numel() for p in encoder.parameters())
-    pipeline = TokenIdTextPipeline(encoder)
+def cached_pipeline(bench_encoder) -> tuple[TokenIdTextPipeline, torch.Tensor, torch.Tensor, str]:
+    pipeline = TokenIdTextPipeline(bench_encoder)
     install_prompt_embed_cache(pipeline, max_size=8)
     ids = torch.randint(1, 32_000, (1, 512), generator=torch.Generator().manual_seed(0))
     mask = ids != 0
     pipeline.encode_prompt(ids, mask)  # fill the cache
-    return pipeline, ids, mask, f"hit path: [1,512] on a {parameters / 1e6:.1f}M-param Qwen2 encoder"
+    return pipeline, ids, mask, f"hit path: [1,512] on {encoder_label(bench_encoder)}"
 
 
 def test_one_encode(benchmark, cached_pipeline) -> None:
-    pipeline, ids, mask, group = cached_pipeline
-    original = pipeline._prompt_embed_cache_original_fn
-    benchmark.group = group
-    benchmark.extra_info.update(variant="one encode (uncached)", role="reference")
-    # Fresh tensors on every call, as K sibling requests bring: identity never helps.
-    benchmark.pedantic(lambda: original(ids.clone(), mask.clone()), rounds=15, warmup_rounds=1)
+    time_uncached(benchmark, *cached_pipeline, "one encode (uncached)")
 
 
 def test_hit_path(benchmark, cached_pipeline) -> None:
-    pipeline, ids, mask, group = cached_pipeline
-    runs_before = pipeline.encoder_runs
-    benchmark.group = group
-    benchmark.extra_info.update(variant="whole wrapper call on a hit", role="ours")
-    benchmark.pedantic(
-        lambda: pipeline.encode_prompt(ids.clone(), mask.clone()), rounds=ROUNDS, iterations=100, warmup_rounds=3
-    )
-    assert pipeline.encoder_runs == runs_before, "a timed call missed the cache"
+    time_hits(benchmark, *cached_pipeline, "whole wrapper call on a hit", rounds=ROUNDS, iterations=100)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import encoder_label, time_hits, time_uncached
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, build_qwen2_encoder
+from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline
 from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
 
 PROMPTS, SIBLINGS = 4, 4
@@ -28,9 +29,7 @@ ROUNDS = 100
 
 
 @pytest.fixture(scope="module")
-def batched_call() -> tuple[QwenStyleTokenPipeline, torch.Tensor, torch.Tensor, str]:
-    encoder = build_qwen2_encoder(vocab_size=32_000, hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6)
-    parameters = sum(p.numel() for p in encoder.parameters())
+def batched_call(bench_encoder) -> tuple[QwenStyleTokenPipeline, torch.Tensor, torch.Tensor, str]:
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(100, 250, (PROMPTS,), generator=generator).tolist()
     prompts = [torch.randint(1, 32_000, (length,), generator=generator) for length in lengths]
@@ -38,33 +37,21 @@ def batched_call() -> tuple[QwenStyleTokenPipeline, torch.Tensor, torch.Tensor, 
     ids = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
     for index, row in enumerate(rows):
         ids[index, : len(row)] = row
-    pipeline = QwenStyleTokenPipeline(encoder)
+    pipeline = QwenStyleTokenPipeline(bench_encoder)
     install_prompt_embed_cache(pipeline, max_size=64, row_layout=TOKEN_IDS)
     pipeline.encode_prompt(ids, ids != 0)  # every row cached from here on
     group = (
-        f"rows: a batch of {len(rows)} cached rows ({PROMPTS} prompts x {SIBLINGS}) "
-        f"on a {parameters / 1e6:.1f}M-param Qwen2 encoder"
+        f"rows: a batch of {len(rows)} cached rows ({PROMPTS} prompts x {SIBLINGS}) on {encoder_label(bench_encoder)}"
     )
     return pipeline, ids, ids != 0, group
 
 
 def test_encode_the_rows(benchmark, batched_call) -> None:
-    pipeline, ids, mask, group = batched_call
-    original = pipeline._prompt_embed_cache_original_fn
-    benchmark.group = group
-    benchmark.extra_info.update(variant="encode the 16 rows (one uncached call)", role="reference")
-    benchmark.pedantic(lambda: original(ids.clone(), mask.clone()), rounds=10, warmup_rounds=1)
+    time_uncached(benchmark, *batched_call, "encode the 16 rows (one uncached call)", rounds=10)
 
 
 def test_cached_rows_call(benchmark, batched_call) -> None:
-    pipeline, ids, mask, group = batched_call
-    runs_before = pipeline.encoder_runs
-    benchmark.group = group
-    benchmark.extra_info.update(variant="whole wrapper call, every row cached", role="ours")
-    benchmark.pedantic(
-        lambda: pipeline.encode_prompt(ids.clone(), mask.clone()), rounds=ROUNDS, iterations=10, warmup_rounds=3
-    )
-    assert pipeline.encoder_runs == runs_before, "a timed call encoded a row"
+    time_hits(benchmark, *batched_call, "whole wrapper call, every row cached", rounds=ROUNDS, iterations=10)
 
 
 def test_assembly_alone(benchmark, batched_call) -> None:
@@ -80,31 +67,19 @@ def test_assembly_alone(benchmark, batched_call) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_row_call() -> tuple[QwenStyleTokenPipeline, torch.Tensor, torch.Tensor, str]:
+def one_row_call(bench_encoder) -> tuple[QwenStyleTokenPipeline, torch.Tensor, torch.Tensor, str]:
     """The max_num_seqs=1 case on a recognised pipeline: every call is one row, keyed as a row."""
-    encoder = build_qwen2_encoder(vocab_size=32_000, hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6)
-    parameters = sum(p.numel() for p in encoder.parameters())
     ids = torch.randint(1, 32_000, (1, 512), generator=torch.Generator().manual_seed(0))
-    pipeline = QwenStyleTokenPipeline(encoder)
+    pipeline = QwenStyleTokenPipeline(bench_encoder)
     install_prompt_embed_cache(pipeline, max_size=8, row_layout=TOKEN_IDS)
     pipeline.encode_prompt(ids, ids != 0)
-    return pipeline, ids, ids != 0, f"hit path, row layout: [1,512] on a {parameters / 1e6:.1f}M-param Qwen2 encoder"
+    return pipeline, ids, ids != 0, f"hit path, row layout: [1,512] on {encoder_label(bench_encoder)}"
 
 
 def test_one_row_encode(benchmark, one_row_call) -> None:
-    pipeline, ids, mask, group = one_row_call
-    original = pipeline._prompt_embed_cache_original_fn
-    benchmark.group = group
-    benchmark.extra_info.update(variant="one encode (uncached)", role="reference")
-    benchmark.pedantic(lambda: original(ids.clone(), mask.clone()), rounds=15, warmup_rounds=1)
+    time_uncached(benchmark, *one_row_call, "one encode (uncached)")
 
 
 def test_one_row_hit(benchmark, one_row_call) -> None:
-    pipeline, ids, mask, group = one_row_call
-    runs_before = pipeline.encoder_runs
-    benchmark.group = group
-    benchmark.extra_info.update(variant="whole wrapper call on a hit (split, row key, lookup)", role="ours")
-    benchmark.pedantic(
-        lambda: pipeline.encode_prompt(ids.clone(), mask.clone()), rounds=ROUNDS, iterations=100, warmup_rounds=3
-    )
-    assert pipeline.encoder_runs == runs_before, "a timed call missed the cache"
+    variant = "whole wrapper call on a hit (split, row key, lookup)"
+    time_hits(benchmark, *one_row_call, variant, rounds=ROUNDS, iterations=100)
