@@ -251,6 +251,20 @@ class _Encoder:
         )
 
 
+def value_identity(value: Any, *, digest: Callable[[Any], bytes] | None = None) -> Any | Bypass:
+    """Return ``value``'s identity as a call key spells it, or a Bypass saying why it has none.
+
+    For code that must agree with the cache's keys without building one (request routing).
+    """
+    encoder = _Encoder(default_digest if digest is None else digest)
+    try:
+        return encoder.encode(value)
+    except _Uncacheable as why:
+        return Bypass(str(why))
+    except Exception as error:
+        return Bypass(f"{type(error).__qualname__} raised while keying")
+
+
 class CallKeyBuilder:
     """Builds keys for calls of one ``encode_prompt`` signature under one model tag."""
 

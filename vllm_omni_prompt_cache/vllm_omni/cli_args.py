@@ -3,7 +3,8 @@
 vLLM-Omni 0.30's serve parser has no prompt-embed cache flags. We add a titled group to it;
 parsed values become ``AsyncOmni`` keyword arguments exactly like the kwargs a Python caller
 passes (the serve command forwards explicitly given flags as kwargs). Values are validated by
-argparse, so ``--prompt-embed-cache-size 0`` is a usage error naming the flag.
+argparse, so ``--prompt-embed-cache-size 0`` is a usage error naming the flag. The parser's
+``--omni-lb-policy`` and the command's check of it also learn ``prompt-affinity`` (see :mod:`.balancer`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from types import ModuleType
 from typing import Any
 
 from vllm_omni_prompt_cache.config import BACKEND, BACKENDS, ENABLE, MAX_BYTES, MAX_SIZE, VERIFY, Setting
+from vllm_omni_prompt_cache.routing import DEFAULT_EPSILON, EPSILON_ENV, epsilon_from_env
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
+
+#: The load-balancing policy we add (implemented in :mod:`.balancer`).
+POLICY = "prompt-affinity"
+POLICY_HELP = (
+    f"{POLICY} (vllm-omni-prompt-cache): a prompt's requests go to one replica, whose prompt-embed cache "
+    f"then encodes it once; no replica exceeds ceil((1 + epsilon) * mean in-flight load), epsilon from "
+    f"{EPSILON_ENV} (default {DEFAULT_EPSILON})."
+)
 
 # Named like vLLM's own groups, so `vllm serve --help=PromptEmbedCacheConfig` shows the section.
 GROUP_TITLE = "PromptEmbedCacheConfig"
@@ -75,9 +85,19 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def add_policy_choice(parser: argparse.ArgumentParser) -> None:
+    """Add our policy to the parser's ``--omni-lb-policy`` choices, if it has that flag."""
+    action = parser._option_string_actions.get("--omni-lb-policy")
+    if action is None or action.choices is None or POLICY in action.choices:
+        return
+    action.choices = [*action.choices, POLICY]
+    action.help = f"{action.help} {POLICY_HELP}" if action.help else POLICY_HELP
+
+
 def patch_serve_command(module: ModuleType) -> None:
-    """Make vLLM-Omni's serve subcommand parser carry our flags."""
+    """Make vLLM-Omni's serve subcommand carry our flags and accept our load-balancing policy."""
     replace_once(module.OmniServeCommand, "subparser_init", _adding_our_flags)
+    replace_once(module.OmniServeCommand, "validate", _accepting_our_policy)
 
 
 def _adding_our_flags(original: Any) -> Any:
@@ -85,6 +105,22 @@ def _adding_our_flags(original: Any) -> Any:
     def subparser_init(self: Any, subparsers: Any) -> Any:
         parser = original(self, subparsers)
         add_prompt_cache_arguments(parser)
+        add_policy_choice(parser)
         return parser
 
     return subparser_init
+
+
+def _accepting_our_policy(original: Any) -> Any:
+    @functools.wraps(original)
+    def validate(self: Any, args: argparse.Namespace) -> Any:
+        if getattr(args, "omni_lb_policy", None) != POLICY:
+            return original(self, args)
+        epsilon_from_env()  # a bad slack fails here, named, rather than at engine start
+        args.omni_lb_policy = None  # stock checks the name against its own three policies only
+        try:
+            return original(self, args)
+        finally:
+            args.omni_lb_policy = POLICY
+
+    return validate

@@ -14,9 +14,11 @@ than 0.30.x the plugin logs one warning and changes nothing.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import logging
+from typing import Any
 
 from vllm_omni_prompt_cache.config import env_flag
 
@@ -60,12 +62,18 @@ def register() -> None:
     from vllm_omni_prompt_cache.vllm_omni import bindings, cli_args, lifecycle, runner, settings
     from vllm_omni_prompt_cache.vllm_omni.imports import when_imported
 
+    def balancer_hook(name: str) -> Any:  # balancer imports vLLM-Omni: only once vLLM-Omni is importing
+        return lambda module: getattr(importlib.import_module(f"{__package__}.balancer"), name)(module)
+
     when_imported(bindings.CACHE_MODULE, bindings.patch_cache_module)
     when_imported(runner.RUNNER_MODULE, runner.patch_runner_module)
     when_imported("vllm_omni.diffusion.worker.diffusion_worker", lifecycle.patch_worker)
     when_imported("vllm_omni.diffusion.lora.manager", lifecycle.patch_lora_manager)
     when_imported("vllm_omni.config.config_factory", settings.patch_stage_config_factory)
     when_imported("vllm_omni.entrypoints.cli.serve", cli_args.patch_serve_command)
+    when_imported("vllm_omni.engine.stage_runtime", balancer_hook("patch_stage_runtime"))
+    when_imported("vllm_omni.engine.stage_pool", balancer_hook("patch_stage_pool"))
+    when_imported("vllm_omni.engine.omni_engine_base", balancer_hook("patch_engine_base"))
 
 
 def register_vllm() -> None:

@@ -1,0 +1,182 @@
+"""The ``prompt-affinity`` load-balancing policy for the replicas of a vLLM-Omni 0.30 stage.
+
+``--omni-lb-policy prompt-affinity`` (serve) or ``omni_lb_policy="prompt-affinity"`` (AsyncOmni /
+Omni) sends a prompt's siblings to one replica, so its cache encodes the prompt once. What stock
+0.30 does, and what each hook below changes:
+
+* The distributed runtime (omni coordinator) builds each pool's balancer from the policy name and
+  refuses names it does not know: :func:`patch_stage_runtime` adds ours.
+* The single-node runtime (``num_replicas`` in a deploy config) has no balancer at all: it
+  round-robins whatever the policy says. :func:`patch_engine_base` attaches ours to each pool,
+  which stock code never consults without a coordinator, so only our submit hook reads it.
+* Stock calls a balancer with the request id alone. :func:`patch_stage_pool` routes a pool whose
+  balancer is ours before stock's pick, with the request's content, and records the route as a
+  binding, which stock's pick honours; in-flight loads are the pool's live bindings, exact and
+  current (the coordinator's queue lengths arrive with heartbeats).
+* The serve parser and its check know three policies: :mod:`.cli_args` adds ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections import Counter
+from types import ModuleType
+from typing import Any
+
+from vllm_omni.distributed.omni_coordinator.load_balancer import LoadBalancer, Task
+from vllm_omni.distributed.omni_coordinator.messages import ReplicaInfo, ReplicaStatus
+
+from vllm_omni_prompt_cache.routing import (
+    PromptAffinityRouter,
+    UnroutableRequest,
+    epsilon_from_env,
+    prompt_affinity_key,
+)
+from vllm_omni_prompt_cache.vllm_omni.cli_args import POLICY
+from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
+
+logger = logging.getLogger("vllm_omni_prompt_cache")
+
+
+class PromptAffinityBalancer(LoadBalancer):
+    """vLLM-Omni ``LoadBalancer`` that routes by :func:`prompt_affinity_key` with bounded loads.
+
+    Replicas are named by ``input_addr`` on the ring and loaded by ``queue_length``; a task
+    without ``engine_inputs``, or whose inputs hold no prompt, goes to the least-loaded replica.
+    """
+
+    def __init__(self, epsilon: float | None = None) -> None:
+        self.router = PromptAffinityRouter(epsilon=epsilon_from_env() if epsilon is None else epsilon)
+        self._warned: set[str] = set()
+
+    def select(self, task: Task, replicas: list[ReplicaInfo]) -> int:
+        if not replicas:
+            raise ValueError("replicas must not be empty")
+        key, reason = None, "no request content given to the balancer"
+        if task.get("engine_inputs") is not None:
+            try:
+                key = prompt_affinity_key(task["engine_inputs"])
+            except UnroutableRequest as unroutable:
+                reason = unroutable.reason
+        if key is None and reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(
+                "vllm-omni-prompt-cache: prompt-affinity sent request %s to the least-loaded replica: %s "
+                "(said once per reason).",
+                task.get("request_id"),
+                reason,
+            )
+        names = [replica.input_addr for replica in replicas]
+        return self.router.route(key, names, [replica.queue_length for replica in replicas], reason=reason)
+
+    def stats(self) -> dict[str, Any]:
+        """Return how requests were placed: counts by placement and fallback reasons, and epsilon."""
+        return {
+            "epsilon": self.router.epsilon,
+            "placements": dict(self.router.placements),
+            "fallback_reasons": dict(self.router.fallback_reasons),
+        }
+
+
+def route_before_submit(pool: Any, request_id: str, request: Any, params: Any, affinity_request_id: Any) -> None:
+    """Bind ``request_id`` to the replica prompt-affinity picks, if ``pool`` routes by prompt affinity."""
+    balancer = getattr(pool, "_lb", None)
+    if not isinstance(balancer, PromptAffinityBalancer):
+        return
+    # A CFG companion follows its parent, and a route chosen earlier (multimodal cache scoping) stands.
+    if affinity_request_id is not None or pool.get_bound_replica_id(request_id) is not None:
+        return
+    task = Task(request_id=request_id, engine_inputs=request, sampling_params=params)
+    if pool.is_distributed:
+        candidates = pool._collect_serviceable_replicas()
+        if not candidates:
+            return  # stock pick waits for a replica to come up
+        in_flight = Counter(pool._affinity.values())  # request id -> input address, released on finish
+        infos = [dataclasses.replace(info, queue_length=in_flight[info.input_addr]) for info, _ in candidates]
+        pool.bind(request_id, infos[balancer.select(task, infos)].input_addr)
+        return
+    live = [replica_id for replica_id in pool.live_replica_ids() if pool.is_replica_available(replica_id)]
+    if len(live) < 2:
+        return
+    in_flight = Counter(pool._request_bindings.values())  # request id -> replica id, released on finish
+    infos = [_local_replica(pool.stage_id, replica_id, in_flight[replica_id]) for replica_id in live]
+    # Stock keeps single-node routes in this map and honours them in select_replica_id.
+    pool._request_bindings[request_id] = live[balancer.select(task, infos)]
+
+
+def _local_replica(stage_id: int, replica_id: int, load: int) -> ReplicaInfo:
+    # Named by stage and index, which are the same on every start (client addresses are not).
+    name = f"stage-{stage_id}/replica-{replica_id}"
+    return ReplicaInfo(name, "", stage_id, ReplicaStatus.UP, load, 0.0, 0.0)
+
+
+def routing_stats(stage_pools: Any) -> dict[int, dict[str, Any]]:
+    """Return each prompt-affinity pool's balancer statistics, by stage id."""
+    return {
+        pool.stage_id: pool._lb.stats()
+        for pool in stage_pools
+        if isinstance(getattr(pool, "_lb", None), PromptAffinityBalancer)
+    }
+
+
+# ---- hooks ----------------------------------------------------------------------------------
+
+
+def patch_stage_runtime(module: ModuleType) -> None:
+    """Let the distributed runtime build our balancer from the policy name."""
+    replace_once(module, "_build_load_balancer_factory", _knowing_our_policy)
+
+
+def _knowing_our_policy(original: Any) -> Any:
+    @functools.wraps(original)
+    def build_load_balancer_factory(policy: str) -> Any:
+        if policy == POLICY:
+            return PromptAffinityBalancer
+        return original(policy)
+
+    return build_load_balancer_factory
+
+
+def patch_engine_base(module: ModuleType) -> None:
+    """Give single-node pools our balancer when the engine's policy is ours."""
+    replace_once(module.OmniEngineBase, "_initialize_stages", _attaching_our_balancer)
+
+
+def _attaching_our_balancer(original: Any) -> Any:
+    @functools.wraps(original)
+    def initialize_stages(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if getattr(self, "_omni_lb_policy", None) == POLICY:
+            epsilon = epsilon_from_env()  # a bad value stops the engine here, named
+            for pool in self.stage_pools:
+                if getattr(pool, "_lb", None) is None:
+                    pool.attach_load_balancer(PromptAffinityBalancer(epsilon))
+            replicas = {pool.stage_id: pool.live_num_replicas for pool in self.stage_pools}
+            logger.info(
+                "vllm-omni-prompt-cache: prompt-affinity routing (epsilon %s), replicas by stage %s", epsilon, replicas
+            )
+        return result
+
+    return initialize_stages
+
+
+def patch_stage_pool(module: ModuleType) -> None:
+    """Route a prompt-affinity pool's new requests by their content before stock's pick."""
+    replace_once(module.StagePool, "submit_initial", _routing_first)
+
+
+def _routing_first(original: Any) -> Any:
+    @functools.wraps(original)
+    async def submit_initial(
+        self: Any, request_id: str, req_state: Any, request: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if isinstance(getattr(self, "_lb", None), PromptAffinityBalancer):
+            params = kwargs.get("params_override")
+            if params is None:
+                params = getattr(req_state, "sampling_params_list", [None] * (self.stage_id + 1))[self.stage_id]
+            route_before_submit(self, request_id, request, params, kwargs.get("affinity_request_id"))
+        return await original(self, request_id, req_state, request, *args, **kwargs)
+
+    return submit_initial
