@@ -87,11 +87,13 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_policy_choice(parser: argparse.ArgumentParser) -> None:
     """Add our policy to the parser's ``--omni-lb-policy`` choices, if it has that flag."""
-    action = parser._option_string_actions.get("--omni-lb-policy")
-    if action is None or action.choices is None or POLICY in action.choices:
-        return
-    action.choices = [*action.choices, POLICY]
-    action.help = f"{action.help} {POLICY_HELP}" if action.help else POLICY_HELP
+    # vLLM-Omni's tracking parser parses twice, the second time with a shadow copy of each action.
+    for each in (parser, getattr(parser, "_shadow", None)):
+        action = None if each is None else each._option_string_actions.get("--omni-lb-policy")
+        if action is None or action.choices is None or POLICY in action.choices:
+            continue
+        action.choices = [*action.choices, POLICY]
+        action.help = f"{action.help} {POLICY_HELP}" if action.help else POLICY_HELP
 
 
 def patch_serve_command(module: ModuleType) -> None:

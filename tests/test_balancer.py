@@ -1,0 +1,172 @@
+"""The prompt-affinity policy inside vLLM-Omni's own routing: StagePool, the coordinator, the serve CLI.
+
+The pools, the coordinator, its hub and stage clients, the serve parser and the balancer factory are
+vLLM-Omni's real ones with the plugin's hooks applied. What stands in for a replica is only its
+engine client (``_ReplicaClient`` records what it is sent): running engines here is the job of
+``test_replicas_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm_omni", reason="the balancer hooks need the vllm-omni extra")
+
+from vllm_omni.distributed.omni_coordinator import OmniCoordClientForHub, OmniCoordinator
+from vllm_omni.distributed.omni_coordinator.omni_coord_client_for_stage import OmniCoordClientForStage
+from vllm_omni.engine import stage_runtime
+from vllm_omni.engine.stage_pool import StagePool
+from vllm_omni.entrypoints.cli.serve import OmniServeCommand
+from vllm_omni.utils.tracking_parser import TrackingArgumentParser
+
+from vllm_omni_prompt_cache.config import PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.routing import EPSILON_ENV
+from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
+from vllm_omni_prompt_cache.vllm_omni.balancer import PromptAffinityBalancer, routing_stats
+from vllm_omni_prompt_cache.vllm_omni.cli_args import POLICY
+
+PROMPTS = ([101, 7, 7, 9], [101, 8, 3], [101, 5, 5, 5, 5], [101, 2])
+NEGATIVE = [101, 0]
+SIBLINGS = 4
+
+
+class _ReplicaClient:
+    """Stands in for one replica's diffusion engine client: records the requests it is sent."""
+
+    stage_type = "diffusion"
+    final_output = True
+
+    def __init__(self, address: str) -> None:
+        self.request_address = address
+        self.requests: list[str] = []
+
+    async def add_request_async(self, request_id: str, request: object, params: object, **_: object) -> None:
+        self.requests.append(request_id)
+
+
+def _state() -> SimpleNamespace:
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    return SimpleNamespace(sampling_params_list=[OmniDiffusionSamplingParams()])
+
+
+async def _rollout(pool: StagePool, prompts=PROMPTS) -> dict[int, set[int]]:
+    """Submit every prompt's siblings interleaved; return the replicas each prompt reached."""
+    reached: dict[int, set[int]] = {}
+    for sibling in range(SIBLINGS):
+        for index, ids in enumerate(prompts):
+            request = {"prompt_ids": list(ids), "negative_prompt_ids": NEGATIVE}
+            replica = await pool.submit_initial(f"p{index}-s{sibling}", _state(), request)
+            reached.setdefault(index, set()).add(replica)
+    return reached
+
+
+def _single_node_pool(replicas: int, balancer=None) -> StagePool:
+    pool = StagePool(0, [_ReplicaClient(f"inproc://replica-{index}") for index in range(replicas)])
+    if balancer is not None:
+        pool.attach_load_balancer(balancer)  # what the engine hook does when the policy is ours
+    return pool
+
+
+def test_single_node_siblings_share_a_replica_within_the_bound() -> None:
+    pool = _single_node_pool(2, PromptAffinityBalancer(epsilon=0.25))
+    reached = asyncio.run(_rollout(pool))
+    assert all(len(replicas) == 1 for replicas in reached.values())
+    per_replica = [len(client.requests) for client in pool.clients]
+    assert sum(per_replica) == len(PROMPTS) * SIBLINGS and max(per_replica) <= 10  # ceil(1.25 * 16 / 2)
+    assert routing_stats([pool])[0]["placements"]["with siblings"] == len(PROMPTS) * (SIBLINGS - 1)
+    # Finished requests release their bindings; the loads the balancer sees drop back to zero.
+    pool.release_bindings([f"p{i}-s{s}" for i in range(len(PROMPTS)) for s in range(SIBLINGS)])
+    assert pool._request_bindings == {}
+
+
+def test_single_node_without_our_policy_keeps_stock_round_robin() -> None:
+    pool = _single_node_pool(2)
+    reached = asyncio.run(_rollout(pool, prompts=PROMPTS[:1]))
+    assert reached == {0: {0, 1}}
+
+
+def test_a_cfg_companion_follows_its_parent_and_unroutable_requests_go_least_loaded() -> None:
+    pool = _single_node_pool(2, PromptAffinityBalancer())
+
+    async def scenario() -> tuple[int, int, int]:
+        parent = await pool.submit_initial("parent", _state(), {"prompt_ids": [1, 2, 3]})
+        companion = await pool.submit_initial("parent-cfg", _state(), {"prompt_ids": [9]}, affinity_request_id="parent")
+        embeds_only = await pool.submit_initial("embeds", _state(), {"prompt_embeds": None})
+        return parent, companion, embeds_only
+
+    parent, companion, embeds_only = asyncio.run(scenario())
+    assert companion == parent
+    assert embeds_only != parent  # the other replica holds nothing
+    assert routing_stats([pool])[0]["fallback_reasons"] == {
+        "no prompt content (none of prompt_ids, prompt_token_ids, prompt, negative_prompt_ids, "
+        "negative_prompt_token_ids, negative_prompt, multi_modal_data)": 1
+    }
+
+
+@pytest.fixture
+def coordinator():
+    """vLLM-Omni's real omni coordinator on loopback, with two registered replicas of stage 0."""
+    coord = OmniCoordinator("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_timeout=30.0)
+    addresses = ["tcp://127.0.0.1:40001", "tcp://127.0.0.1:40002"]
+    stages = [OmniCoordClientForStage(coord.router_zmq_addr, address, address + "/out", 0) for address in addresses]
+    hub = OmniCoordClientForHub(coord.pub_zmq_addr)
+    deadline = time.monotonic() + 10
+    while len(hub.get_replicas_for_stage(0).replicas) < 2:
+        assert time.monotonic() < deadline, "the hub never saw both replicas"
+        time.sleep(0.05)
+    yield hub, addresses
+    hub.close()
+    for stage in stages:
+        stage.close()
+    coord.close()
+
+
+def test_distributed_pool_routes_through_the_coordinators_replica_list(coordinator) -> None:
+    hub, addresses = coordinator
+    pool = StagePool(0, [])
+    for address in addresses:
+        pool.add_client(address, _ReplicaClient(address))
+    pool.attach_hub(hub)
+    pool.attach_load_balancer(stage_runtime._build_load_balancer_factory(POLICY)())  # as MembershipController does
+    assert pool.is_distributed and isinstance(pool._lb, PromptAffinityBalancer)
+    reached = asyncio.run(_rollout(pool))
+    assert all(len(replicas) == 1 for replicas in reached.values())
+    assert max(len(client.requests) for client in pool.clients) <= 10
+    assert routing_stats([pool])[0]["fallback_reasons"] == {}
+
+
+def test_the_factory_knows_our_policy_and_still_refuses_unknown_ones(monkeypatch) -> None:
+    assert stage_runtime._build_load_balancer_factory(POLICY) is PromptAffinityBalancer
+    with pytest.raises(ValueError, match="unknown --omni-lb-policy 'fastest'"):
+        stage_runtime._build_load_balancer_factory("fastest")
+    monkeypatch.setenv(EPSILON_ENV, "-1")
+    with pytest.raises(PromptEmbedCacheConfigError, match=f"environment variable {EPSILON_ENV}"):
+        stage_runtime._build_load_balancer_factory(POLICY)()
+
+
+def _serve_parser() -> TrackingArgumentParser:
+    parser = TrackingArgumentParser(prog="vllm-omni")
+    OmniServeCommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    return parser
+
+
+def test_serve_accepts_the_policy_and_names_it_in_errors(capsys, monkeypatch) -> None:
+    model = str(ensure_tiny_qwen_image())  # a local model: validation resolves it (no downloads)
+    args = _serve_parser().parse_args(["serve", model, "--omni", "--omni-lb-policy", POLICY])
+    assert args.omni_lb_policy == POLICY
+    OmniServeCommand().validate(args)  # stock's check knows three policies; ours passes
+    assert args.omni_lb_policy == POLICY
+    assert args.get_explicit_kwargs_dict()["omni_lb_policy"] == POLICY  # what reaches AsyncOmni
+
+    monkeypatch.setenv(EPSILON_ENV, "abc")
+    with pytest.raises(PromptEmbedCacheConfigError, match="invalid prompt-affinity load slack 'abc'"):
+        OmniServeCommand().validate(args)
+
+    with pytest.raises(SystemExit):
+        _serve_parser().parse_args(["serve", model, "--omni", "--omni-lb-policy", "fastest"])
+    assert f"'{POLICY}'" in capsys.readouterr().err
