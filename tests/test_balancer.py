@@ -170,3 +170,30 @@ def test_serve_accepts_the_policy_and_names_it_in_errors(capsys, monkeypatch) ->
     with pytest.raises(SystemExit):
         _serve_parser().parse_args(["serve", model, "--omni", "--omni-lb-policy", "fastest"])
     assert f"'{POLICY}'" in capsys.readouterr().err
+
+
+def test_a_request_sent_before_any_replica_registers_waits_and_is_still_routed_by_content() -> None:
+    coord = OmniCoordinator("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_timeout=30.0)
+    hub = OmniCoordClientForHub(coord.pub_zmq_addr)
+    address = "tcp://127.0.0.1:40003"
+    pool = StagePool(0, [])
+    pool.add_client(address, _ReplicaClient(address))
+    pool.attach_hub(hub)
+    pool.attach_load_balancer(PromptAffinityBalancer())
+    stages = []
+
+    async def scenario() -> int:
+        submitted = asyncio.ensure_future(pool.submit_initial("early", _state(), {"prompt_ids": [1, 2]}))
+        await asyncio.sleep(0.3)  # the request waits: the coordinator knows no replica yet
+        assert not submitted.done()
+        stages.append(OmniCoordClientForStage(coord.router_zmq_addr, address, address + "/out", 0))
+        return await submitted
+
+    try:
+        assert asyncio.run(scenario()) == 0
+        assert routing_stats([pool])[0]["fallback_reasons"] == {}
+    finally:
+        hub.close()
+        for stage in stages:
+            stage.close()
+        coord.close()

@@ -238,6 +238,7 @@ def test_siblings_follow_a_spilled_first_request():
     loads[home] -= 1  # the home has room again (5 < 6), but the warm replica is where the first went
     assert router.route(key, REPLICAS, loads) == first
     assert router.placements == {"spilled": 1, "with siblings": 1}
+    assert router.peak_load_over_bound == 1.0  # the spill filled its replica to the bound, no further
 
 
 def test_requests_without_a_key_go_least_loaded_and_are_counted():

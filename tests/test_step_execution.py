@@ -35,7 +35,8 @@ async def rollout(overrides: dict[str, Any]) -> dict[str, Any]:
     async with open_engine({**engine_kwargs(spec, "ours", 16, None), **overrides}) as engine:
         stats_before = await cache_stats(engine)  # the warm-up request is encoded too
         counters_before = await worker_value(engine, "text_encoder_counters")
-        latents, sizes = await send_rollout(engine, spec)
+        sent = await send_rollout(engine, spec)
+        latents, sizes = sent.latents, sent.image_sizes
         stats = (await cache_stats(engine)).since(stats_before)
         counters = await worker_value(engine, "text_encoder_counters")
     return {

@@ -228,6 +228,8 @@ class PromptAffinityRouter:
         self._warm_replicas: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # key -> where it went
         self.placements: Counter[str] = Counter()  # home, with siblings, spilled, least-loaded
         self.fallback_reasons: Counter[str] = Counter()
+        #: The fullest a chosen replica has been, as its load (this request included) over the bound.
+        self.peak_load_over_bound = 0.0
 
     @property
     def epsilon(self) -> float:
@@ -235,11 +237,13 @@ class PromptAffinityRouter:
 
     def route(self, key: str | None, replicas: Sequence[str], loads: Sequence[int], *, reason: str = "") -> int:
         """Return the index in ``replicas`` for a request with ``key`` (None: ``reason`` says why none)."""
+        limit = self.ring.capacity(sum(loads) + 1, len(replicas))
         if key is None:
             self.placements["least-loaded"] += 1
             self.fallback_reasons[reason or "no key"] += 1
-            return least_loaded(loads)
-        limit = self.ring.capacity(sum(loads) + 1, len(replicas))
+            index = least_loaded(loads)
+            self._note_load(loads[index] + 1, limit)
+            return index
         warm = self._warm_replicas.get(key, ())
         with_room = [index for index, name in enumerate(replicas) if name in warm and loads[index] < limit]
         if with_room:
@@ -249,7 +253,11 @@ class PromptAffinityRouter:
             index = self.ring.choose(key, replicas, loads)
             self.placements["home" if index == self.ring.home(key, replicas) else "spilled"] += 1
         self._remember(key, replicas[index])
+        self._note_load(loads[index] + 1, limit)
         return index
+
+    def _note_load(self, load: int, limit: int) -> None:
+        self.peak_load_over_bound = max(self.peak_load_over_bound, load / limit)
 
     def _remember(self, key: str, replica: str) -> None:
         warm = self._warm_replicas.pop(key, ())

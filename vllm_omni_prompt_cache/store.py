@@ -25,7 +25,7 @@ import enum
 import functools
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -117,6 +117,22 @@ class CacheStats:
             row_bypass_reasons=_reasons_since(self.row_bypass_reasons, earlier.row_bypass_reasons),
             rows_encoded=self.rows_encoded - earlier.rows_encoded,
             whole_call_reasons=_reasons_since(self.whole_call_reasons, earlier.whole_call_reasons),
+        )
+
+    @classmethod
+    def merged(cls, snapshots: Iterable[CacheStats]) -> CacheStats:
+        """Return the sum of several caches' snapshots (one per replica); settings are the first's."""
+        snapshots = list(snapshots)
+        if not snapshots:
+            raise ValueError("no snapshots to merge")
+        first = snapshots[0]
+        counters = ("size", "max_size", "hits", "misses", "bypassed", "evictions", "oversize_rejections", "bytes")
+        counters += ("row_hits", "row_misses", "rows_encoded")
+        reasons = ("bypass_reasons", "row_bypass_reasons", "whole_call_reasons")
+        return dataclasses.replace(
+            first,
+            **{name: sum(getattr(each, name) for each in snapshots) for name in counters},
+            **{name: _ranked(sum((Counter(getattr(each, name)) for each in snapshots), Counter())) for name in reasons},
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -7,6 +7,9 @@ cache mode gets its own engine, enabled by the same ``AsyncOmni`` kwargs a user 
 * ``off``   -- ``enable_prompt_embed_cache=False``;
 * ``stock`` -- vLLM-Omni 0.30's own cache (``prompt_embed_cache_backend="vllm-omni"``);
 * ``ours``  -- this package's content-keyed cache.
+
+With ``replicas`` > 1 the stage runs that many replicas behind ``lb_policy`` (see :mod:`.replicas`),
+each with its own cache.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class RolloutSpec:
     base_seed: int = 1234
     max_num_seqs: int = 1  # requests vLLM-Omni's forward batches into one encode_prompt call
     step_execution: bool = False  # vLLM-Omni's continuous batching across denoising steps
+    replicas: int = 1  # replicas of the diffusion stage, each with its own cache
+    lb_policy: str | None = None  # how requests are spread over them (None: one replica)
 
     def requests(self) -> list[tuple[int, int, int]]:
         """Return ``(request_index, prompt_index, seed)`` for every request, siblings interleaved."""
@@ -78,6 +83,20 @@ class RolloutResult:
     worker_pid: int | None = None  # the diffusion worker's process (this one, unless spawned)
     encoder_rows: int = 0  # prompt rows that reached the text encoder
     max_num_seqs: int = 1
+    lb_policy: str | None = None
+    requests_per_replica: tuple[int, ...] = ()
+    replica_by_request: dict[int, int | None] = field(repr=False, default_factory=dict)
+    encoder_runs_per_replica: tuple[int, ...] = ()
+    routing: dict[str, Any] | None = None  # prompt-affinity's placement counts, when it routed
+
+
+@dataclass
+class SentRollout:
+    """What the engine returned for one rollout: final latents, image sizes, and who served each request."""
+
+    latents: dict[int, torch.Tensor]
+    image_sizes: set[tuple[int, int]]
+    replica_by_request: dict[int, int | None]
 
 
 def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str | int | None) -> dict[str, Any]:
@@ -104,6 +123,10 @@ def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str 
         kwargs["prompt_embed_cache_backend"] = "vllm-omni"
     if mode == "ours" and max_bytes is not None:
         kwargs["prompt_embed_cache_max_bytes"] = max_bytes
+    if spec.lb_policy is not None:
+        from vllm_omni_prompt_cache.demo.replicas import distributed_kwargs
+
+        kwargs.update(distributed_kwargs(spec.replicas, spec.lb_policy))
     return kwargs
 
 
@@ -112,34 +135,46 @@ async def open_engine(kwargs: dict[str, Any]) -> AsyncIterator[Any]:
     """Yield a started ``AsyncOmni`` built from ``kwargs``; shut it down afterwards."""
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
-    engine = AsyncOmni(**kwargs)
+    from vllm_omni_prompt_cache.demo.replicas import membership_watchers_stopped
+
+    distributed = "omni_master_address" in kwargs
+    engine = None
     try:
-        yield engine
-    finally:
-        engine.shutdown()
+        with membership_watchers_stopped() if distributed else contextlib.nullcontext():
+            engine = AsyncOmni(**kwargs)
+            yield engine
+    finally:  # after the watchers are told to stop: distributed shutdown waits for them
+        if engine is not None:
+            engine.shutdown()
 
 
 async def cache_stats(engine: Any) -> CacheStats | None:
-    """Return the diffusion worker's cache statistics, or None when it has no cache."""
-    stats = await worker_value(engine, "get_prompt_embed_cache_stats")
-    return None if stats is None else CacheStats.from_dict(stats)
+    """Return the diffusion workers' cache statistics (summed over replicas), or None when there is no cache."""
+    replicas = [stats for stats in await worker_values(engine, "get_prompt_embed_cache_stats") if stats is not None]
+    return CacheStats.merged(CacheStats.from_dict(stats) for stats in replicas) if replicas else None
 
 
 async def worker_value(engine: Any, method: str) -> Any:
     """Return the first diffusion worker's answer to an RPC (one stage, one worker here)."""
-    results = await engine.collective_rpc(method)
-    value = results[0]
-    while isinstance(value, list):
-        value = value[0]
-    return value
+    return (await worker_values(engine, method))[0]
+
+
+async def worker_values(engine: Any, method: str) -> list[Any]:
+    """Return every replica's diffusion worker's answer to an RPC, in replica order."""
+    values = []
+    for value in await engine.collective_rpc(method):
+        while isinstance(value, list):  # one list per replica, one entry per worker
+            value = value[0]
+        values.append(value)
+    return values
 
 
 async def send_rollout(
     engine: Any,
     spec: RolloutSpec,
     on_done: Callable[[], None] | None = None,
-) -> tuple[dict[int, torch.Tensor], set[tuple[int, int]]]:
-    """Send every request of ``spec`` concurrently; return final latents by request and image sizes."""
+) -> SentRollout:
+    """Send every request of ``spec`` concurrently; return what came back."""
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     tokenizer = load_tokenizer(spec.model_dir)
@@ -168,9 +203,11 @@ async def send_rollout(
         return index, final
 
     finished = await asyncio.gather(*(one(*request) for request in spec.requests()))
-    latents = {index: output.trajectory_latents for index, output in finished}
-    sizes = {image.size for _, output in finished for image in output.images}
-    return latents, sizes
+    return SentRollout(
+        latents={index: output.trajectory_latents for index, output in finished},
+        image_sizes={image.size for _, output in finished for image in output.images},
+        replica_by_request={index: getattr(output, "replica_id", None) for index, output in finished},
+    )
 
 
 async def run_mode(
@@ -194,23 +231,42 @@ async def run_mode(
         if on_started is not None:
             on_started()
         stats_before = await cache_stats(engine)
-        counters_before = await worker_value(engine, "text_encoder_counters")
+        counters_before = await worker_values(engine, "text_encoder_counters")
         began = time.perf_counter()
-        latents, sizes = await send_rollout(engine, spec, on_done)
+        sent = await send_rollout(engine, spec, on_done)
         wall = time.perf_counter() - began
         stats_after = await cache_stats(engine)
-        counters_after = await worker_value(engine, "text_encoder_counters")
+        counters_after = await worker_values(engine, "text_encoder_counters")
+        routing = _routing_stats(engine)
+
+    def added(counter: str) -> list[float]:
+        return [after[counter] - before[counter] for before, after in zip(counters_before, counters_after, strict=True)]
+
+    served = [replica for replica in sent.replica_by_request.values() if replica is not None]
     return RolloutResult(
         mode=mode,
         wall_seconds=wall,
         engine_init_seconds=init_seconds,
         requests=len(spec.requests()),
         stats=None if stats_after is None else stats_after.since(stats_before or CacheStats()),
-        encoder_runs=int(counters_after["encoder_runs"] - counters_before["encoder_runs"]),
-        encoder_rows=int(counters_after["encoder_rows"] - counters_before["encoder_rows"]),
-        encode_seconds=counters_after["encode_seconds"] - counters_before["encode_seconds"],
-        latents=latents,
-        image_sizes=sizes,
-        worker_pid=counters_before["pid"],
+        encoder_runs=int(sum(added("encoder_runs"))),
+        encoder_rows=int(sum(added("encoder_rows"))),
+        encode_seconds=sum(added("encode_seconds")),
+        latents=sent.latents,
+        image_sizes=sent.image_sizes,
+        worker_pid=counters_before[0]["pid"],
         max_num_seqs=spec.max_num_seqs,
+        lb_policy=spec.lb_policy,
+        requests_per_replica=tuple(served.count(replica) for replica in range(len(counters_after))),
+        replica_by_request=sent.replica_by_request,
+        encoder_runs_per_replica=tuple(int(runs) for runs in added("encoder_runs")),
+        routing=routing,
     )
+
+
+def _routing_stats(engine: Any) -> dict[str, Any] | None:
+    """Return prompt-affinity's placement counts for the diffusion stage, if it routed this engine."""
+    from vllm_omni_prompt_cache.vllm_omni.balancer import routing_stats
+
+    pools = getattr(getattr(engine, "engine", None), "stage_pools", None) or []
+    return routing_stats(pools).get(0)

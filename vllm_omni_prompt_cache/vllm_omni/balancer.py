@@ -18,9 +18,11 @@ Omni) sends a prompt's siblings to one replica, so its cache encodes the prompt 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
+import time
 from collections import Counter
 from types import ModuleType
 from typing import Any
@@ -72,15 +74,16 @@ class PromptAffinityBalancer(LoadBalancer):
         return self.router.route(key, names, [replica.queue_length for replica in replicas], reason=reason)
 
     def stats(self) -> dict[str, Any]:
-        """Return how requests were placed: counts by placement and fallback reasons, and epsilon."""
+        """Return placement counts, fallback reasons, the fullest replica over the bound, and epsilon."""
         return {
             "epsilon": self.router.epsilon,
             "placements": dict(self.router.placements),
             "fallback_reasons": dict(self.router.fallback_reasons),
+            "peak_load_over_bound": self.router.peak_load_over_bound,
         }
 
 
-def route_before_submit(pool: Any, request_id: str, request: Any, params: Any, affinity_request_id: Any) -> None:
+async def route_before_submit(pool: Any, request_id: str, request: Any, params: Any, affinity_request_id: Any) -> None:
     """Bind ``request_id`` to the replica prompt-affinity picks, if ``pool`` routes by prompt affinity."""
     balancer = getattr(pool, "_lb", None)
     if not isinstance(balancer, PromptAffinityBalancer):
@@ -90,9 +93,12 @@ def route_before_submit(pool: Any, request_id: str, request: Any, params: Any, a
         return
     task = Task(request_id=request_id, engine_inputs=request, sampling_params=params)
     if pool.is_distributed:
-        candidates = pool._collect_serviceable_replicas()
-        if not candidates:
-            return  # stock pick waits for a replica to come up
+        # Replicas register with the coordinator after start-up; wait for one as stock's pick does.
+        deadline = time.monotonic() + pool.DISPATCH_WAIT_TIMEOUT_S
+        while not (candidates := pool._collect_serviceable_replicas()):
+            if time.monotonic() >= deadline:
+                return  # stock's pick raises StageUnavailableError
+            await asyncio.sleep(pool.DISPATCH_RETRY_INTERVAL_S)
         in_flight = Counter(pool._affinity.values())  # request id -> input address, released on finish
         infos = [dataclasses.replace(info, queue_length=in_flight[info.input_addr]) for info, _ in candidates]
         pool.bind(request_id, infos[balancer.select(task, infos)].input_addr)
@@ -176,7 +182,7 @@ def _routing_first(original: Any) -> Any:
             params = kwargs.get("params_override")
             if params is None:
                 params = getattr(req_state, "sampling_params_list", [None] * (self.stage_id + 1))[self.stage_id]
-            route_before_submit(self, request_id, request, params, kwargs.get("affinity_request_id"))
+            await route_before_submit(self, request_id, request, params, kwargs.get("affinity_request_id"))
         return await original(self, request_id, req_state, request, *args, **kwargs)
 
     return submit_initial
