@@ -5,6 +5,7 @@ None of this needs vLLM-Omni installed.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import subprocess
@@ -35,6 +36,12 @@ from vllm_omni_prompt_cache.store import CacheStats
         (["--max-num-seqs", "0"], "argument --max-num-seqs: expected comma-separated integers >= 1"),
         (["--max-num-seqs", "1,abc"], "got 'abc' in '1,abc'"),
         (["--max-num-seqs", "4,4"], "value listed twice in '4,4'"),
+        (["--replicas", "0"], "argument --replicas: expected an integer >= 1, got 0"),
+        (["--replicas", "two"], "argument --replicas: expected an integer >= 1, got 'two'"),
+        (["--lb-policy", "random"], "argument --lb-policy: needs --replicas 2 or more"),
+        (["--replicas", "2", "--lb-policy", "fastest"], "unknown policy(ies) ['fastest']"),
+        (["--replicas", "2", "--lb-policy", "random,random"], "policy listed twice in 'random,random'"),
+        (["--arrival", "bursty"], "argument --arrival: invalid choice: 'bursty'"),
     ],
 )
 def test_bad_arguments_get_a_clear_error_not_a_traceback(arguments, message, capsys) -> None:
@@ -146,3 +153,55 @@ def test_a_misplaced_row_fails_the_batched_check() -> None:
     (check,) = report.check_exactness(results)
     assert not check.within_tolerance and not check.passed
     assert "NOT within 0.0001" in report.exactness_lines([check])[0]
+
+
+def _parsed(*arguments: str):
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(list(arguments))
+    command.validate(parser, args)
+    return args
+
+
+def test_replicas_default_to_our_cache_under_every_policy_at_max_num_seqs_1() -> None:
+    single = _parsed()
+    assert (single.modes, single.max_num_seqs, single.lb_policy) == (("off", "stock", "ours"), (1, 8), None)
+    replicated = _parsed("--replicas", "2")
+    assert (replicated.modes, replicated.max_num_seqs) == (("ours",), (1,))
+    assert replicated.lb_policy == ("random", "round-robin", "least-queue-length", "prompt-affinity")
+    chosen = _parsed("--replicas", "4", "--lb-policy", "prompt-affinity", "--modes", "off,ours", "--max-num-seqs", "8")
+    assert (chosen.modes, chosen.max_num_seqs, chosen.lb_policy) == (("off", "ours"), (8,), ("prompt-affinity",))
+
+
+@pytest.mark.parametrize("arrival", ["interleaved", "grouped", "shuffled"])
+def test_every_arrival_order_sends_each_prompts_siblings_once(arrival) -> None:
+    spec = RolloutSpec(model_dir=None, prompts=("a", "b", "c"), group_size=4, arrival=arrival)
+    requests = spec.requests()
+    assert sorted(prompt for _, prompt, _ in requests) == [0] * 4 + [1] * 4 + [2] * 4
+    assert [index for index, _, _ in requests] == list(range(12))
+    if arrival == "grouped":
+        assert [prompt for _, prompt, _ in requests][:4] == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="unknown arrival 'bursty'"):
+        RolloutSpec(model_dir=None, prompts=("a",), group_size=1, arrival="bursty")
+
+
+def test_runs_with_replicas_are_told_apart_by_policy() -> None:
+    def result(policy, latents, routing=None):
+        return RolloutResult(
+            "ours", 1.0, 1.0, 2, CacheStats(hits=1, misses=3), 3, 0.1, latents=latents, lb_policy=policy,
+            requests_per_replica=(1, 1), encoder_runs_per_replica=(2, 1), routing=routing,
+        )  # fmt: skip
+
+    latents = {0: torch.zeros(2), 1: torch.ones(2)}
+    routing = {"placements": {"home": 1, "with siblings": 1}, "fallback_reasons": {}, "peak_load_over_bound": 1.0}
+    results = [result("random", latents), result("prompt-affinity", latents, {**routing, "epsilon": 0.25})]
+    (check,) = report.check_exactness(results)
+    assert check.reference == "ours/random" and check.passed
+    assert "vllm-omni-prompt-cache (prompt-affinity) 2/2 identical" in report.exactness_lines([check])[0]
+    header, *rows = report.table_rows(results)
+    assert header[2:5] == ["lb policy", "requests per replica", "encoder runs per replica"]
+    assert rows[1][2:5] == ["prompt-affinity", "1 + 1", "2 + 1"] and rows[1][-2] == "1.00" and rows[0][-2] == "-"
+    spec = RolloutSpec(model_dir=None, prompts=("a", "b"), group_size=1, replicas=2)
+    fewest, placed = report.replica_lines(spec, results)
+    assert "= 4." in fewest  # 2 prompts + the negative on each of 2 replicas
+    assert "placed 1 home, 1 with siblings; fallbacks: none; fullest replica at 100% of its bound" in placed

@@ -15,7 +15,8 @@ from typing import TextIO
 
 from vllm_omni_prompt_cache.config import MAX_BYTES, MAX_SIZE
 from vllm_omni_prompt_cache.demo import machine, report
-from vllm_omni_prompt_cache.demo.rollout import DEFAULT_PROMPTS, MODES, RolloutResult, RolloutSpec
+from vllm_omni_prompt_cache.demo.replicas import LB_POLICIES
+from vllm_omni_prompt_cache.demo.rollout import ARRIVALS, DEFAULT_PROMPTS, MODES, RolloutResult, RolloutSpec
 from vllm_omni_prompt_cache.tiny.qwen_image import TinyQwenImageSpec
 from vllm_omni_prompt_cache.vllm_omni.cli_args import setting_type
 
@@ -54,6 +55,18 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _lb_policies(text: str) -> tuple[str, ...]:
+    policies = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [policy for policy in policies if policy not in LB_POLICIES]
+    if unknown or not policies:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy(ies) {unknown or [text]}: expected a comma-separated subset of {','.join(LB_POLICIES)}"
+        )
+    if len(set(policies)) != len(policies):
+        raise argparse.ArgumentTypeError(f"policy listed twice in {text!r}")
+    return policies
+
+
 def _max_num_seqs(text: str) -> tuple[int, ...]:
     values = []
     for part in text.split(","):
@@ -82,20 +95,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--group-size", type=_positive_int, default=16, help="sibling requests per prompt K (default 16)"
     )
+    parser.add_argument(
+        "--arrival",
+        choices=ARRIVALS,
+        default="interleaved",
+        help="the order requests are sent in: a round of every prompt at a time (interleaved, the default), "
+        "each prompt's siblings back to back (grouped, as verl lays a batch out), or shuffled",
+    )
     parser.add_argument("--steps", type=_positive_int, default=4, help="denoising steps per request (default 4)")
     parser.add_argument("--size", type=_positive_int, default=64, help="image height and width in pixels (default 64)")
     parser.add_argument(
         "--modes",
         type=_modes,
-        default=MODES,
-        help="which cache modes to run, in order (default off,stock,ours; the first is the exactness reference)",
+        default=None,
+        help="which cache modes to run, in order (default off,stock,ours, or ours with --replicas; the first "
+        "is the exactness reference)",
     )
     parser.add_argument(
         "--max-num-seqs",
         type=_max_num_seqs,
-        default=(1, 8),
+        default=None,
         help="vLLM-Omni's max_num_seqs, one run of every mode per value: how many waiting requests one "
-        "forward batches into one encode_prompt call (default 1,8)",
+        "forward batches into one encode_prompt call (default 1,8, or 1 with --replicas)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=1,
+        help="replicas of the diffusion stage, each with its own cache, served by vLLM-Omni's distributed "
+        "runtime in this process (default 1)",
+    )
+    parser.add_argument(
+        "--lb-policy",
+        type=_lb_policies,
+        default=None,
+        help="how vLLM-Omni spreads requests over the replicas, one run per policy (needs --replicas >= 2; "
+        f"default with replicas: {','.join(LB_POLICIES)})",
     )
     parser.add_argument(
         "--step-execution",
@@ -127,7 +162,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject argument combinations argparse cannot see, with a usage error."""
+    """Reject argument combinations argparse cannot see, with a usage error; fill in defaults that depend on others."""
+    replicated = args.replicas > 1
+    if args.lb_policy is not None and not replicated:
+        parser.error("argument --lb-policy: needs --replicas 2 or more (one replica has nothing to balance)")
+    if replicated and args.lb_policy is None:
+        args.lb_policy = LB_POLICIES
+    if args.modes is None:
+        args.modes = ("ours",) if replicated else MODES
+    if args.max_num_seqs is None:
+        args.max_num_seqs = (1,) if replicated else (1, 8)
     if args.prompts > len(DEFAULT_PROMPTS):
         parser.error(
             f"argument --prompts: at most {len(DEFAULT_PROMPTS)} distinct prompts are built in, got {args.prompts}"
@@ -208,27 +252,38 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
         steps=args.steps,
         base_seed=args.seed,
         step_execution=args.step_execution,
+        replicas=args.replicas,
+        arrival=args.arrival,
     )
     requests = len(spec.requests())
     environment = environment_summary(on_cpu)  # before any engine: if it fails, nothing is lost
     print(
         f"Rollout: {args.prompts} prompts x {args.group_size} siblings = {requests} requests per mode, "
-        f"{args.steps} steps at {args.size}x{args.size}, CFG with a shared negative prompt; "
+        f"{args.steps} steps at {args.size}x{args.size}, CFG with a shared negative prompt, sent {args.arrival}; "
         f"modes: {', '.join(args.modes)}; max_num_seqs: {', '.join(map(str, args.max_num_seqs))}"
-        f"{'; step execution' if args.step_execution else ''}; device: {'CPU' if on_cpu else 'accelerator'}.",
+        f"{'; step execution' if args.step_execution else ''}"
+        f"{f'; {args.replicas} replicas, lb policies: {chr(44).join(args.lb_policy)}' if args.lb_policy else ''}"
+        f"; device: {'CPU' if on_cpu else 'accelerator'}.",
         file=out,
     )
     results: list[RolloutResult] = []
     started = time.perf_counter()
-    runs = [(max_num_seqs, mode) for max_num_seqs in args.max_num_seqs for mode in args.modes]
-    for max_num_seqs, mode in runs:
-        label = f"{report.MODE_LABELS[mode]} @ {max_num_seqs}"
-        print(f"Starting an engine for {report.MODE_LABELS[mode]}, max_num_seqs {max_num_seqs} ...", file=out)
-        progress = ModeProgress(label, requests, out)
+    runs = [
+        (max_num_seqs, mode, policy)
+        for max_num_seqs in args.max_num_seqs
+        for mode in args.modes
+        for policy in args.lb_policy or (None,)
+    ]
+    for max_num_seqs, mode, policy in runs:
+        name = report.MODE_LABELS[mode] + (f", {args.replicas} replicas, {policy}" if policy else "")
+        print(f"Starting an engine for {name}, max_num_seqs {max_num_seqs} ...", file=out)
+        progress = ModeProgress(
+            f"{report.MODE_LABELS[mode]}{f' {policy}' if policy else ''} @ {max_num_seqs}", requests, out
+        )
         try:
             result = asyncio.run(
                 run_mode(
-                    dataclasses.replace(spec, max_num_seqs=max_num_seqs),
+                    dataclasses.replace(spec, max_num_seqs=max_num_seqs, lb_policy=policy),
                     mode,
                     cache_size=args.cache_size,
                     max_bytes=args.max_bytes,
@@ -245,6 +300,8 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
     print(file=out)
     print(report.render_table(report.table_rows(results)), file=out)
     print(file=out)
+    for line in report.replica_lines(spec, results):
+        print(line, file=out)
     share = report.encoder_share_line(results)
     if share is not None:
         print(share, file=out)

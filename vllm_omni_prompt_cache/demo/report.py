@@ -26,6 +26,17 @@ MODE_LABELS = {
 LATENT_TOLERANCE = 1e-4
 
 
+def run_key(result: RolloutResult) -> str:
+    """Return what names a run among those of one ``max_num_seqs``: its mode, and its policy with replicas."""
+    return result.mode if result.lb_policy is None else f"{result.mode}/{result.lb_policy}"
+
+
+def key_label(key: str) -> str:
+    """Return the words for a :func:`run_key`."""
+    mode, _, policy = key.partition("/")
+    return MODE_LABELS[mode] + (f" ({policy})" if policy else "")
+
+
 @dataclass(frozen=True)
 class Comparison:
     """One mode's final latents against the reference mode's, request by request."""
@@ -37,7 +48,7 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Exactness:
-    """How each mode's final latents compare with the first mode's, at one ``max_num_seqs``.
+    """How each run's final latents compare with the first run's, at one ``max_num_seqs`` (runs by :func:`run_key`).
 
     With ``max_num_seqs`` 1 every request is encoded and denoised alone, so the cache must leave the
     latents bit-identical. With more, the cache's rows are encoded alone, which may round differently
@@ -80,14 +91,14 @@ def check_exactness(results: Sequence[RolloutResult]) -> list[Exactness]:
                 (latents.float() - reference.latents[index].float()).abs().max().item()
                 for index, latents in result.latents.items()
             ]
-            compared[result.mode] = Comparison(
+            compared[run_key(result)] = Comparison(
                 identical=sum(
                     torch.equal(latents, reference.latents[index]) for index, latents in result.latents.items()
                 ),
                 requests=len(result.latents),
                 max_abs_difference=max(differences, default=0.0),
             )
-        checks.append(Exactness(reference.mode, max_num_seqs, compared))
+        checks.append(Exactness(run_key(reference), max_num_seqs, compared))
     return checks
 
 
@@ -112,7 +123,9 @@ def encoder_share_line(results: Sequence[RolloutResult]) -> str | None:
 
 
 def table_rows(results: Sequence[RolloutResult]) -> list[list[str]]:
-    """Return the summary table: header first, then one row per run (max_num_seqs, mode)."""
+    """Return the summary table: header first, then one row per run (max_num_seqs, mode, policy)."""
+    if any(result.lb_policy is not None for result in results):
+        return _replica_table_rows(results)
     rows = [
         [
             "max_num_seqs",
@@ -150,6 +163,63 @@ def table_rows(results: Sequence[RolloutResult]) -> list[list[str]]:
     return rows
 
 
+def _replica_table_rows(results: Sequence[RolloutResult]) -> list[list[str]]:
+    """The table of runs with several replicas: where requests went and what each replica encoded."""
+    rows = [
+        [
+            "max_num_seqs",
+            "mode",
+            "lb policy",
+            "requests per replica",
+            "encoder runs per replica",
+            "encoder runs",
+            "hits",
+            "misses",
+            "peak load / bound",
+            "rollout s",
+        ]
+    ]
+    for result in results:
+        stats = result.stats
+        peak = None if result.routing is None else result.routing["peak_load_over_bound"]
+        rows.append(
+            [
+                str(result.max_num_seqs),
+                MODE_LABELS[result.mode],
+                result.lb_policy or "-",
+                " + ".join(map(str, result.requests_per_replica)),
+                " + ".join(map(str, result.encoder_runs_per_replica)),
+                str(result.encoder_runs),
+                "-" if stats is None else str(stats.hits),
+                "-" if stats is None else str(stats.misses),
+                "-" if peak is None else f"{peak:.2f}",
+                f"{result.wall_seconds:.2f}",
+            ]
+        )
+    return rows
+
+
+def replica_lines(spec: RolloutSpec, results: Sequence[RolloutResult]) -> list[str]:
+    """Return what runs with replicas should be read against: the fewest encoder runs, the load bound."""
+    if not any(result.lb_policy is not None for result in results):
+        return []
+    fewest = len(spec.prompts) + (spec.replicas if spec.negative_prompt is not None else 0)
+    lines = [
+        f"Fewest text-encoder runs with {spec.replicas} replicas: {len(spec.prompts)} prompts, each on one replica, "
+        f"plus the shared negative prompt once on each replica = {fewest}."
+    ]
+    for result in results:
+        if result.routing is not None:
+            placements = ", ".join(f"{count} {how}" for how, count in result.routing["placements"].items())
+            fallbacks = result.routing["fallback_reasons"] or "none"
+            lines.append(
+                f"prompt-affinity at max_num_seqs {result.max_num_seqs} placed {placements}; fallbacks: {fallbacks}; "
+                f"fullest replica at {result.routing['peak_load_over_bound']:.0%} of its bound "
+                f"(ceil((1 + {result.routing['epsilon']:g}) x mean in-flight load))."
+            )
+    return lines
+
+
 def bypass_lines(results: Sequence[RolloutResult]) -> list[str]:
     """Return one line per run that bypassed, with its reasons when the cache records them."""
     lines = []
@@ -163,7 +233,7 @@ def bypass_lines(results: Sequence[RolloutResult]) -> list[str]:
             else "reasons not recorded by this cache (upstream counts bypasses only: every call with a tensor)"
         )
         lines.append(
-            f"{MODE_LABELS[result.mode]} at max_num_seqs {result.max_num_seqs}: {stats.bypassed} bypassed - {detail}"
+            f"{key_label(run_key(result))} at max_num_seqs {result.max_num_seqs}: {stats.bypassed} bypassed - {detail}"
         )
     return lines
 
@@ -212,10 +282,10 @@ def exactness_lines(checks: Sequence[Exactness]) -> list[str]:
         return ["Exactness: not checked (one mode per max_num_seqs)."]
     lines = []
     for check in checks:
-        reference = MODE_LABELS[check.reference]
+        reference = key_label(check.reference)
         parts = ", ".join(
-            f"{MODE_LABELS[mode]} {c.identical}/{c.requests} identical, max |diff| {c.max_abs_difference:.2g}"
-            for mode, c in check.compared.items()
+            f"{key_label(key)} {c.identical}/{c.requests} identical, max |diff| {c.max_abs_difference:.2g}"
+            for key, c in check.compared.items()
         )
         if check.bit_identity_expected:
             verdict = "bit-identical" if check.all_identical else "NOT identical"
@@ -247,12 +317,18 @@ def summary(spec: RolloutSpec, results: Sequence[RolloutResult], checks: Sequenc
             "steps": spec.steps,
             "true_cfg_scale": spec.true_cfg_scale,
             "step_execution": spec.step_execution,
+            "replicas": spec.replicas,
+            "arrival": spec.arrival,
         },
         "runs": [
             {
                 "max_num_seqs": result.max_num_seqs,
                 "mode": result.mode,
-                "label": MODE_LABELS[result.mode],
+                "label": key_label(run_key(result)),
+                "lb_policy": result.lb_policy,
+                "requests_per_replica": list(result.requests_per_replica),
+                "text_encoder_runs_per_replica": list(result.encoder_runs_per_replica),
+                "routing": result.routing,
                 "rollout_seconds": result.wall_seconds,
                 "engine_init_seconds": result.engine_init_seconds,
                 "text_encoder_runs": result.encoder_runs,
@@ -287,7 +363,7 @@ def write_chart(results: Sequence[RolloutResult], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     several = len({r.max_num_seqs for r in results}) > 1
-    labels = [MODE_LABELS[r.mode] + (f" @ {r.max_num_seqs}" if several else "") for r in results]
+    labels = [key_label(run_key(r)) + (f" @ {r.max_num_seqs}" if several else "") for r in results]
     encode = [r.encode_seconds for r in results]
     rest = [max(r.wall_seconds - r.encode_seconds, 0.0) for r in results]
     figure, axes = plt.subplots(figsize=(7, 1.6 + 0.65 * len(results)), dpi=120)
@@ -323,18 +399,25 @@ def write_report(
     share_line = encoder_share_line(results)
     share = "" if share_line is None else share_line + "\n\n"
     bypasses = "\n".join(f"- {line}" for line in bypass_lines(results)) or "- none"
+    replica_sentence = (
+        f"The diffusion stage runs {spec.replicas} replicas, each with its own cache (vLLM-Omni's distributed "
+        "runtime in one process); one engine per load-balancing policy.\n\n"
+        if spec.replicas > 1
+        else ""
+    )
+    replica_notes = "".join(f"{line}\n\n" for line in replica_lines(spec, results))
     report = f"""# GRPO rollout with and without the prompt-embed cache
 
 {spec.group_size} sibling requests for each of {len(spec.prompts)} prompts ({len(spec.requests())} requests,
-each with its own seed), sent concurrently to vLLM-Omni's `AsyncOmni`; every request carries the
+each with its own seed), sent concurrently ({spec.arrival}) to vLLM-Omni's `AsyncOmni`; every request carries the
 token ids of its prompt and of a shared negative prompt (CFG {spec.true_cfg_scale}), and is encoded,
 denoised for {spec.steps} steps at {spec.width}x{spec.height} and decoded. One engine per mode and
 `max_num_seqs` (how many waiting requests vLLM-Omni's forward batches into one `encode_prompt`
 call){"; step execution on" if spec.step_execution else ""}.
 
-{render_markdown_table(table_rows(results))}
+{replica_sentence}{render_markdown_table(table_rows(results))}
 
-{share}Bypasses:
+{replica_notes}{share}Bypasses:
 {bypasses}
 
 {chr(10).join(exactness_lines(checks))}

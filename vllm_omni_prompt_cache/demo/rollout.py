@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ from vllm_omni_prompt_cache.tiny.qwen_image import (
 )
 
 MODES = ("off", "stock", "ours")
+#: Request orders: sibling-major (one request of every prompt, then the next round), prompt-major
+#: (a prompt's K siblings back to back, as verl's ``repeat(interleave=True)`` lays a batch out), or
+#: shuffled (as many independent clients produce).
+ARRIVALS = ("interleaved", "grouped", "shuffled")
 TOKEN_ID_PIPELINE = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
 DEFAULT_PROMPTS = SAMPLE_PROMPTS
 NEGATIVE_PROMPT = SAMPLE_NEGATIVE_PROMPT
@@ -56,15 +61,22 @@ class RolloutSpec:
     step_execution: bool = False  # vLLM-Omni's continuous batching across denoising steps
     replicas: int = 1  # replicas of the diffusion stage, each with its own cache
     lb_policy: str | None = None  # how requests are spread over them (None: one replica)
+    arrival: str = "interleaved"  # the order requests are sent in: one of ARRIVALS
+
+    def __post_init__(self) -> None:
+        if self.arrival not in ARRIVALS:
+            raise ValueError(f"unknown arrival {self.arrival!r}: expected one of {', '.join(ARRIVALS)}")
 
     def requests(self) -> list[tuple[int, int, int]]:
-        """Return ``(request_index, prompt_index, seed)`` for every request, siblings interleaved."""
-        return [
-            (index, prompt_index, self.base_seed + index)
-            for index, (_, prompt_index) in enumerate(
-                (sibling, p) for sibling in range(self.group_size) for p in range(len(self.prompts))
-            )
-        ]
+        """Return ``(request_index, prompt_index, seed)`` for every request, in the order they are sent."""
+        prompts = range(len(self.prompts))
+        if self.arrival == "grouped":
+            order = [p for p in prompts for _ in range(self.group_size)]
+        else:
+            order = [p for _ in range(self.group_size) for p in prompts]
+            if self.arrival == "shuffled":
+                random.Random(self.base_seed).shuffle(order)
+        return [(index, prompt_index, self.base_seed + index) for index, prompt_index in enumerate(order)]
 
 
 @dataclass
