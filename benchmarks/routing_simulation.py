@@ -17,6 +17,7 @@ with room, else the least-loaded one.
 
     python benchmarks/routing_simulation.py                 # R = 2..64, P = 64, K = 16, 5 seeds
     python benchmarks/routing_simulation.py --replicas 2 8 --seeds 1
+    VLLM_OMNI_PROMPT_AFFINITY_EPSILON=1 python benchmarks/routing_simulation.py   # a looser bound
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from vllm_omni.distributed.omni_coordinator.load_balancer import (
 )
 from vllm_omni.distributed.omni_coordinator.messages import ReplicaInfo, ReplicaStatus
 
-from vllm_omni_prompt_cache.routing import DEFAULT_EPSILON
+from vllm_omni_prompt_cache.routing import EPSILON_ENV, epsilon_from_env
 from vllm_omni_prompt_cache.vllm_omni.balancer import PromptAffinityBalancer
 
 ORDERS = ("interleaved", "bursty", "shuffled")
@@ -56,7 +57,7 @@ class GreedyUnderTheBound(LoadBalancer):
     """Reference only: remembers every placement and hits whenever the bound allows; no consistent hashing."""
 
     def __init__(self) -> None:
-        self.epsilon = DEFAULT_EPSILON
+        self.epsilon = epsilon_from_env()
         self._warm: dict[str, set[str]] = {}
 
     def select(self, task: Task, replicas: list[ReplicaInfo]) -> int:
@@ -136,7 +137,8 @@ def main() -> None:
     print(
         f"P = {args.prompts} prompts x K = {args.group_size} siblings, all in flight; hit rate = mean over "
         f"{args.seeds} rollouts (best possible {best:.4f}); max/mean = worst final load over them "
-        f"(prompt-affinity's bound: {1 + DEFAULT_EPSILON:.2f}, rounded up per replica)\n"
+        f"(prompt-affinity's bound: 1 + epsilon = {1 + epsilon_from_env():g}, rounded up per replica; "
+        f"epsilon from {EPSILON_ENV})\n"
     )
     header = "| arrivals | policy | " + " | ".join(f"R={count}" for count in args.replicas) + " |"
     print(header)

@@ -1,7 +1,9 @@
 """Two replicas of the tiny model behind ``omni_lb_policy="prompt-affinity"``, through the real AsyncOmni.
 
-vLLM-Omni's distributed runtime in this process: an omni coordinator, a master server and two
-replica processes on the CPU platform, each with its own cache (see ``demo/replicas.py``).
+Both of vLLM-Omni 0.30's replica runtimes, each with two replica processes on the CPU platform,
+each replica with its own cache: the distributed one in this process (an omni coordinator and a
+master server, see ``demo/replicas.py``), and the single-node one from a deploy config with
+``num_replicas: 2``, which 0.30 applies only to a registered pipeline.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from collections import defaultdict
 import pytest
 from engine_support import run, tiny_spec
 
-from vllm_omni_prompt_cache.demo.rollout import run_mode
+from vllm_omni_prompt_cache.demo.rollout import open_engine, run_mode, send_rollout, worker_values
+from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype
+from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
+from vllm_omni_prompt_cache.vllm_omni.balancer import routing_stats
 
 pytestmark = pytest.mark.engine
 
@@ -44,3 +49,67 @@ def test_each_replica_encodes_each_prompt_it_serves_once(affinity_run) -> None:
     expected = [len(prompts_by_replica[replica]) + (1 if prompts_by_replica[replica] else 0) for replica in range(2)]
     assert list(result.encoder_runs_per_replica) == expected  # its prompts, plus the shared negative once
     assert result.stats.hits == 2 * len(spec.requests()) - sum(expected)  # two encode calls a request (CFG)
+
+
+#: A registry key that no model directory name contains (vLLM-Omni also matches keys against paths).
+SINGLE_STAGE_KEY = "single_stage_diffusion_replicas"
+DEPLOY_CONFIG = """\
+pipeline: {key}
+stages:
+  - stage_id: 0
+    num_replicas: 2
+    max_num_seqs: 1
+    dtype: {dtype}
+    custom_pipeline_args: {{pipeline_class: vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline}}
+    worker_extension_cls: {extension}
+    enable_prompt_embed_cache: true
+    prompt_embed_cache_size: 16
+"""
+
+
+def register_single_stage_pipeline() -> None:
+    """Register a one-stage Qwen-Image pipeline, so vLLM-Omni applies a deploy config to the tiny model."""
+    from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
+    from vllm_omni.config.stage_config import PipelineConfig, StageExecutionType, StagePipelineConfig
+
+    if SINGLE_STAGE_KEY in OMNI_PIPELINES:
+        return
+    stage = StagePipelineConfig(
+        stage_id=0,
+        model_stage="diffusion",
+        execution_type=StageExecutionType.DIFFUSION,
+        final_output=True,
+        final_output_type="image",
+        model_arch="QwenImagePipeline",
+    )
+    register_pipeline(PipelineConfig(model_type=SINGLE_STAGE_KEY, model_arch="QwenImagePipeline", stages=(stage,)))
+
+
+def test_single_node_replicas_from_a_deploy_config_are_routed_by_prompt(tmp_path) -> None:
+    spec = tiny_spec()
+    register_single_stage_pipeline()
+    deploy = tmp_path / "deploy.yaml"
+    dtype = checkpoint_dtype(spec.model_dir) or "bfloat16"
+    deploy.write_text(DEPLOY_CONFIG.format(key=SINGLE_STAGE_KEY, dtype=dtype, extension=WORKER_EXTENSION))
+    kwargs = {"model": str(spec.model_dir), "deploy_config": str(deploy), "omni_lb_policy": "prompt-affinity"}
+
+    async def rollout():
+        async with open_engine({**kwargs, "log_stats": False}) as engine:
+            pool = engine.engine.stage_pools[0]
+            assert not pool.is_distributed and pool.live_num_replicas == 2
+            before = await worker_values(engine, "text_encoder_counters")
+            sent = await send_rollout(engine, spec)
+            after = await worker_values(engine, "text_encoder_counters")
+            return (
+                sent,
+                [a["encoder_runs"] - b["encoder_runs"] for a, b in zip(after, before, strict=True)],
+                (routing_stats(engine.engine.stage_pools)[0]),
+            )
+
+    sent, encoder_runs, routing = run(rollout())
+    assert routing["fallback_reasons"] == {} and routing["peak_load_over_bound"] <= 1.0
+    requests = {index: prompt for index, prompt, _ in spec.requests()}
+    prompts_by_replica: dict[int, set[int]] = defaultdict(set)
+    for index, replica in sent.replica_by_request.items():
+        prompts_by_replica[replica].add(requests[index])
+    assert encoder_runs == [len(prompts_by_replica[r]) + bool(prompts_by_replica[r]) for r in range(2)]
