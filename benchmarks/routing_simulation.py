@@ -2,8 +2,8 @@
 
 P prompts x K siblings reach the head at once, as an RL rollout's ``asyncio.gather`` sends them,
 in one of three orders: ``interleaved`` (sibling-major: one request of every prompt, then the next
-round), ``bursty`` (prompt-major: all K siblings of a prompt back to back) or ``shuffled`` (any
-order, as many concurrent clients produce). Nothing finishes while
+round), ``grouped`` (bursty, prompt-major: a prompt's K siblings back to back, as verl lays out a
+batch) or ``shuffled`` (any order, as many concurrent clients produce). Nothing finishes while
 they arrive, so a replica's in-flight load is what it has been given. Each request goes through a
 balancer's ``select(task, replicas)`` with ``queue_length`` = that in-flight load, as our pool hook
 supplies it. A request hits if an earlier sibling went to the same replica (one cache per replica,
@@ -42,7 +42,7 @@ from vllm_omni.distributed.omni_coordinator.messages import ReplicaInfo, Replica
 from vllm_omni_prompt_cache.routing import EPSILON_ENV, epsilon_from_env
 from vllm_omni_prompt_cache.vllm_omni.balancer import PromptAffinityBalancer
 
-ORDERS = ("interleaved", "bursty", "shuffled")
+ORDERS = ("interleaved", "grouped", "shuffled")
 
 
 class UidAffinityBalancer(LoadBalancer):
@@ -140,9 +140,10 @@ def main() -> None:
         f"(prompt-affinity's bound: 1 + epsilon = {1 + epsilon_from_env():g}, rounded up per replica; "
         f"epsilon from {EPSILON_ENV})\n"
     )
-    header = "| arrivals | policy | " + " | ".join(f"R={count}" for count in args.replicas) + " |"
-    print(header)
+    columns = " | ".join(f"R={count}" for count in args.replicas)
+    print(f"| arrivals | policy | {columns} |")
     print("|---|---|" + "---:|" * len(args.replicas))
+    cost: dict[str, list[float]] = {}  # microseconds per select, by policy, per R (best of the rollouts)
     for order in ORDERS:
         for policy in POLICIES:
             cells = []
@@ -152,8 +153,15 @@ def main() -> None:
                 ]
                 hit = sum(run.hit_rate for run in runs) / len(runs)
                 cells.append(f"{hit:.3f} / {max(run.max_over_mean for run in runs):.2f}")
+                if order == ORDERS[0]:
+                    cost.setdefault(policy, []).append(min(run.us_per_request for run in runs))
             print(f"| {order} | {policy} | " + " | ".join(cells) + " |")
-    print("\ncells: hit rate / max-over-mean load")
+    print("\ncells: hit rate / max-over-mean load\n")
+    print("Routing cost, microseconds per request (interleaved; building the replica list included):\n")
+    print(f"| policy | {columns} |")
+    print("|---|" + "---:|" * len(args.replicas))
+    for policy, microseconds in cost.items():
+        print(f"| {policy} | " + " | ".join(f"{value:.1f}" for value in microseconds) + " |")
 
 
 if __name__ == "__main__":

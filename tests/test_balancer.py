@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("vllm_omni", reason="the balancer hooks need the vllm-omni extra")
 
@@ -103,8 +104,7 @@ def test_a_cfg_companion_follows_its_parent_and_unroutable_requests_go_least_loa
     assert companion == parent
     assert embeds_only != parent  # the other replica holds nothing
     assert routing_stats([pool])[0]["fallback_reasons"] == {
-        "no prompt content (none of prompt_ids, prompt_token_ids, prompt, negative_prompt_ids, "
-        "negative_prompt_token_ids, negative_prompt, multi_modal_data)": 1
+        "no prompt content (none of prompt_ids, prompt_token_ids, prompt, multi_modal_data)": 1
     }
 
 
@@ -197,3 +197,45 @@ def test_a_request_sent_before_any_replica_registers_waits_and_is_still_routed_b
         for stage in stages:
             stage.close()
         coord.close()
+
+
+def test_a_request_that_raises_while_keyed_is_still_served() -> None:
+    class Hostile(dict):
+        def get(self, name, default=None):  # what a user's prompt object may do
+            raise RuntimeError("no")
+
+    pool = _single_node_pool(2, PromptAffinityBalancer())
+    asyncio.run(pool.submit_initial("hostile", _state(), Hostile(prompt="x")))
+    bf16 = {"prompt_ids": torch.tensor([1.0, 2.0], dtype=torch.bfloat16)}
+    asyncio.run(pool.submit_initial("bf16", _state(), bf16))
+    reasons = routing_stats([pool])[0]["fallback_reasons"]
+    assert reasons == {
+        "RuntimeError raised while keying the request": 1,
+        "prompt_tokens are not integers (dtype torch.bfloat16)": 1,
+    }
+
+
+def test_with_no_replica_registered_the_request_fails_after_one_wait(coordinator) -> None:
+    from vllm_omni.engine.stage_pool import StageUnavailableError
+
+    hub, _ = coordinator
+    pool = StagePool(1, [])  # stage 1: the coordinator knows no replica of it
+    pool.add_client("tcp://127.0.0.1:40009", _ReplicaClient("tcp://127.0.0.1:40009"))
+    pool.attach_hub(hub)
+    pool.attach_load_balancer(PromptAffinityBalancer())
+    pool.DISPATCH_WAIT_TIMEOUT_S = 0.5
+    started = time.monotonic()
+    with pytest.raises(StageUnavailableError, match=r"no UP replica for stage 1 after 0\.5s"):
+        asyncio.run(pool.submit_initial("lost", _state(), {"prompt_ids": [1]}))
+    assert time.monotonic() - started < 0.9  # one wait, not ours and then stock's
+
+
+def test_validate_leaves_stock_policies_to_stock_and_restores_ours_when_stock_refuses() -> None:
+    model = str(ensure_tiny_qwen_image())
+    stock = _serve_parser().parse_args(["serve", model, "--omni", "--omni-lb-policy", "round-robin"])
+    OmniServeCommand().validate(stock)
+    assert stock.omni_lb_policy == "round-robin"
+    ours = _serve_parser().parse_args(["serve", model, "--omni", "--omni-lb-policy", POLICY, "--stage-id", "0"])
+    with pytest.raises(ValueError, match="--stage-id requires both"):
+        OmniServeCommand().validate(ours)
+    assert ours.omni_lb_policy == POLICY

@@ -38,6 +38,8 @@ async def text_rollout(max_num_seqs: int, cache: bool) -> dict[str, Any]:
         "log_stats": False,
     }
     async with open_engine(kwargs) as engine:
+        # The default policy: the plugin's routing stays out of the pools (stock's round-robin).
+        assert all(pool._lb is None for pool in engine.engine.stage_pools)
         before = await cache_stats(engine)
 
         async def one(index: int) -> tuple[int, torch.Tensor]:

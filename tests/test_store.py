@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import time
@@ -331,3 +332,15 @@ def test_stats_snapshot_deltas_and_summary() -> None:
     upstream_style = CacheStats.from_dict({"size": 1, "max_size": 4, "hits": 3, "misses": 1, "bypassed": 0})
     assert upstream_style.hit_rate == 0.75 and upstream_style.bypass_reasons == {}
     assert after.summary().startswith("Prompt-embed cache: hit rate 33.3% (1 hits, 1 misses, 1 bypassed), 1/4 entries")
+
+
+def test_snapshots_of_several_replicas_merge_into_one() -> None:
+    first = CacheStats(size=2, max_size=8, hits=5, misses=2, bypass_reasons={"a": 1}, max_bytes=100, rows_encoded=2)
+    second = CacheStats(size=3, max_size=8, hits=1, misses=3, bypass_reasons={"a": 2, "b": 5}, max_bytes=50)
+    merged = CacheStats.merged([first, second])
+    assert (merged.size, merged.max_size, merged.hits, merged.misses, merged.rows_encoded) == (5, 16, 6, 5, 2)
+    assert merged.bypass_reasons == {"b": 5, "a": 3} and list(merged.bypass_reasons) == ["b", "a"]
+    assert merged.max_bytes == 150
+    assert CacheStats.merged([first, dataclasses.replace(second, max_bytes=None)]).max_bytes is None
+    with pytest.raises(ValueError, match="no snapshots"):
+        CacheStats.merged([])

@@ -251,12 +251,12 @@ class _Encoder:
         )
 
 
-def value_identity(value: Any, *, digest: Callable[[Any], bytes] | None = None) -> Any | Bypass:
+def value_identity(value: Any) -> Any | Bypass:
     """Return ``value``'s identity as a call key spells it, or a Bypass saying why it has none.
 
     For code that must agree with the cache's keys without building one (request routing).
     """
-    encoder = _Encoder(default_digest if digest is None else digest)
+    encoder = _Encoder(default_digest)
     try:
         return encoder.encode(value)
     except _Uncacheable as why:

@@ -25,6 +25,7 @@ import os
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -44,12 +45,13 @@ PROMPT_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("media", ("multi_modal_data",)),
 )
 _TOKEN_SLOTS = frozenset({"prompt_tokens", "negative_tokens"})
+_POSITIVE_SLOTS = frozenset({"prompt_tokens", "prompt", "media"})
 
 #: How far above the mean in-flight load a replica may go: ``ceil((1 + epsilon) * mean)``.
 DEFAULT_EPSILON = 0.25
 EPSILON_ENV = "VLLM_OMNI_PROMPT_AFFINITY_EPSILON"
-#: Points per replica on the ring. More points spread keys more evenly; 160 keeps the largest
-#: share within about 10% of the mean at 64 replicas and costs ~1 ms to place a 64-replica ring.
+#: Points per replica on the ring. More points spread keys more evenly (the largest share of a
+#: 64-replica ring is about 1.2x the mean at 160); the ring is placed once per set of replicas.
 VIRTUAL_NODES = 160
 
 
@@ -81,8 +83,9 @@ def prompt_affinity_key(request: Any) -> str:
         if type(identity) is Bypass:
             raise UnroutableRequest(f"{slot} cannot be keyed: {identity.reason}")
         parts.append((slot, identity))
-    if not parts:
-        names = ", ".join(name for _, names in PROMPT_FIELDS for name in names)
+    if not any(slot in _POSITIVE_SLOTS for slot, _ in parts):
+        # A negative prompt alone (say, beside prompt_embeds) is shared by unrelated requests.
+        names = ", ".join(name for slot, names in PROMPT_FIELDS if slot in _POSITIVE_SLOTS for name in names)
         raise UnroutableRequest(f"no prompt content (none of {names})")
     # repr of these tuples (str, int, bytes, dtype and shape tags) is the same in every process.
     return xxhash.xxh3_128_hexdigest(repr(tuple(parts)).encode())
@@ -98,12 +101,16 @@ def _prompt_fields(request: Any) -> Mapping[str, Any]:
 
 def _token_array(value: Any, slot: str) -> np.ndarray:
     """Return token ids as one int64 row, whatever container, device or leading batch of one holds them."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
     try:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() or value.is_complex():
+                raise UnroutableRequest(f"{slot} are not integers (dtype {value.dtype})")
+            value = value.detach().cpu().numpy()
         array = np.asarray(value)
-    except (TypeError, ValueError) as error:
-        raise UnroutableRequest(f"{slot} are not an array of integers ({error})") from None
+    except UnroutableRequest:
+        raise
+    except Exception as error:  # meta or exotic tensors, ragged lists, objects that refuse
+        raise UnroutableRequest(f"{slot} are not an array of integers ({type(error).__name__})") from None
     if array.dtype.kind not in "iub":
         raise UnroutableRequest(f"{slot} are not integers (dtype {array.dtype})")
     if array.ndim == 2 and array.shape[0] == 1:
@@ -140,11 +147,13 @@ def _position(text: str) -> int:
 class BoundedLoadRing:
     """Consistent hashing with bounded loads over replicas named by stable strings.
 
-    Not thread-safe: one router owns one ring (vLLM-Omni routes from one event loop).
+    Not thread-safe: callers that route from several threads hold a lock around it.
     """
 
     def __init__(self, *, epsilon: float = DEFAULT_EPSILON, virtual_nodes: int = VIRTUAL_NODES) -> None:
         self.epsilon = check_epsilon(epsilon, "BoundedLoadRing(epsilon=...)")
+        # The decimal the user wrote (0.1, not the binary float nearest it), so bounds are exact.
+        self._exact_epsilon = Fraction(repr(self.epsilon))
         if isinstance(virtual_nodes, bool) or not isinstance(virtual_nodes, int) or virtual_nodes < 1:
             raise ValueError(f"invalid virtual_nodes={virtual_nodes!r}: expected an integer >= 1")
         self.virtual_nodes = virtual_nodes
@@ -153,9 +162,12 @@ class BoundedLoadRing:
         self._owners: list[str] = []  # the replica at each point
 
     def capacity(self, total_load: int, replica_count: int) -> int:
-        """Return the most in-flight requests one replica may hold once ``total_load`` are placed."""
-        bound = math.ceil((1 + self.epsilon) * total_load / replica_count)
-        return max(bound, -(-total_load // replica_count))  # never below the mean: someone has room
+        """Return the most in-flight requests one replica may hold once ``total_load`` are placed.
+
+        ``ceil((1 + epsilon) * total_load / replica_count)``, exactly: at least the mean rounded up,
+        so some replica always has room.
+        """
+        return math.ceil((1 + self._exact_epsilon) * total_load / replica_count)
 
     def choose(self, key: str, replicas: Sequence[str], loads: Sequence[int]) -> int:
         """Return the index in ``replicas`` that ``key`` goes to, given each replica's in-flight load.

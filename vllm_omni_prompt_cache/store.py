@@ -121,7 +121,7 @@ class CacheStats:
 
     @classmethod
     def merged(cls, snapshots: Iterable[CacheStats]) -> CacheStats:
-        """Return the sum of several caches' snapshots (one per replica); settings are the first's."""
+        """Return the sum of several caches' snapshots (one per replica); switches are the first's."""
         snapshots = list(snapshots)
         if not snapshots:
             raise ValueError("no snapshots to merge")
@@ -129,8 +129,10 @@ class CacheStats:
         counters = ("size", "max_size", "hits", "misses", "bypassed", "evictions", "oversize_rejections", "bytes")
         counters += ("row_hits", "row_misses", "rows_encoded")
         reasons = ("bypass_reasons", "row_bypass_reasons", "whole_call_reasons")
+        budgets = [each.max_bytes for each in snapshots]
         return dataclasses.replace(
             first,
+            max_bytes=None if None in budgets else sum(budgets),
             **{name: sum(getattr(each, name) for each in snapshots) for name in counters},
             **{name: _ranked(sum((Counter(getattr(each, name)) for each in snapshots), Counter())) for name in reasons},
         )

@@ -57,10 +57,14 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def _lb_policies(text: str) -> tuple[str, ...]:
     policies = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [policy for policy in policies if policy not in LB_POLICIES]
-    if unknown or not policies:
+    if not policies:
         raise argparse.ArgumentTypeError(
-            f"unknown policy(ies) {unknown or [text]}: expected a comma-separated subset of {','.join(LB_POLICIES)}"
+            f"no policy in {text!r}: expected a comma-separated subset of {','.join(LB_POLICIES)}"
+        )
+    unknown = [policy for policy in policies if policy not in LB_POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy(ies) {unknown}: expected a comma-separated subset of {','.join(LB_POLICIES)}"
         )
     if len(set(policies)) != len(policies):
         raise argparse.ArgumentTypeError(f"policy listed twice in {text!r}")
@@ -256,13 +260,14 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
         arrival=args.arrival,
     )
     requests = len(spec.requests())
+    policies = ", ".join(args.lb_policy or ())
     environment = environment_summary(on_cpu)  # before any engine: if it fails, nothing is lost
     print(
         f"Rollout: {args.prompts} prompts x {args.group_size} siblings = {requests} requests per mode, "
         f"{args.steps} steps at {args.size}x{args.size}, CFG with a shared negative prompt, sent {args.arrival}; "
         f"modes: {', '.join(args.modes)}; max_num_seqs: {', '.join(map(str, args.max_num_seqs))}"
         f"{'; step execution' if args.step_execution else ''}"
-        f"{f'; {args.replicas} replicas, lb policies: {chr(44).join(args.lb_policy)}' if args.lb_policy else ''}"
+        f"{f'; {args.replicas} replicas, lb policies: {policies}' if args.lb_policy else ''}"
         f"; device: {'CPU' if on_cpu else 'accelerator'}.",
         file=out,
     )

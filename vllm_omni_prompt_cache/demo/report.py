@@ -203,10 +203,11 @@ def replica_lines(spec: RolloutSpec, results: Sequence[RolloutResult]) -> list[s
     """Return what runs with replicas should be read against: the fewest encoder runs, the load bound."""
     if not any(result.lb_policy is not None for result in results):
         return []
-    fewest = len(spec.prompts) + (spec.replicas if spec.negative_prompt is not None else 0)
+    serving = min(len(spec.prompts), spec.replicas)  # replicas that get a prompt when prompts are spread
+    fewest = len(spec.prompts) + (serving if spec.negative_prompt is not None else 0)
     lines = [
         f"Fewest text-encoder runs with {spec.replicas} replicas: {len(spec.prompts)} prompts, each on one replica, "
-        f"plus the shared negative prompt once on each replica = {fewest}."
+        f"plus the shared negative prompt once on each of the {serving} replicas serving them = {fewest}."
     ]
     for result in results:
         if result.routing is not None:

@@ -12,7 +12,9 @@ Omni) sends a prompt's siblings to one replica, so its cache encodes the prompt 
 * Stock calls a balancer with the request id alone. :func:`patch_stage_pool` routes a pool whose
   balancer is ours before stock's pick, with the request's content, and records the route as a
   binding, which stock's pick honours; in-flight loads are the pool's live bindings, exact and
-  current (the coordinator's queue lengths arrive with heartbeats).
+  current (the coordinator's queue lengths arrive with heartbeats). Requests stock routes itself
+  (CFG companions follow their parent; re-picks after a replica fails) are not counted against
+  the bound when placed.
 * The serve parser and its check know three policies: :mod:`.cli_args` adds ours.
 """
 
@@ -22,6 +24,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections import Counter
 from types import ModuleType
@@ -47,31 +50,31 @@ class PromptAffinityBalancer(LoadBalancer):
 
     Replicas are named by ``input_addr`` on the ring and loaded by ``queue_length``; a task
     without ``engine_inputs``, or whose inputs hold no prompt, goes to the least-loaded replica.
+    Keying never raises into vLLM-Omni's request path: whatever fails is a fallback with its reason.
+    Thread-safe: vLLM-Omni may pick from its main thread (multimodal cache scoping) as well.
     """
 
     def __init__(self, epsilon: float | None = None) -> None:
         self.router = PromptAffinityRouter(epsilon=epsilon_from_env() if epsilon is None else epsilon)
         self._warned: set[str] = set()
+        self._lock = threading.Lock()
 
     def select(self, task: Task, replicas: list[ReplicaInfo]) -> int:
         if not replicas:
             raise ValueError("replicas must not be empty")
-        key, reason = None, "no request content given to the balancer"
-        if task.get("engine_inputs") is not None:
-            try:
-                key = prompt_affinity_key(task["engine_inputs"])
-            except UnroutableRequest as unroutable:
-                reason = unroutable.reason
-        if key is None and reason not in self._warned:
-            self._warned.add(reason)
-            logger.warning(
-                "vllm-omni-prompt-cache: prompt-affinity sent request %s to the least-loaded replica: %s "
-                "(said once per reason).",
-                task.get("request_id"),
-                reason,
-            )
+        key, reason = _task_key(task)
         names = [replica.input_addr for replica in replicas]
-        return self.router.route(key, names, [replica.queue_length for replica in replicas], reason=reason)
+        loads = [replica.queue_length for replica in replicas]
+        with self._lock:
+            if key is None and reason not in self._warned:
+                self._warned.add(reason)
+                logger.warning(
+                    "vllm-omni-prompt-cache: prompt-affinity sent request %s to the least-loaded replica: %s "
+                    "(said once per reason).",
+                    task.get("request_id"),
+                    reason,
+                )
+            return self.router.route(key, names, loads, reason=reason)
 
     def stats(self) -> dict[str, Any]:
         """Return placement counts, fallback reasons, the fullest replica over the bound, and epsilon."""
@@ -83,21 +86,36 @@ class PromptAffinityBalancer(LoadBalancer):
         }
 
 
-async def route_before_submit(pool: Any, request_id: str, request: Any, params: Any, affinity_request_id: Any) -> None:
-    """Bind ``request_id`` to the replica prompt-affinity picks, if ``pool`` routes by prompt affinity."""
-    balancer = getattr(pool, "_lb", None)
-    if not isinstance(balancer, PromptAffinityBalancer):
-        return
+def _task_key(task: Task) -> tuple[str | None, str]:
+    """Return the task's prompt-affinity key, or None and the reason it has none."""
+    if task.get("engine_inputs") is None:
+        return None, "no request content given to the balancer"
+    try:
+        return prompt_affinity_key(task["engine_inputs"]), ""
+    except UnroutableRequest as unroutable:
+        return None, unroutable.reason
+    except Exception as error:  # user objects may raise anything; the request must still be served
+        return None, f"{type(error).__name__} raised while keying the request"
+
+
+async def route_before_submit(
+    pool: Any, balancer: PromptAffinityBalancer, request_id: str, request: Any, affinity_request_id: Any
+) -> None:
+    """Bind ``request_id`` to the replica ``balancer`` picks for ``request`` among ``pool``'s replicas."""
     # A CFG companion follows its parent, and a route chosen earlier (multimodal cache scoping) stands.
     if affinity_request_id is not None or pool.get_bound_replica_id(request_id) is not None:
         return
-    task = Task(request_id=request_id, engine_inputs=request, sampling_params=params)
+    task = Task(request_id=request_id, engine_inputs=request)
     if pool.is_distributed:
         # Replicas register with the coordinator after start-up; wait for one as stock's pick does.
         deadline = time.monotonic() + pool.DISPATCH_WAIT_TIMEOUT_S
         while not (candidates := pool._collect_serviceable_replicas()):
             if time.monotonic() >= deadline:
-                return  # stock's pick raises StageUnavailableError
+                from vllm_omni.engine.stage_pool import StageUnavailableError
+
+                raise StageUnavailableError(  # as stock's pick would, without waiting a second time
+                    f"no UP replica for stage {pool.stage_id} after {pool.DISPATCH_WAIT_TIMEOUT_S:.1f}s"
+                )
             await asyncio.sleep(pool.DISPATCH_RETRY_INTERVAL_S)
         in_flight = Counter(pool._affinity.values())  # request id -> input address, released on finish
         infos = [dataclasses.replace(info, queue_length=in_flight[info.input_addr]) for info, _ in candidates]
@@ -115,7 +133,15 @@ async def route_before_submit(pool: Any, request_id: str, request: Any, params: 
 def _local_replica(stage_id: int, replica_id: int, load: int) -> ReplicaInfo:
     # Named by stage and index, which are the same on every start (client addresses are not).
     name = f"stage-{stage_id}/replica-{replica_id}"
-    return ReplicaInfo(name, "", stage_id, ReplicaStatus.UP, load, 0.0, 0.0)
+    return ReplicaInfo(
+        input_addr=name,
+        output_addr="",
+        stage_id=stage_id,
+        status=ReplicaStatus.UP,
+        queue_length=load,
+        last_heartbeat=0.0,
+        registered_at=0.0,
+    )
 
 
 def routing_stats(stage_pools: Any) -> dict[int, dict[str, Any]]:
@@ -153,9 +179,10 @@ def patch_engine_base(module: ModuleType) -> None:
 def _attaching_our_balancer(original: Any) -> Any:
     @functools.wraps(original)
     def initialize_stages(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ours = getattr(self, "_omni_lb_policy", None) == POLICY
+        epsilon = epsilon_from_env() if ours else None  # a bad value stops the engine before any stage loads
         result = original(self, *args, **kwargs)
-        if getattr(self, "_omni_lb_policy", None) == POLICY:
-            epsilon = epsilon_from_env()  # a bad value stops the engine here, named
+        if ours:
             for pool in self.stage_pools:
                 if getattr(pool, "_lb", None) is None:
                     pool.attach_load_balancer(PromptAffinityBalancer(epsilon))
@@ -178,11 +205,9 @@ def _routing_first(original: Any) -> Any:
     async def submit_initial(
         self: Any, request_id: str, req_state: Any, request: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        if isinstance(getattr(self, "_lb", None), PromptAffinityBalancer):
-            params = kwargs.get("params_override")
-            if params is None:
-                params = getattr(req_state, "sampling_params_list", [None] * (self.stage_id + 1))[self.stage_id]
-            await route_before_submit(self, request_id, request, params, kwargs.get("affinity_request_id"))
+        balancer = getattr(self, "_lb", None)
+        if isinstance(balancer, PromptAffinityBalancer):
+            await route_before_submit(self, balancer, request_id, request, kwargs.get("affinity_request_id"))
         return await original(self, request_id, req_state, request, *args, **kwargs)
 
     return submit_initial
