@@ -22,8 +22,8 @@ from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 POLICY = "prompt-affinity"
 POLICY_HELP = (
     f"{POLICY} (vllm-omni-prompt-cache): a prompt's requests go to one replica, whose prompt-embed cache "
-    f"then encodes it once; no replica exceeds ceil((1 + epsilon) * mean in-flight load), epsilon from "
-    f"{EPSILON_ENV} (default {DEFAULT_EPSILON})."
+    f"then encodes it once; no request is placed on a replica beyond ceil((1 + epsilon) * mean in-flight "
+    f"load), epsilon from {EPSILON_ENV} (default {DEFAULT_EPSILON})."
 )
 
 # Named like vLLM's own groups, so `vllm serve --help=PromptEmbedCacheConfig` shows the section.
