@@ -63,7 +63,11 @@ def register() -> None:
     from vllm_omni_prompt_cache.vllm_omni.imports import when_imported
 
     def balancer_hook(name: str) -> Any:  # balancer imports vLLM-Omni: only once vLLM-Omni is importing
-        return lambda module: getattr(importlib.import_module(f"{__package__}.balancer"), name)(module)
+        def hook(module: Any) -> None:
+            getattr(importlib.import_module(f"{__package__}.balancer"), name)(module)
+
+        hook.__qualname__ = f"balancer.{name}"  # what a failure is logged under
+        return hook
 
     when_imported(bindings.CACHE_MODULE, bindings.patch_cache_module)
     when_imported(runner.RUNNER_MODULE, runner.patch_runner_module)
