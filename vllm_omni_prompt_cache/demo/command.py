@@ -10,6 +10,7 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -43,32 +44,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _modes(text: str) -> tuple[str, ...]:
-    modes = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [mode for mode in modes if mode not in MODES]
-    if unknown or not modes:
-        raise argparse.ArgumentTypeError(
-            f"unknown mode(s) {unknown or [text]}: expected a comma-separated subset of {','.join(MODES)}"
-        )
-    if len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"mode listed twice in {text!r}")
-    return modes
+def _subset_of(allowed: tuple[str, ...], noun: str, nouns: str) -> Callable[[str], tuple[str, ...]]:
+    """Return an argparse ``type`` for a comma-separated subset of ``allowed``, without repeats."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        chosen = tuple(part.strip() for part in text.split(",") if part.strip())
+        expected = f"expected a comma-separated subset of {','.join(allowed)}"
+        if not chosen:
+            raise argparse.ArgumentTypeError(f"no {noun} in {text!r}: {expected}")
+        unknown = [item for item in chosen if item not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {nouns} {unknown}: {expected}")
+        if len(set(chosen)) != len(chosen):
+            raise argparse.ArgumentTypeError(f"{noun} listed twice in {text!r}")
+        return chosen
+
+    return parse
 
 
-def _lb_policies(text: str) -> tuple[str, ...]:
-    policies = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not policies:
-        raise argparse.ArgumentTypeError(
-            f"no policy in {text!r}: expected a comma-separated subset of {','.join(LB_POLICIES)}"
-        )
-    unknown = [policy for policy in policies if policy not in LB_POLICIES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown policy(ies) {unknown}: expected a comma-separated subset of {','.join(LB_POLICIES)}"
-        )
-    if len(set(policies)) != len(policies):
-        raise argparse.ArgumentTypeError(f"policy listed twice in {text!r}")
-    return policies
+_modes = _subset_of(MODES, "mode", "mode(s)")
+_lb_policies = _subset_of(LB_POLICIES, "policy", "policy(ies)")
 
 
 def _max_num_seqs(text: str) -> tuple[int, ...]:

@@ -20,8 +20,10 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+from vllm_omni_prompt_cache.vllm_omni.cli_args import POLICY
+
 #: Load-balancing policies a run may use: vLLM-Omni 0.30's three, then ours.
-LB_POLICIES = ("random", "round-robin", "least-queue-length", "prompt-affinity")
+LB_POLICIES = ("random", "round-robin", "least-queue-length", POLICY)
 
 
 def free_port() -> int:
