@@ -23,7 +23,6 @@ with room, else the least-loaded one.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import time
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from vllm_omni.distributed.omni_coordinator.load_balancer import (
 )
 from vllm_omni.distributed.omni_coordinator.messages import ReplicaInfo, ReplicaStatus
 
-from vllm_omni_prompt_cache.routing import EPSILON_ENV, epsilon_from_env
+from vllm_omni_prompt_cache.routing import EPSILON_ENV, BoundedLoadRing, epsilon_from_env
 from vllm_omni_prompt_cache.vllm_omni.balancer import PromptAffinityBalancer
 
 ORDERS = ("interleaved", "grouped", "shuffled")
@@ -57,13 +56,13 @@ class GreedyUnderTheBound(LoadBalancer):
     """Reference only: remembers every placement and hits whenever the bound allows; no consistent hashing."""
 
     def __init__(self) -> None:
-        self.epsilon = epsilon_from_env()
+        self.bound = BoundedLoadRing(epsilon=epsilon_from_env())  # only for its capacity()
         self._warm: dict[str, set[str]] = {}
 
     def select(self, task: Task, replicas: list[ReplicaInfo]) -> int:
         uid = task["engine_inputs"]["uid"]
         loads = [replica.queue_length for replica in replicas]
-        cap = math.ceil((1 + self.epsilon) * (sum(loads) + 1) / len(replicas))
+        cap = self.bound.capacity(sum(loads) + 1, len(replicas))
         warm = self._warm.setdefault(uid, set())
         room = [index for index, replica in enumerate(replicas) if replica.input_addr in warm and loads[index] < cap]
         index = min(room or range(len(replicas)), key=loads.__getitem__)

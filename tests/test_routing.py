@@ -204,6 +204,8 @@ def test_a_spilled_key_goes_to_the_next_replica_with_room():
     loads[home] = 3  # cap for 4 in flight over 8 replicas is ceil(1.25 * 4 / 8) = 1
     spilled = ring.choose("prompt-1", REPLICAS, loads)
     assert spilled != home
+    assert ring.place("prompt-1", REPLICAS, loads) == (spilled, False)
+    assert ring.place("prompt-1", REPLICAS, [0] * 8) == (home, True)
     loads[spilled] = 3
     again = ring.choose("prompt-1", REPLICAS, loads)
     assert again not in (home, spilled)
