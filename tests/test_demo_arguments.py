@@ -189,7 +189,7 @@ def test_runs_with_replicas_are_told_apart_by_policy() -> None:
     def result(policy, latents, routing=None):
         return RolloutResult(
             "ours", 1.0, 1.0, 2, CacheStats(hits=1, misses=3), 3, 0.1, latents=latents, lb_policy=policy,
-            requests_per_replica=(1, 1), encoder_runs_per_replica=(2, 1), routing=routing,
+            replica_by_request={0: 0, 1: 1}, encoder_runs_per_replica=(2, 1), routing=routing,
         )  # fmt: skip
 
     latents = {0: torch.zeros(2), 1: torch.ones(2)}

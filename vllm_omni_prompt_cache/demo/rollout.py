@@ -96,10 +96,15 @@ class RolloutResult:
     encoder_rows: int = 0  # prompt rows that reached the text encoder
     max_num_seqs: int = 1
     lb_policy: str | None = None
-    requests_per_replica: tuple[int, ...] = ()
     replica_by_request: dict[int, int | None] = field(repr=False, default_factory=dict)
     encoder_runs_per_replica: tuple[int, ...] = ()
     routing: dict[str, Any] | None = None  # prompt-affinity's placement counts, when it routed
+
+    @property
+    def requests_per_replica(self) -> tuple[int, ...]:
+        """Return how many requests each replica served, in replica order (from the outputs' replica ids)."""
+        served = list(self.replica_by_request.values())
+        return tuple(served.count(replica) for replica in range(len(self.encoder_runs_per_replica)))
 
 
 @dataclass
@@ -254,7 +259,6 @@ async def run_mode(
     def added(counter: str) -> list[float]:
         return [after[counter] - before[counter] for before, after in zip(counters_before, counters_after, strict=True)]
 
-    served = [replica for replica in sent.replica_by_request.values() if replica is not None]
     return RolloutResult(
         mode=mode,
         wall_seconds=wall,
@@ -269,7 +273,6 @@ async def run_mode(
         worker_pid=counters_before[0]["pid"],
         max_num_seqs=spec.max_num_seqs,
         lb_policy=spec.lb_policy,
-        requests_per_replica=tuple(served.count(replica) for replica in range(len(counters_after))),
         replica_by_request=sent.replica_by_request,
         encoder_runs_per_replica=tuple(int(runs) for runs in added("encoder_runs")),
         routing=routing,
