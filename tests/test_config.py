@@ -9,6 +9,7 @@ from vllm_omni_prompt_cache.config import (
     ENABLE,
     MAX_BYTES,
     MAX_SIZE,
+    ROW_LAYOUTS,
     SETTINGS,
     VERIFY,
     PromptEmbedCacheConfigError,
@@ -131,7 +132,9 @@ def test_each_setting_parses_its_own_values() -> None:
 
 def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
     monkeypatch.setenv(MAX_BYTES.env, "1KiB")
-    settings = resolve_prompt_embed_cache_settings(enable=True, max_size=8, verify=False, backend="vllm-omni")
+    settings = resolve_prompt_embed_cache_settings(
+        enable=True, max_size=8, verify=False, backend="vllm-omni", row_layouts="pkg.mod.Adapter=token-ids"
+    )
     carried = settings.as_dict()
     assert carried == {
         ENABLE.name: True,
@@ -139,6 +142,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         MAX_BYTES.name: 1024,
         VERIFY.name: False,
         BACKEND.name: "vllm-omni",
+        ROW_LAYOUTS.name: {"pkg.mod.Adapter": "token-ids"},
         "sources": settings.sources,
     }
     assert PromptEmbedCacheSettings.from_dict(carried, "the stage config") == settings
@@ -149,3 +153,27 @@ def test_a_carried_value_that_went_bad_or_unknown_is_refused() -> None:
         PromptEmbedCacheSettings.from_dict({MAX_SIZE.name: -3, "sources": {}}, "the stage config")
     with pytest.raises(PromptEmbedCacheConfigError, match=r"unknown prompt-embed cache setting\(s\) \['size'\]"):
         PromptEmbedCacheSettings.from_dict({"size": 3, "sources": {}}, "the stage config")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["abc", "pkg.Adapter", "Adapter=token-ids", "pkg.Adapter=", "pkg.Adapter=Token IDs", "a.B=x,a.B=y", "a.B=x=y", 3],
+)
+def test_a_malformed_row_layout_declaration_names_the_setting_and_the_form(value) -> None:
+    with pytest.raises(PromptEmbedCacheConfigError) as raised:
+        resolve_prompt_embed_cache_settings(row_layouts=value, environ={})
+    message = str(raised.value)
+    assert f"invalid {ROW_LAYOUTS.name}={value!r} from keyword argument {ROW_LAYOUTS.name}" in message
+    assert "CLASS=LAYOUT pairs" in message
+
+
+def test_row_layout_declarations_parse_from_text_and_mappings_and_the_env_wins() -> None:
+    text = " pkg.mod.A = token-ids , pkg.mod.B=my.layouts:MINE "
+    settings = resolve_prompt_embed_cache_settings(row_layouts=text, environ={})
+    assert settings.row_layouts == {"pkg.mod.A": "token-ids", "pkg.mod.B": "my.layouts:MINE"}
+    mapping = resolve_prompt_embed_cache_settings(row_layouts={"pkg.mod.A": "qwen-image-token-ids"}, environ={})
+    assert mapping.row_layouts == {"pkg.mod.A": "qwen-image-token-ids"}
+    env = {ROW_LAYOUTS.env: "pkg.mod.C=token-ids"}
+    from_env = resolve_prompt_embed_cache_settings(row_layouts=text, environ=env)
+    assert from_env.row_layouts == {"pkg.mod.C": "token-ids"}
+    assert from_env.sources[ROW_LAYOUTS.name] == f"environment variable {ROW_LAYOUTS.env}"

@@ -7,6 +7,7 @@ whole batch it differs only as much as the encoder's kernels are not batch-invar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -118,7 +119,8 @@ def test_copies_are_laid_out_as_the_uncached_call_does(encoder) -> None:
 
 def test_undeclared_copy_order_keys_a_multi_row_multi_copy_call_whole(encoder) -> None:
     pipeline = QwenStyleTokenPipeline(encoder)
-    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    unordered = dataclasses.replace(TOKEN_IDS, outputs=(RowOutput(pad_dim=1), RowOutput(pad_dim=1)))
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=unordered)
     ids, mask = collate(token_rows(2, seed=4))
     first = pipeline.encode_prompt(ids, mask, num_images_per_prompt=2)
     second = pipeline.encode_prompt(ids.clone(), mask.clone(), num_images_per_prompt=2)
@@ -317,7 +319,7 @@ def test_a_layout_that_does_not_match_the_outputs_is_dropped_once(encoder, caplo
     )
     cache = install_prompt_embed_cache(pipeline, max_size=8, row_layout=wrong)
     rows = token_rows(2, seed=9)
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.wrapper"):
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
         outputs = [pipeline.encode_prompt(*collate(rows)) for _ in range(3)]
     expected = QwenStyleTokenPipeline(encoder).encode_prompt(*collate(rows))
     assert all(torch.equal(embeds, expected[0]) for embeds, _ in outputs)

@@ -79,6 +79,31 @@ def _backend(value: Any) -> str | None:
     return text if text in BACKENDS else None
 
 
+_CLASS_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
+_LAYOUT_REFERENCE = re.compile(r"^([a-z0-9][a-z0-9-]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
+
+
+def _row_layouts(value: Any) -> dict[str, str] | None:
+    """Parse ``CLASS=LAYOUT[,CLASS=LAYOUT...]`` (or a mapping): class paths to layout references."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, str):
+        items = [item.strip() for item in value.split(",") if item.strip()]
+        if not all(item.count("=") == 1 for item in items):
+            return None
+        pairs = [tuple(part.strip() for part in item.split("=")) for item in items]
+    else:
+        return None
+    layouts: dict[str, str] = {}
+    for class_path, reference in pairs:
+        if not isinstance(class_path, str) or not isinstance(reference, str):
+            return None
+        if not _CLASS_PATH.match(class_path) or not _LAYOUT_REFERENCE.match(reference) or class_path in layouts:
+            return None
+        layouts[class_path] = reference
+    return layouts
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting: its names as a keyword argument, a serve flag and an env var, and its parser."""
@@ -151,7 +176,20 @@ BACKEND = Setting(
     _backend,
 )
 
-SETTINGS: tuple[Setting, ...] = (ENABLE, MAX_SIZE, MAX_BYTES, VERIFY, BACKEND)
+ROW_LAYOUTS = Setting(
+    "prompt_embed_cache_row_layouts",
+    "row_layouts",
+    "--prompt-embed-cache-row-layouts",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_ROW_LAYOUTS",
+    {},
+    "CLASS=LAYOUT pairs separated by commas: CLASS a pipeline class path (pkg.module.Class), LAYOUT the "
+    "name of a proven layout (qwen-image-text, token-ids, qwen-image-token-ids, qwen-image-edit-token-ids) "
+    "or pkg.module:NAME of a RowLayout; each class once",
+    "Row layouts for pipeline classes you cannot edit; each is checked against the uncached call on first use.",
+    _row_layouts,
+)
+
+SETTINGS: tuple[Setting, ...] = (ENABLE, MAX_SIZE, MAX_BYTES, VERIFY, BACKEND, ROW_LAYOUTS)
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
@@ -180,12 +218,13 @@ class PromptEmbedCacheSettings:
     max_bytes: int | None = MAX_BYTES.default
     verify: bool = VERIFY.default
     backend: str = BACKEND.default
+    row_layouts: Mapping[str, str] = field(default_factory=dict)  # class path -> layout reference
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Return the settings as plain values keyed by setting name, plus their sources."""
         return {
-            **{setting.name: getattr(self, setting.field) for setting in SETTINGS},
+            **{setting.name: _plain(getattr(self, setting.field)) for setting in SETTINGS},
             "sources": dict(self.sources),
         }
 
@@ -204,6 +243,10 @@ class PromptEmbedCacheSettings:
             if carried.get(setting.name) is not None
         }
         return cls(**values, sources=dict(carried.get("sources") or {}))
+
+
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def resolve_settings(
@@ -245,12 +288,14 @@ def resolve_prompt_embed_cache_settings(
     max_bytes: int | str | None = None,
     verify: bool | str | None = None,
     backend: str | None = None,
+    row_layouts: Mapping[str, str] | str | None = None,
     source: str = "keyword argument",
     environ: Mapping[str, str] | None = None,
 ) -> PromptEmbedCacheSettings:
     """Return every setting resolved: env var, else the given value (None = not given), else default."""
     given = {ENABLE.name: enable, MAX_SIZE.name: max_size, MAX_BYTES.name: max_bytes, VERIFY.name: verify}
-    return resolve_settings({**given, BACKEND.name: backend}, source=source, environ=environ)
+    given.update({BACKEND.name: backend, ROW_LAYOUTS.name: row_layouts})
+    return resolve_settings(given, source=source, environ=environ)
 
 
 def resolve_prompt_embed_cache_config(

@@ -80,14 +80,15 @@ class RowLayout:
             )
 
     ``rows``: the arguments that carry one entry per row: tensors (row dimension 0) or lists and
-    tuples; a lone ``str`` is one row. ``mask``: a ``[B, L]`` tensor among them; each row drops its
-    trailing masked columns from every row argument, which must then all be ``[B, L, ...]``
-    tensors. ``copies``: the integer argument that repeats each row in the outputs. ``outputs``:
-    the returned tuple, one entry per tensor. Every other argument is shared by the rows and enters
-    each row's key.
+    tuples; a lone ``str`` is one row; ``None`` is shared by every row. ``mask``: a ``[B, L]``
+    tensor among them; each row drops its trailing masked columns from every tensor row argument,
+    which must then all be ``[B, L, ...]``, and 1-D tensors are one unbatched row. ``copies``: the
+    integer argument that repeats each row in the outputs. ``outputs``: the returned tuple, one
+    entry per tensor. Every other argument is shared by the rows and enters each row's key.
 
-    Declaring a layout asserts that a row's output does not depend on the other rows of its batch
-    beyond padding, and that ``copies`` only repeats rows.
+    A layout claims that a row's output does not depend on the other rows of its batch beyond
+    padding, and that ``copies`` only repeats rows. Unless the pipeline class declares it itself,
+    the claim is checked against the uncached call before a row is served (see :mod:`.proofs`).
     """
 
     rows: tuple[str, ...]
@@ -118,10 +119,22 @@ class RowLayout:
         return None
 
     def split(self, arguments: Mapping[str, Any]) -> RowSplit | str:
-        """Return the call's rows, or the reason it must be keyed as a whole."""
-        values = [arguments[name] for name in self.rows]
+        """Return the call's rows, or the reason it must be keyed as a whole.
+
+        A row argument that is ``None`` is shared by every row (an optional mask left out). With a
+        ``mask`` layout, 1-D tensors are one unbatched row: each becomes ``[1, L]`` for its row call.
+        """
+        present = [name for name in self.rows if arguments[name] is not None]
+        if not present:
+            return "every row argument is None"
+        unbatched = self.mask is not None and all(
+            isinstance(arguments[name], torch.Tensor) and arguments[name].dim() == 1 for name in present
+        )
+        if unbatched:
+            arguments = {**arguments, **{name: arguments[name].unsqueeze(0) for name in present}}
         sizes = set()
-        for name, value in zip(self.rows, values, strict=True):
+        for name in present:
+            value = arguments[name]
             size = _row_count(value)
             if size is None:
                 return f"argument {name!r} is a {type(value).__qualname__}, not rows"
@@ -139,22 +152,27 @@ class RowLayout:
             if batch > 1 and copies > 1 and any(output.copies is None for output in self.outputs):
                 return f"{self.copies}={copies} with {batch} rows: the outputs' copy order is not declared"
         lengths = None
-        if self.mask is not None:
+        if self.mask is not None and arguments[self.mask] is not None:
             mask = arguments[self.mask]
             if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
                 return f"mask {self.mask!r} is not a [B, L] tensor"
             width = mask.shape[1]
-            for name, value in zip(self.rows, values, strict=True):
+            for name in present:
+                value = arguments[name]
+                if isinstance(value, (list, tuple)) and not any(isinstance(item, (list, tuple)) for item in value):
+                    continue  # one item per row (an edit's image): cut, never trimmed; token lists are not
                 if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != width:
                     return f"argument {name!r} is not a [B, {width}, ...] tensor to trim with {self.mask!r}"
             lengths = _attended_lengths(mask)
             if min(lengths) == 0:
                 return f"a row of {self.mask!r} attends to no position"
-        return RowSplit(self, arguments, batch, copies, lengths)
+            if max(lengths) == width and min(lengths) == width:
+                lengths = None  # nothing to trim: rows are cut, not copied
+        return RowSplit(self, arguments, present, batch, copies, lengths, unbatched)
 
     def batch_size(self, arguments: Mapping[str, Any]) -> int | None:
         """Return how many rows the call holds, or None when its row arguments do not say."""
-        sizes = {_row_count(arguments[name]) for name in self.rows}
+        sizes = {_row_count(arguments[name]) for name in self.rows if arguments[name] is not None}
         return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -177,6 +195,13 @@ def _attended_lengths(mask: torch.Tensor) -> list[int]:
     return np.where(attended.any(axis=1), last, 0).tolist()
 
 
+def _form(value: Any) -> str:
+    """Return what kind of value a row argument is, for a check's kind (see RowSplit.kind)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor {value.dtype}"
+    return type(value).__qualname__
+
+
 class RowSplit:
     """One call cut into rows: each row's arguments for its key and for the encoder, and the assembly."""
 
@@ -184,21 +209,38 @@ class RowSplit:
         self,
         layout: RowLayout,
         arguments: Mapping[str, Any],
+        present: list[str],
         batch: int,
         copies: int,
         lengths: list[int] | None,
+        unbatched: bool,
     ) -> None:
         self.layout = layout
         self.arguments = arguments
+        self.present = present  # row arguments the call gives (the others are None, shared)
         self.batch = batch
         self.copies = copies
-        self.lengths = lengths
+        self.lengths = lengths  # per row, its length after trimming; None when no row is trimmed
+        self.unbatched = unbatched  # 1-D rows were given, and viewed as [1, L]
         # Keys read CPU bytes: each batched tensor crosses to the CPU once, not once per row.
         self._on_cpu = {
             name: value.detach().cpu()
-            for name in layout.rows
+            for name in present
             if isinstance(value := arguments[name], torch.Tensor) and not value.is_cpu
         }
+
+    @property
+    def is_whole(self) -> bool:
+        """True when the call is its only row as given: one row, one copy, nothing trimmed or reshaped."""
+        return self.batch == 1 and self.copies == 1 and self.lengths is None and not self.unbatched
+
+    def kind(self) -> tuple:
+        """Return what a layout check on this call proves the layout for (see wrapper.py)."""
+        return (
+            self.copies > 1,
+            self.unbatched,
+            tuple((name, _form(self.arguments[name])) for name in self.layout.rows),
+        )
 
     def _row(self, value: Any, index: int, *, for_key: bool) -> Any:
         if isinstance(value, str):
@@ -223,7 +265,7 @@ class RowSplit:
 
     def _arguments(self, index: int, *, for_key: bool) -> dict[str, Any]:
         row_arguments = dict(self.arguments)  # signature order is kept: keys depend on it
-        for name in self.layout.rows:
+        for name in self.present:
             value = self._on_cpu.get(name, self.arguments[name]) if for_key else self.arguments[name]
             row_arguments[name] = self._row(value, index, for_key=for_key)
         if self.layout.copies is not None:

@@ -63,9 +63,42 @@ class _Outcome(enum.Enum):
     DIRECT = "encode it without caching (a collision or a re-entrant call)"
 
 
+@dataclasses.dataclass
+class Counters:
+    """Every count a cache keeps, in one place: a snapshot copies it field by field.
+
+    Integers are event counts since the cache was made (``clear()`` keeps them); mappings count
+    events by reason. :class:`CacheStats` has a field of the same name for each.
+    """
+
+    hits: int = 0  # calls served without encoding
+    misses: int = 0  # calls that ran the encoder and offered the result to the cache
+    bypass_reasons: Counter[str] = dataclasses.field(default_factory=Counter)  # calls not using the cache
+    evictions: int = 0
+    oversize_rejections: int = 0
+    # Rows of batched calls (pipelines with a row layout): each row is an entry of its own.
+    row_hits: int = 0  # rows served without this call encoding them (cache, another call's encode, a duplicate)
+    row_misses: int = 0  # rows encoded and offered to the store (kept unless a clear() or a budget intervened)
+    row_bypass_reasons: Counter[str] = dataclasses.field(default_factory=Counter)  # rows encoded, not stored
+    rows_encoded: int = 0  # rows that reached the encoder to be served: row misses and bypasses, whole calls
+    whole_call_reasons: Counter[str] = dataclasses.field(default_factory=Counter)  # calls not split, and why
+    # First-use checks of a row layout against the uncached call (see wrapper.py).
+    layout_checks: int = 0  # calls served uncached and compared with their assembled rows
+    layout_check_rows: int = 0  # rows those uncached calls sent to the encoder
+    layout_mismatches: int = 0  # checks that turned rows off
+
+
+#: The counters, by name: what snapshots copy, ``since`` subtracts and ``merged`` adds.
+COUNTER_FIELDS = tuple(field.name for field in dataclasses.fields(Counters))
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
-    """One snapshot of a cache's counters: what ``stats()``, the worker RPC, the log line and the demo show."""
+    """One snapshot of a cache's counters: what ``stats()``, the worker RPC, the log line and the demo show.
+
+    Every :class:`Counters` field appears here under its name; the other fields are levels
+    (sizes, budgets, switches) that describe the cache at the moment of the snapshot.
+    """
 
     # Upstream's stats() keys first, in its order; ours after.
     size: int = 0
@@ -80,12 +113,16 @@ class CacheStats:
     max_bytes: int | None = None
     enabled: bool = True
     verify: bool = True
-    # Rows of batched calls (pipelines with a row layout): each row is an entry of its own.
-    row_hits: int = 0  # rows served without this call encoding them (cache, another call's encode, a duplicate)
-    row_misses: int = 0  # rows encoded and offered to the store (kept unless a clear() or a budget intervened)
-    row_bypass_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)  # rows encoded, not stored
-    rows_encoded: int = 0  # rows that reached the encoder: row misses and bypasses, and rows of whole calls
-    whole_call_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)  # calls not split, and why
+    row_hits: int = 0
+    row_misses: int = 0
+    row_bypass_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    rows_encoded: int = 0
+    whole_call_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    layout_checks: int = 0
+    layout_check_rows: int = 0
+    layout_mismatches: int = 0
+    #: The largest difference a passing layout check measured (relative to each row's largest value).
+    layout_check_max_gap: float = 0.0
 
     @property
     def calls(self) -> int:
@@ -103,21 +140,14 @@ class CacheStats:
         return sum(self.row_bypass_reasons.values())
 
     def since(self, earlier: CacheStats) -> CacheStats:
-        """Return the counts between ``earlier`` and this snapshot; sizes and settings stay as now."""
-        return dataclasses.replace(
-            self,
-            hits=self.hits - earlier.hits,
-            misses=self.misses - earlier.misses,
-            bypassed=self.bypassed - earlier.bypassed,
-            bypass_reasons=_reasons_since(self.bypass_reasons, earlier.bypass_reasons),
-            evictions=self.evictions - earlier.evictions,
-            oversize_rejections=self.oversize_rejections - earlier.oversize_rejections,
-            row_hits=self.row_hits - earlier.row_hits,
-            row_misses=self.row_misses - earlier.row_misses,
-            row_bypass_reasons=_reasons_since(self.row_bypass_reasons, earlier.row_bypass_reasons),
-            rows_encoded=self.rows_encoded - earlier.rows_encoded,
-            whole_call_reasons=_reasons_since(self.whole_call_reasons, earlier.whole_call_reasons),
-        )
+        """Return the counts between ``earlier`` and this snapshot; levels stay as now."""
+        counts = {
+            name: _reasons_since(getattr(self, name), getattr(earlier, name))
+            if isinstance(getattr(self, name), Mapping)
+            else getattr(self, name) - getattr(earlier, name)
+            for name in COUNTER_FIELDS
+        }
+        return dataclasses.replace(self, bypassed=sum(counts["bypass_reasons"].values()), **counts)
 
     @classmethod
     def merged(cls, snapshots: Iterable[CacheStats]) -> CacheStats:
@@ -126,15 +156,19 @@ class CacheStats:
         if not snapshots:
             raise ValueError("no snapshots to merge")
         first = snapshots[0]
-        counters = ("size", "max_size", "hits", "misses", "bypassed", "evictions", "oversize_rejections", "bytes")
-        counters += ("row_hits", "row_misses", "rows_encoded")
-        reasons = ("bypass_reasons", "row_bypass_reasons", "whole_call_reasons")
+        summed: dict[str, Any] = {}
+        for name in (*COUNTER_FIELDS, "size", "max_size", "bytes", "bypassed"):
+            values = [getattr(each, name) for each in snapshots]
+            if isinstance(values[0], Mapping):
+                summed[name] = _ranked(sum((Counter(value) for value in values), Counter()))
+            else:
+                summed[name] = sum(values)
         budgets = [each.max_bytes for each in snapshots]
         return dataclasses.replace(
             first,
             max_bytes=None if None in budgets else sum(budgets),
-            **{name: sum(getattr(each, name) for each in snapshots) for name in counters},
-            **{name: _ranked(sum((Counter(getattr(each, name)) for each in snapshots), Counter())) for name in reasons},
+            layout_check_max_gap=max(each.layout_check_max_gap for each in snapshots),
+            **summed,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -257,16 +291,8 @@ class PromptEmbedCache:
         self._flights: dict[Hashable, _Flight] = {}
         self._lock = threading.Lock()
         self._bytes = 0
-        self._hits = 0
-        self._misses = 0
-        self._evictions = 0
-        self._oversize = 0
-        self._bypass_reasons: Counter[str] = Counter()
-        self._row_hits = 0
-        self._row_misses = 0
-        self._row_bypass_reasons: Counter[str] = Counter()
-        self._rows_encoded = 0
-        self._whole_call_reasons: Counter[str] = Counter()
+        self._counts = Counters()
+        self._max_gap = 0.0
         self._generation = 0  # bumped by clear(): results computed before it are not stored
 
     # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
@@ -274,29 +300,29 @@ class PromptEmbedCache:
     @property
     def hits(self) -> int:
         """Calls served from the cache."""
-        return self._hits
+        return self._counts.hits
 
     @hits.setter
     def hits(self, value: int) -> None:
-        self._hits = value
+        self._counts.hits = value
 
     @property
     def misses(self) -> int:
         """Calls that ran the encoder and offered its result to the cache."""
-        return self._misses
+        return self._counts.misses
 
     @misses.setter
     def misses(self, value: int) -> None:
-        self._misses = value
+        self._counts.misses = value
 
     @property
     def bypassed(self) -> int:
         """Calls that did not use the cache, whatever the reason."""
-        return sum(self._bypass_reasons.values())
+        return sum(self._counts.bypass_reasons.values())
 
     @bypassed.setter
     def bypassed(self, value: int) -> None:
-        self._bypass_reasons[UNSPECIFIED_REASON] += value - self.bypassed
+        self._counts.bypass_reasons[UNSPECIFIED_REASON] += value - self.bypassed
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -314,9 +340,9 @@ class PromptEmbedCache:
                 entry.witness is None or (witness is not None and witness_matches(entry.witness, witness))
             ):
                 self._entries.move_to_end(identity)
-                self._hits += 1
+                self._counts.hits += 1
                 return entry.value
-            self._misses += 1
+            self._counts.misses += 1
             return MISS
 
     def put(self, key: CallKey | Hashable, value: Any) -> None:
@@ -339,14 +365,14 @@ class PromptEmbedCache:
         if previous is not None:
             self._bytes -= previous.nbytes
         if self.max_bytes is not None and entry.nbytes > self.max_bytes:
-            self._oversize += 1
+            self._counts.oversize_rejections += 1
             return
         self._entries[identity] = entry
         self._bytes += entry.nbytes
         while len(self._entries) > self.max_size or (self.max_bytes is not None and self._bytes > self.max_bytes):
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.nbytes
-            self._evictions += 1
+            self._counts.evictions += 1
 
     def _claim(self, key: CallKey) -> tuple[_Outcome, Any]:
         """Decide how ``key`` is served; the lock is held. Counts nothing: callers count calls or rows.
@@ -365,24 +391,34 @@ class PromptEmbedCache:
             flight = self._flights[key.identity] = _Flight(witness, self._generation)
             return _Outcome.OWN, flight
         if flight.witness is not None and not witness_matches(flight.witness, key.witness):
-            return _Outcome.DIRECT, COLLISION_REASON  # also two colliding rows of one call
+            return _Outcome.DIRECT, COLLISION_REASON
         if flight.owner == threading.get_ident():
             return _Outcome.DIRECT, REENTRANT_REASON
         flight.waiters += 1
         return _Outcome.JOIN, flight
 
-    def get_or_compute(self, key: CallKey, compute: Callable[[], T]) -> T:
-        """Return the cached value for ``key``, or run ``compute`` once and cache its result."""
+    def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, row: bool = False) -> T:
+        """Return the cached value for ``key``, or run ``compute`` once and cache its result.
+
+        ``row``: the call is one row of a row layout, counted as a call and as a row.
+        """
+        counts = self._counts
         while True:
             with self._lock:
                 outcome, claimed = self._claim(key)
                 if outcome is _Outcome.HIT:
-                    self._hits += 1
+                    counts.hits += 1
+                    counts.row_hits += row
                     return claimed
                 if outcome is _Outcome.OWN:
-                    self._misses += 1
+                    counts.misses += 1
+                    counts.row_misses += row
+                    counts.rows_encoded += row
                 elif outcome is _Outcome.DIRECT:
-                    self._bypass_reasons[claimed] += 1
+                    counts.bypass_reasons[claimed] += 1
+                    if row:
+                        counts.row_bypass_reasons[claimed] += 1
+                        counts.rows_encoded += 1
             if outcome is _Outcome.DIRECT:
                 return compute()
             if outcome is _Outcome.OWN:
@@ -390,20 +426,26 @@ class PromptEmbedCache:
             claimed.done.wait()
             if not claimed.failed:
                 with self._lock:
-                    self._hits += 1
+                    counts.hits += 1
+                    counts.row_hits += row
                 return claimed.value
             # The owner's encode raised and its caller got the error; try again ourselves.
 
-    def get_or_compute_rows(self, keys: Sequence[CallKey], compute: Callable[[int], T], *, repeats: int = 0) -> list[T]:
-        """Return a value for each of ``keys`` (distinct rows of one call), running ``compute(i)`` per missing row.
+    def get_or_compute_rows(
+        self, keys: Sequence[CallKey], compute: Callable[[int], T], *, count_call: bool = True
+    ) -> list[T]:
+        """Return a value for each of ``keys`` (the rows of one call), running ``compute(i)`` per missing row.
 
-        Each row is looked up, verified, encoded once across concurrent calls, and stored on its own.
-        ``repeats``: the call's other rows, each a copy of one of ``keys``, counted as row hits. The
-        call counts as a hit when it encoded no row itself. It encodes the rows it owns before it
-        waits for rows other calls are encoding, so two calls waiting on each other cannot deadlock.
+        Rows with the same key (identity and witness) share one entry and one encode, of the first
+        of them; ``compute(i)`` gets that row's index. Each distinct row is looked up, verified,
+        encoded once across concurrent calls, and stored on its own. The call counts as a hit when
+        it encoded no row itself. It encodes the rows it owns before it waits for rows other calls
+        are encoding, so two calls waiting on each other cannot deadlock. ``count_call``: False when
+        the call was already counted (a whole-call miss whose rows a layout check encodes).
         """
         values: list[Any] = [MISS] * len(keys)
-        pending: Sequence[int] = range(len(keys))
+        counts = self._counts
+        pending, copies = self._distinct_rows(keys)
         encoded = 0  # rows this call sent to the encoder, including one that raised
         succeeded = False
         try:
@@ -418,7 +460,7 @@ class PromptEmbedCache:
                         self._abandon([(keys[later], unrun) for later, unrun in owned[position + 1 :]])
                         raise
                     with self._lock:
-                        self._row_misses += 1
+                        counts.row_misses += 1
                 for index, outcome, _ in claims:
                     if outcome is _Outcome.DIRECT:
                         encoded += 1
@@ -433,18 +475,46 @@ class PromptEmbedCache:
                         continue
                     values[index] = flight.value
                     with self._lock:
-                        self._row_hits += 1
+                        counts.row_hits += 1
+            for index, first in copies:
+                values[index] = values[first]
             succeeded = True
             return values
         finally:
             with self._lock:
-                self._rows_encoded += encoded
+                counts.rows_encoded += encoded
                 if succeeded:
-                    self._row_hits += repeats
-                if encoded or not succeeded:
-                    self._misses += 1
-                else:
-                    self._hits += 1
+                    counts.row_hits += len(copies)
+                if count_call and (encoded or not succeeded):
+                    counts.misses += 1
+                elif count_call:
+                    counts.hits += 1
+
+    def _distinct_rows(self, keys: Sequence[CallKey]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Return the first row of each distinct key, and ``(row, first row with its key)`` for the rest.
+
+        Two rows share a key only if their witnesses match too (or verification is off, as for
+        every hit); colliding rows stay apart, and the store serves the second one uncached.
+        """
+        firsts: list[int] = []
+        copies: list[tuple[int, int]] = []
+        seen: dict[Hashable, list[tuple[int, tuple[bytes, ...] | None]]] = {}  # identity -> (first row, witness)
+        for index, key in enumerate(keys):
+            same_identity = seen.setdefault(key.identity, [])
+            first = next(
+                (
+                    earlier
+                    for earlier, witness in same_identity
+                    if witness is None or witness_matches(witness, key.witness)
+                ),
+                None,
+            )
+            if first is None:
+                same_identity.append((index, freeze_witness(key.witness) if self.verify else None))
+                firsts.append(index)
+            else:
+                copies.append((index, first))
+        return firsts, copies
 
     def _claim_rows(self, keys: Sequence[CallKey], pending: Sequence[int], values: list[Any]) -> list[tuple]:
         """Claim every pending row under the lock: fill hits into ``values``; return the other claims."""
@@ -454,11 +524,11 @@ class PromptEmbedCache:
                 for index in pending:
                     outcome, claimed = self._claim(keys[index])
                     if outcome is _Outcome.HIT:
-                        self._row_hits += 1
+                        self._counts.row_hits += 1
                         values[index] = claimed
                         continue
                     if outcome is _Outcome.DIRECT:
-                        self._row_bypass_reasons[claimed] += 1
+                        self._counts.row_bypass_reasons[claimed] += 1
                     claims.append((index, outcome, claimed))
             except BaseException:
                 for index, outcome, flight in claims:  # never leave a claimed flight unrun
@@ -504,17 +574,27 @@ class PromptEmbedCache:
     def record_bypass(self, reason: str) -> None:
         """Count one call that did not use the cache, under ``reason``."""
         with self._lock:
-            self._bypass_reasons[reason] += 1
+            self._counts.bypass_reasons[reason] += 1
 
     def record_whole_call(self, reason: str) -> None:
         """Count one call of a pipeline with a row layout that was keyed as a whole, under ``reason``."""
         with self._lock:
-            self._whole_call_reasons[reason] += 1
+            self._counts.whole_call_reasons[reason] += 1
 
     def record_rows_encoded(self, rows: int) -> None:
         """Count ``rows`` rows a whole call sends to the encoder (split calls count their own)."""
         with self._lock:
-            self._rows_encoded += rows
+            self._counts.rows_encoded += rows
+
+    def record_layout_check(self, rows: int, gap: float | None) -> None:
+        """Count one layout check whose uncached call encoded ``rows``; ``gap``: what it measured, None: mismatch."""
+        with self._lock:
+            self._counts.layout_checks += 1
+            self._counts.layout_check_rows += rows
+            if gap is None:
+                self._counts.layout_mismatches += 1
+            else:
+                self._max_gap = max(self._max_gap, gap)
 
     def clear(self) -> None:
         """Drop every entry, and any result still being computed; counters are kept.
@@ -531,24 +611,20 @@ class PromptEmbedCache:
     def snapshot(self) -> CacheStats:
         """Return the counters, sizes and settings now, as one :class:`CacheStats`."""
         with self._lock:
+            counts = {
+                name: _ranked(value) if isinstance(value := getattr(self._counts, name), Counter) else value
+                for name in COUNTER_FIELDS
+            }
             return CacheStats(
-                hits=self._hits,
-                misses=self._misses,
-                bypassed=sum(self._bypass_reasons.values()),
-                bypass_reasons=_ranked(self._bypass_reasons),
-                evictions=self._evictions,
-                oversize_rejections=self._oversize,
                 size=len(self._entries),
                 max_size=self.max_size,
+                bypassed=sum(self._counts.bypass_reasons.values()),
                 bytes=self._bytes,
                 max_bytes=self.max_bytes,
                 enabled=self.enabled,
                 verify=self.verify,
-                row_hits=self._row_hits,
-                row_misses=self._row_misses,
-                row_bypass_reasons=_ranked(self._row_bypass_reasons),
-                rows_encoded=self._rows_encoded,
-                whole_call_reasons=_ranked(self._whole_call_reasons),
+                layout_check_max_gap=self._max_gap,
+                **counts,
             )
 
     def stats(self) -> dict[str, Any]:

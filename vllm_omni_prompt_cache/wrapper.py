@@ -15,11 +15,19 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder, freeze_witness, witness_matches
-from vllm_omni_prompt_cache.rows import ROW_LAYOUT_ATTRIBUTE, LayoutMismatch, RowLayout, RowSplit, UnstackableRows
+from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.proofs import (
+    DECLARED_BY_CLASS,
+    DECLARED_IN_CODE,
+    INFERRED_SOURCE,
+    LayoutProof,
+    compare_outputs,
+    infer_layout,
+)
+from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, UnstackableRows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 
 logger = logging.getLogger(__name__)
@@ -51,14 +59,20 @@ def install_prompt_embed_cache(
     digest: Callable[[Any], bytes] | None = None,
     report: Callable[[PromptEmbedCache], None] | None = None,
     row_layout: RowLayout | None = None,
+    row_layouts: Mapping[str, RowLayout] | None = None,
 ) -> PromptEmbedCache | None:
     """Wrap ``pipeline.encode_prompt`` with a content-keyed cache; return the cache or None.
 
     ``max_bytes`` bounds tensor bytes held (values plus verification bytes);
     ``verify`` compares input bytes on every hit; ``digest`` replaces xxh3-128
     (tests use a weak one to force collisions); ``report(cache)`` runs after each
-    call (the vLLM-Omni worker uses it for a rate-limited log line); ``row_layout``
-    caches batched calls row by row (default: the pipeline's ``prompt_embed_row_layout``).
+    call (the vLLM-Omni worker uses it for a rate-limited log line). Rows of batched
+    calls are cached on their own when a layout is known: ``row_layout``, else
+    ``row_layouts[class path]`` (a user's declarations), else the class's
+    ``prompt_embed_row_layout``, else a layout proven for vLLM-Omni's pipelines, else
+    one inferred from a call (see :mod:`.proofs`). A layout given in code (``row_layout``,
+    the class attribute) is its author's word; any other is checked against the uncached
+    call on the first call of each kind before its rows are served.
     """
     existing = getattr(pipeline, "_prompt_embed_cache", None)
     if existing is not None:
@@ -80,8 +94,8 @@ def install_prompt_embed_cache(
 
     cache = PromptEmbedCache(max_size=max_size, enabled=enabled, max_bytes=max_bytes, verify=verify)
     tag = model_tag or type(pipeline).__name__
-    layout = _usable_layout(row_layout or getattr(pipeline, ROW_LAYOUT_ATTRIBUTE, None), signature, tag)
-    calls = _CachedCalls(cache, encode_fn, signature, CallKeyBuilder(signature, tag, digest=digest), layout)
+    proof = _layout_proof(pipeline, signature, tag, row_layout, row_layouts)
+    calls = _CachedCalls(cache, encode_fn, signature, CallKeyBuilder(signature, tag, digest=digest), proof)
 
     @functools.wraps(encode_fn)
     def cached_encode_prompt(*args: Any, **kwargs: Any) -> Any:
@@ -94,6 +108,7 @@ def install_prompt_embed_cache(
     _set_attribute(pipeline, "encode_prompt", cached_encode_prompt)
     object.__setattr__(pipeline, "_prompt_embed_cache", cache)
     object.__setattr__(pipeline, "_prompt_embed_cache_original_fn", encode_fn)
+    object.__setattr__(pipeline, "_prompt_embed_cache_layout", proof)
     logger.info(
         "Prompt-embed cache (content-keyed) installed on %s: max_size=%d, max_bytes=%s, verify=%s, enabled=%s, "
         "rows: %s.",
@@ -102,30 +117,51 @@ def install_prompt_embed_cache(
         "unlimited" if max_bytes is None else max_bytes,
         verify,
         enabled,
-        "whole calls only" if layout is None else layout.name,
+        f"{proof.layout.name} ({proof.source})"
+        if proof.layout is not None
+        else "inferred from the first batched call, then checked"
+        if proof.may_infer
+        else "whole calls only",
     )
     return cache
 
 
-def _usable_layout(layout: Any, signature: inspect.Signature, tag: str) -> RowLayout | None:
-    """Return ``layout`` if it can describe ``signature``; say once why not otherwise."""
-    if layout is None:
-        return None
-    if not isinstance(layout, RowLayout):
+def _layout_proof(
+    pipeline: Any,
+    signature: inspect.Signature,
+    tag: str,
+    row_layout: RowLayout | None,
+    row_layouts: Mapping[str, RowLayout] | None,
+) -> LayoutProof:
+    """Return where ``pipeline``'s row layout comes from, checked for use with ``signature``."""
+    from vllm_omni_prompt_cache.vllm_omni.layouts import find_row_layout  # imports nothing of vLLM-Omni
+
+    kind = type(pipeline)
+    if row_layout is not None:
+        layout, source = row_layout, DECLARED_IN_CODE
+    else:
+        layout, source = find_row_layout(pipeline, row_layouts or {})
+    trusted = source in (DECLARED_BY_CLASS, DECLARED_IN_CODE)
+    if layout is not None and not isinstance(layout, RowLayout):
         logger.warning(
-            "Prompt-embed cache: %s's %s is a %s, not a RowLayout; calls are keyed whole.",
+            "Prompt-embed cache: %s's row layout (%s) is a %s, not a RowLayout; calls are keyed whole.",
             tag,
-            ROW_LAYOUT_ATTRIBUTE,
+            source,
             type(layout).__qualname__,
         )
-        return None
-    why = layout.unusable_with(signature)
-    if why is not None:
-        logger.warning(
-            "Prompt-embed cache: row layout %r does not fit %s (%s); calls are keyed whole.", layout.name, tag, why
-        )
-        return None
-    return layout
+        return LayoutProof(kind, None, source, may_infer=False)
+    if layout is not None:
+        why = layout.unusable_with(signature)
+        if why is not None:
+            logger.warning(
+                "Prompt-embed cache: row layout %r (%s) does not fit %s (%s); calls are keyed whole.",
+                layout.name,
+                source,
+                tag,
+                why,
+            )
+            return LayoutProof(kind, None, source, may_infer=False)
+    return LayoutProof(kind, layout, source, may_infer=layout is None, trusted=trusted)
 
 
 class _CachedCalls:
@@ -137,13 +173,13 @@ class _CachedCalls:
         encode_fn: Callable[..., Any],
         signature: inspect.Signature,
         key_builder: CallKeyBuilder,
-        layout: RowLayout | None,
+        proof: LayoutProof,
     ) -> None:
         self.cache = cache
         self.encode_fn = encode_fn
         self.signature = signature
         self.key_builder = key_builder
-        self.layout = layout
+        self.proof = proof
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
@@ -154,87 +190,122 @@ class _CachedCalls:
         if type(arguments) is Bypass:
             cache.record_bypass(arguments.reason)
             return self.encode_fn(*args, **kwargs)
-        layout = self.layout
-        if layout is None or self.key_builder.precomputed(arguments) is not None:
+        if self.key_builder.precomputed(arguments) is not None:
             return self._whole(args, kwargs, arguments, rows=None)
+        layout = self.proof.layout
+        if layout is None:
+            return self._whole(args, kwargs, arguments, rows=None, infer=self.proof.may_infer)
         split = layout.split(arguments)
         if type(split) is not RowSplit:
             cache.record_whole_call(split)
             return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments))
+        if split.is_whole:  # one row as given: its row key, and the call itself encodes it
+            key = self.key_builder.build_from_arguments(split.key_arguments(0), row=True)
+            if type(key) is Bypass:
+                cache.record_bypass(key.reason)
+                cache.record_rows_encoded(1)
+                return self.encode_fn(*args, **kwargs)
+            return cache.get_or_compute(key, functools.partial(self.encode_fn, *args, **kwargs), row=True)
+        keys = self._row_keys(split)
+        if type(keys) is Bypass:  # a shared argument no key can hold: no row can be keyed
+            cache.record_bypass(keys.reason)
+            cache.record_rows_encoded(split.batch)
+            return self.encode_fn(*args, **kwargs)
+        if self.proof.needs_check(split, _distinct(keys)):
+            return self._checked(split, keys, self.encode_fn(*args, **kwargs))
         try:
-            return self._by_rows(split, args, kwargs)
+            return split.assemble(cache.get_or_compute_rows(keys, self._row_encoder(split)))
         except (LayoutMismatch, UnstackableRows) as error:
             # The rows path counted this call already: serve it once more, whole and uncached.
             if type(error) is LayoutMismatch:
-                self._drop_layout(layout, error)
+                self.proof.refute(layout, str(error))
             cache.record_whole_call(LAYOUT_DROPPED_REASON if type(error) is LayoutMismatch else UNSTACKABLE_REASON)
             cache.record_rows_encoded(split.batch)
             return self.encode_fn(*args, **kwargs)
 
-    def _whole(self, args: tuple, kwargs: dict, arguments: dict[str, Any], rows: int | None) -> Any:
-        """Serve the call under one key; ``rows``: how many rows it encodes, when a layout says."""
+    def _whole(
+        self, args: tuple, kwargs: dict, arguments: dict[str, Any], rows: int | None, *, infer: bool = False
+    ) -> Any:
+        """Serve the call under one key; ``rows``: how many rows it encodes, when a layout says.
+
+        ``infer``: on a miss, try to infer a row layout from the call and its output (then check it).
+        """
         cache = self.cache
+        encoded: list[Any] = []
 
         def encode() -> Any:
             if rows:
                 cache.record_rows_encoded(rows)
-            return self.encode_fn(*args, **kwargs)
+            result = self.encode_fn(*args, **kwargs)
+            encoded.append(result)
+            return result
 
         key = self.key_builder.build_from_arguments(arguments)
         if type(key) is Bypass:
             cache.record_bypass(key.reason)
             return encode()
-        return cache.get_or_compute(key, encode)
+        result = cache.get_or_compute(key, encode)
+        if infer and encoded:
+            self._infer(arguments, encoded[0])
+        return result
 
-    def _by_rows(self, split: RowSplit, args: tuple, kwargs: dict) -> Any:
-        """Serve each distinct row from the cache or one encode of it alone; assemble the call's output."""
-        distinct: list[tuple[CallKey, int]] = []  # (key, first row with it)
-        row_entry: list[int] = []  # row -> its index in ``distinct``
-        by_identity: dict[tuple, list[tuple[int, tuple[bytes, ...] | None]]] = {}  # -> (entry, its witness bytes)
+    def _infer(self, arguments: dict[str, Any], output: Any) -> None:
+        """Adopt the layout a missed call suggests if its rows, encoded alone, assemble to ``output``."""
+        layout = infer_layout(self.signature, arguments, output)
+        if type(layout) is str:
+            self.cache.record_whole_call(f"no row layout inferred: {layout}")
+            return
+        split = layout.split(arguments)
+        keys = None if type(split) is not RowSplit else self._row_keys(split)
+        if keys is None or type(keys) is Bypass:
+            self.cache.record_whole_call("no row layout inferred: the call could not be split into rows")
+            return
+        self.proof.layout, self.proof.source = layout, INFERRED_SOURCE  # refute() clears them on a mismatch
+        self._checked(split, keys, output, whole_rows=0)
+        if self.proof.layout is layout:
+            self.proof.adopt(layout)
+
+    def _checked(self, split: RowSplit, keys: list[CallKey], expected: Any, *, whole_rows: int | None = None) -> Any:
+        """Serve ``expected`` (the uncached call) and compare it with the call's rows encoded alone.
+
+        A match proves the layout for calls of this kind; a mismatch turns rows off for the class.
+        ``whole_rows``: rows the uncached call encoded for the check, None: the call's batch; 0 when
+        the uncached call was a whole-call miss, already counted as the call.
+        """
+        cache = self.cache
+        try:
+            values = cache.get_or_compute_rows(keys, self._row_encoder(split), count_call=whole_rows != 0)
+            assembled = split.assemble(values)
+            why, gap = compare_outputs(assembled, expected)
+        except (LayoutMismatch, UnstackableRows) as error:
+            why, gap = str(error), 0.0
+        cache.record_layout_check(split.batch if whole_rows is None else whole_rows, None if why else gap)
+        if why is None:
+            self.proof.prove(split, _distinct(keys))
+        else:
+            self.proof.refute(split.layout, why)
+        return expected
+
+    def _row_keys(self, split: RowSplit) -> list[CallKey] | Bypass:
+        keys = []
         for index in range(split.batch):
             key = self.key_builder.build_from_arguments(split.key_arguments(index), row=True)
-            if type(key) is Bypass:  # a shared argument no key can hold: no row can be keyed
-                self.cache.record_bypass(key.reason)
-                self.cache.record_rows_encoded(split.batch)
-                return self.encode_fn(*args, **kwargs)
-            row_entry.append(self._entry_for(key, index, distinct, by_identity))
+            if type(key) is Bypass:
+                return key
+            keys.append(key)
+        return keys
 
-        def encode_row(entry: int) -> Any:
-            row_arguments = split.call_arguments(distinct[entry][1])
-            bound = inspect.BoundArguments(self.signature, row_arguments)  # type: ignore[arg-type]
+    def _row_encoder(self, split: RowSplit) -> Callable[[int], Any]:
+        def encode_row(index: int) -> Any:
+            bound = inspect.BoundArguments(self.signature, split.call_arguments(index))  # type: ignore[arg-type]
             return split.check_row(self.encode_fn(*bound.args, **bound.kwargs))
 
-        keys = [key for key, _ in distinct]
-        values = self.cache.get_or_compute_rows(keys, encode_row, repeats=split.batch - len(keys))
-        return split.assemble([values[entry] for entry in row_entry])
+        return encode_row
 
-    def _entry_for(
-        self,
-        key: CallKey,
-        index: int,
-        distinct: list[tuple[CallKey, int]],
-        by_identity: dict[tuple, list[tuple[int, tuple[bytes, ...] | None]]],
-    ) -> int:
-        """Return the distinct entry row ``index`` shares, adding one; colliding rows stay apart."""
-        entries = by_identity.setdefault(key.identity, [])
-        if not self.cache.verify and entries:  # the digest alone decides, as for every hit
-            return entries[0][0]
-        for entry, witness in entries:
-            if witness_matches(witness, key.witness):
-                return entry
-        entries.append((len(distinct), freeze_witness(key.witness) if self.cache.verify else None))
-        distinct.append((key, index))
-        return len(distinct) - 1
 
-    def _drop_layout(self, layout: RowLayout, mismatch: LayoutMismatch) -> None:
-        if self.layout is layout:
-            self.layout = None
-            logger.warning(
-                "Prompt-embed cache: row layout %r does not match encode_prompt's outputs (%s); "
-                "from now on its calls are keyed whole.",
-                layout.name,
-                mismatch,
-            )
+def _distinct(keys: list[CallKey]) -> int:
+    """Return how many distinct identities ``keys`` hold (colliding witnesses aside: a check bound)."""
+    return len({key.identity for key in keys})
 
 
 def uninstall_prompt_embed_cache(pipeline: Any) -> None:
@@ -247,6 +318,6 @@ def uninstall_prompt_embed_cache(pipeline: Any) -> None:
         object.__delattr__(pipeline, "encode_prompt")
     else:
         _set_attribute(pipeline, "encode_prompt", original)
-    for name in ("_prompt_embed_cache", "_prompt_embed_cache_original_fn"):
+    for name in ("_prompt_embed_cache", "_prompt_embed_cache_original_fn", "_prompt_embed_cache_layout"):
         with contextlib.suppress(AttributeError):
             object.__delattr__(pipeline, name)

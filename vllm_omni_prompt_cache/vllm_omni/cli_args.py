@@ -14,7 +14,7 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import BACKEND, BACKENDS, ENABLE, MAX_BYTES, MAX_SIZE, VERIFY, Setting
+from vllm_omni_prompt_cache.config import BACKEND, BACKENDS, ENABLE, MAX_BYTES, MAX_SIZE, ROW_LAYOUTS, VERIFY, Setting
 from vllm_omni_prompt_cache.routing import DEFAULT_EPSILON, EPSILON_ENV, epsilon_from_env
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
@@ -53,6 +53,8 @@ def _describe_default(setting: Setting) -> str:
         return "no limit"
     if isinstance(setting.default, bool):
         return "on" if setting.default else "off"
+    if isinstance(setting.default, dict):
+        return "none"
     return str(setting.default)
 
 
@@ -71,7 +73,8 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,  # absent unless given: vLLM-Omni's default or the env var applies
             help=f"{setting.help} Default: {_describe_default(setting)}. Env: {setting.env}.",
         )
-    for setting, metavar in ((MAX_SIZE, "N"), (MAX_BYTES, "BYTES"), (BACKEND, "{" + ",".join(BACKENDS) + "}")):
+    valued = ((MAX_SIZE, "N"), (MAX_BYTES, "BYTES"), (BACKEND, "{" + ",".join(BACKENDS) + "}"))
+    for setting, metavar in (*valued, (ROW_LAYOUTS, "CLASS=LAYOUT[,...]")):
         if setting.flag in parser._option_string_actions:
             continue
         group.add_argument(

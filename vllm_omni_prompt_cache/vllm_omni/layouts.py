@@ -1,65 +1,185 @@
-"""Which vLLM-Omni pipelines have their batched ``encode_prompt`` calls cached row by row.
+"""Where a vLLM-Omni pipeline's row layout comes from, and the layouts proven for known pipelines.
 
-Recognised without any declaration:
+In order (the first that applies wins):
 
-* vLLM-Omni's ``QwenImagePipeline`` text path (``prompt: str | list[str]``), and subclasses that
-  keep its ``encode_prompt`` and ``_get_qwen_prompt_embeds``. Its embeddings hold each prompt's
-  copies together; its mask tiles the batch (``repeat(1, n, 1)``), and the assembled output
-  reproduces both orders exactly as the uncached call lays them out.
-* Token-ID adapters: a ``QwenImagePipeline`` subclass whose ``encode_prompt`` takes exactly
-  ``(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)`` and returns
-  ``(prompt_embeds [B*n, S, D], prompt_embeds_mask [B*n, S])`` right-padded with zeros to the
-  longest attended row, the way verl-omni style adapters are written. Their copy order is not
-  known, so a call with several rows and ``num_images_per_prompt > 1`` is keyed whole.
+1. a user's declaration for the class (the ``prompt_embed_cache_row_layouts`` setting: a class
+   path and a layout, for classes the user cannot edit);
+2. the class's own ``prompt_embed_row_layout`` (:data:`~vllm_omni_prompt_cache.proofs.DECLARED_BY_CLASS`,
+   the only source served without a first-use check);
+3. a layout of :data:`PROVEN_LAYOUTS` whose rule matches the class: each was written against
+   that pipeline's real ``encode_prompt`` and is tested on it (``tests/test_layouts.py``);
+4. none: the wrapper infers one from the first batched call (see :mod:`..proofs`).
 
-A pipeline class can declare its own layout (``prompt_embed_row_layout``, see
-:class:`~vllm_omni_prompt_cache.rows.RowLayout`); a declaration wins. Anything else is keyed
-whole: a layout is never guessed.
+Names never decide alone: every layout from 1, 3 and 4 is checked against the uncached call on
+the first call of each kind before a row is served. Nothing here imports vLLM-Omni; a pipeline of
+a vLLM-Omni class means its module is already imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
 import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from vllm_omni_prompt_cache.config import ROW_LAYOUTS, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.proofs import DECLARED_BY_CLASS
 from vllm_omni_prompt_cache.rows import ROW_LAYOUT_ATTRIBUTE, RowLayout, RowOutput
 
 QWEN_IMAGE_MODULE = "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image"
 
+#: vLLM-Omni's ``QwenImagePipeline`` text path (``prompt: str | list[str]``): embeddings hold each
+#: prompt's copies together, the mask tiles the batch (``repeat(1, n, 1)``).
 QWEN_IMAGE_TEXT = RowLayout(
     rows=("prompt",),
     copies="num_images_per_prompt",
     outputs=(RowOutput(pad_dim=1, copies="interleave"), RowOutput(pad_dim=1, copies="tile")),
-    name="QwenImagePipeline text prompts",
+    name="qwen-image-text",
 )
 
-TOKEN_ID_PARAMETERS = ("prompt_ids", "attention_mask", "num_images_per_prompt", "max_sequence_length")
-
+#: Token-ID adapters ``(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)``
+#: returning ``(embeds [B*n, S, D], mask [B*n, S])`` right-padded to the longest attended row,
+#: copies by ``repeat_interleave`` (this package's own ``tiny.token_id_pipeline``).
 TOKEN_IDS = RowLayout(
     rows=("prompt_ids", "attention_mask"),
     mask="attention_mask",
     copies="num_images_per_prompt",
-    outputs=(RowOutput(pad_dim=1, copies=None), RowOutput(pad_dim=1, copies=None)),
-    name="token-ID encode_prompt (prompt_ids, attention_mask)",
+    outputs=(RowOutput(pad_dim=1, copies="interleave"), RowOutput(pad_dim=1, copies="interleave")),
+    name="token-ids",
+)
+
+#: verl-omni's Qwen-Image token-ID ``encode_prompt`` (``QwenImageTokenIdPromptMixin`` and the
+#: FlowGRPO, MixGRPO, DiffusionNFT, DPO and DualGRPO adapters): the same rows and outputs, with
+#: ``prompt_embeds`` / ``prompt_embeds_mask`` (precomputed: a call giving them bypasses) and an
+#: optional mask (``None``: every position attended).
+QWEN_IMAGE_TOKEN_IDS = dataclasses.replace(TOKEN_IDS, name="qwen-image-token-ids")
+
+#: verl-omni's Qwen-Image-Edit token-ID ``encode_prompt``: each row's condition image belongs to it.
+QWEN_IMAGE_EDIT_TOKEN_IDS = dataclasses.replace(
+    TOKEN_IDS, rows=("prompt_ids", "attention_mask", "condition_images"), name="qwen-image-edit-token-ids"
+)
+
+_TOKEN_ID_PARAMETERS = ("prompt_ids", "attention_mask", "num_images_per_prompt", "max_sequence_length")
+_VERL_OMNI_PARAMETERS = (
+    "prompt_ids",
+    "attention_mask",
+    "num_images_per_prompt",
+    "prompt_embeds",
+    "prompt_embeds_mask",
+    "max_sequence_length",
 )
 
 
-def row_layout_for(pipeline: Any) -> RowLayout | None:
-    """Return the row layout of ``pipeline``'s ``encode_prompt``: declared, recognised, or None."""
-    declared = getattr(type(pipeline), ROW_LAYOUT_ATTRIBUTE, None)
-    if declared is not None:
-        return declared
-    module = sys.modules.get(QWEN_IMAGE_MODULE)  # a pipeline of that class means it is imported
-    qwen_image = getattr(module, "QwenImagePipeline", None)
-    if qwen_image is None or not isinstance(pipeline, qwen_image):
-        return None
-    kind = type(pipeline)
-    if kind.encode_prompt is qwen_image.encode_prompt:
-        # Rows are independent only if the embeddings come from the stock batched text encoder.
-        return QWEN_IMAGE_TEXT if kind._get_qwen_prompt_embeds is qwen_image._get_qwen_prompt_embeds else None
+def _qwen_image_class() -> type | None:
+    return getattr(sys.modules.get(QWEN_IMAGE_MODULE), "QwenImagePipeline", None)
+
+
+def _parameters(kind: type) -> tuple[str, ...] | None:
     try:
-        parameters = tuple(inspect.signature(kind.encode_prompt).parameters)[1:]  # without self
+        return tuple(inspect.signature(kind.encode_prompt).parameters)[1:]  # without self
     except (TypeError, ValueError):
         return None
-    return TOKEN_IDS if parameters == TOKEN_ID_PARAMETERS else None
+
+
+def _is_stock_qwen_text(kind: type) -> bool:
+    qwen_image = _qwen_image_class()
+    return (
+        qwen_image is not None
+        and issubclass(kind, qwen_image)
+        and kind.encode_prompt is qwen_image.encode_prompt
+        # Rows are independent only if the embeddings come from the stock batched text encoder.
+        and kind._get_qwen_prompt_embeds is qwen_image._get_qwen_prompt_embeds
+    )
+
+
+def _qwen_subclass_with(parameters: tuple[str, ...]) -> Callable[[type], bool]:
+    def matches(kind: type) -> bool:
+        qwen_image = _qwen_image_class()
+        return (
+            qwen_image is not None
+            and issubclass(kind, qwen_image)
+            and kind.encode_prompt is not qwen_image.encode_prompt
+            and _parameters(kind) == parameters
+        )
+
+    return matches
+
+
+@dataclasses.dataclass(frozen=True)
+class ProvenLayout:
+    """A layout and the rule that says which pipeline classes it was written for."""
+
+    layout: RowLayout
+    matches: Callable[[type], bool]
+
+
+#: Layouts written against a vLLM-Omni or verl-omni pipeline's real ``encode_prompt``, by name
+#: (the names a user's declaration may give).
+PROVEN_LAYOUTS: Mapping[str, ProvenLayout] = {
+    proven.layout.name: proven
+    for proven in (
+        ProvenLayout(QWEN_IMAGE_TEXT, _is_stock_qwen_text),
+        ProvenLayout(TOKEN_IDS, _qwen_subclass_with(_TOKEN_ID_PARAMETERS)),
+        ProvenLayout(QWEN_IMAGE_TOKEN_IDS, _qwen_subclass_with(_VERL_OMNI_PARAMETERS)),
+        ProvenLayout(QWEN_IMAGE_EDIT_TOKEN_IDS, _qwen_subclass_with((*_VERL_OMNI_PARAMETERS, "condition_images"))),
+    )
+}
+
+
+def find_row_layout(pipeline: Any, declared: Mapping[str, RowLayout]) -> tuple[RowLayout | None, str]:
+    """Return ``(layout, where it came from)`` for ``pipeline``, or ``(None, why none)``.
+
+    ``declared``: the user's layouts by class path (``module.QualName``); a declaration for a base
+    class applies to its subclasses, the nearest one first.
+    """
+    kind = type(pipeline)
+    for ancestor in kind.__mro__:
+        path = f"{ancestor.__module__}.{ancestor.__qualname__}"
+        if path in declared:
+            return declared[path], f"declared for {path} by the prompt_embed_cache_row_layouts setting"
+    own = getattr(kind, ROW_LAYOUT_ATTRIBUTE, None)
+    if own is not None:
+        return own, DECLARED_BY_CLASS
+    for name, proven in PROVEN_LAYOUTS.items():
+        if proven.matches(kind):
+            return proven.layout, f"proven layout {name!r}"
+    return None, "no layout known"
+
+
+def row_layout_for(pipeline: Any) -> RowLayout | None:
+    """Return the layout :func:`find_row_layout` finds for ``pipeline`` with no user declarations."""
+    return find_row_layout(pipeline, {})[0]
+
+
+def resolve_declared_layouts(references: Mapping[str, str], source: str) -> dict[str, RowLayout]:
+    """Return the user's layouts by class path: each reference a proven layout's name or ``module:NAME``.
+
+    Raises PromptEmbedCacheConfigError naming the setting, ``source`` and what is allowed.
+    """
+    layouts: dict[str, RowLayout] = {}
+    for class_path, reference in references.items():
+        where = f"invalid {ROW_LAYOUTS.name} entry {class_path}={reference} from {source}"
+        if ":" not in reference:
+            proven = PROVEN_LAYOUTS.get(reference)
+            if proven is None:
+                raise PromptEmbedCacheConfigError(
+                    f"{where}: no proven layout is named {reference!r}; expected one of "
+                    f"{', '.join(PROVEN_LAYOUTS)} or pkg.module:NAME of a RowLayout"
+                )
+            layouts[class_path] = proven.layout
+            continue
+        module_name, _, attribute = reference.partition(":")
+        try:
+            found: Any = importlib.import_module(module_name)
+            for part in attribute.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError) as error:
+            raise PromptEmbedCacheConfigError(f"{where}: {reference} cannot be imported ({error})") from error
+        if not isinstance(found, RowLayout):
+            raise PromptEmbedCacheConfigError(
+                f"{where}: {reference} is a {type(found).__qualname__}, expected a RowLayout"
+            )
+        layouts[class_path] = found
+    return layouts

@@ -19,7 +19,7 @@ from typing import Any
 from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
-from vllm_omni_prompt_cache.vllm_omni.layouts import row_layout_for
+from vllm_omni_prompt_cache.vllm_omni.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import StatsLogger, watch_weight_loads
 from vllm_omni_prompt_cache.vllm_omni.settings import stage_settings
 from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache
@@ -90,7 +90,9 @@ def install_for_stage(pipeline: Any, settings: PromptEmbedCacheSettings, model_t
         max_bytes=settings.max_bytes,
         verify=settings.verify,
         report=StatsLogger(STATS_LOG_INTERVAL_S),
-        row_layout=row_layout_for(pipeline),
+        row_layouts=resolve_declared_layouts(
+            settings.row_layouts, settings.sources.get("prompt_embed_cache_row_layouts", "the stage's settings")
+        ),
     )
     if cache is not None:
         watch_weight_loads(pipeline)

@@ -18,12 +18,14 @@ from typing import Any
 from vllm_omni_prompt_cache.config import (
     ENABLE,
     MAX_SIZE,
+    ROW_LAYOUTS,
     SETTINGS,
     PromptEmbedCacheConfigError,
     PromptEmbedCacheSettings,
     resolve_settings,
 )
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
+from vllm_omni_prompt_cache.vllm_omni.layouts import resolve_declared_layouts
 
 #: Where a deploy-config stage names our settings: ``engine_args.extras.prompt_embed_cache``.
 EXTRAS_KEY = "prompt_embed_cache"
@@ -48,6 +50,8 @@ def _carrying_our_settings(original: classmethod) -> classmethod:
         # vLLM-Omni refuses keyword arguments it does not know; its own two stay.
         kwargs = {name: value for name, value in kwargs.items() if name not in given or name in _UPSTREAM_SETTINGS}
         settings = resolve_settings(given, source=KWARG_SOURCE)
+        # A layout reference that names nothing fails here, before any stage loads.
+        resolve_declared_layouts(settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, KWARG_SOURCE))
         engine_args, *rest = original_function(cls, kwargs)
         engine_args["extras"] = {**(engine_args.get("extras") or {}), RESOLVED_KEY: settings.as_dict()}
         return (engine_args, *rest)
