@@ -11,6 +11,8 @@ import torch
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
 from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache, uninstall_prompt_embed_cache
+from vllm_omni_prompt_cache.config import PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.proofs import DECLARED_BY_CLASS
 from vllm_omni_prompt_cache.tiny.qwen_image import (
     PROMPT_TEMPLATE,
     TEMPLATE_DROP_TOKENS,
@@ -18,7 +20,15 @@ from vllm_omni_prompt_cache.tiny.qwen_image import (
     load_tokenizer,
 )
 from vllm_omni_prompt_cache.tiny.token_id_pipeline import TokenIdQwenImagePipeline
-from vllm_omni_prompt_cache.vllm_omni.layouts import QWEN_IMAGE_TEXT, TOKEN_IDS, row_layout_for
+from vllm_omni_prompt_cache.vllm_omni.layouts import (
+    QWEN_IMAGE_EDIT_TOKEN_IDS,
+    QWEN_IMAGE_TEXT,
+    QWEN_IMAGE_TOKEN_IDS,
+    TOKEN_IDS,
+    find_row_layout,
+    resolve_declared_layouts,
+    row_layout_for,
+)
 
 
 def bare(cls: type) -> object:
@@ -45,7 +55,67 @@ def test_a_subclass_with_its_own_embedding_code_is_keyed_whole() -> None:
 
 
 def test_a_token_id_adapter_is_recognised_without_declaring_anything() -> None:
-    assert row_layout_for(bare(TokenIdQwenImagePipeline)) is TOKEN_IDS
+    class Undeclared(QwenImagePipeline):
+        def encode_prompt(self, prompt_ids, attention_mask, num_images_per_prompt=1, max_sequence_length=1024):
+            raise NotImplementedError
+
+    assert row_layout_for(bare(Undeclared)) is TOKEN_IDS
+    assert find_row_layout(bare(Undeclared), {}) == (TOKEN_IDS, "proven layout 'token-ids'")
+    assert find_row_layout(bare(TokenIdQwenImagePipeline), {}) == (TOKEN_IDS, DECLARED_BY_CLASS)
+
+
+def test_verl_omni_adapters_signatures_are_recognised() -> None:
+    from vllm_omni_prompt_cache.tiny.verl_omni_adapters import (
+        ListIdsQwenImagePipeline,
+        TeamTokenIdPipeline,
+        VerlOmniQwenImagePipeline,
+    )
+
+    for kind in (VerlOmniQwenImagePipeline, ListIdsQwenImagePipeline):
+        assert find_row_layout(bare(kind), {}) == (QWEN_IMAGE_TOKEN_IDS, "proven layout 'qwen-image-token-ids'")
+    assert find_row_layout(bare(TeamTokenIdPipeline), {}) == (None, "no layout known")
+
+    class Edit(QwenImagePipeline):
+        def encode_prompt(
+            self,
+            prompt_ids,
+            attention_mask=None,
+            num_images_per_prompt=1,
+            prompt_embeds=None,
+            prompt_embeds_mask=None,
+            max_sequence_length=1024,
+            condition_images=None,
+        ):
+            raise NotImplementedError
+
+    assert find_row_layout(bare(Edit), {})[0] is QWEN_IMAGE_EDIT_TOKEN_IDS
+
+
+def test_a_user_declaration_wins_over_the_class_and_applies_to_subclasses() -> None:
+    from vllm_omni_prompt_cache.tiny.verl_omni_adapters import TeamTokenIdPipeline
+
+    path = f"{TokenIdQwenImagePipeline.__module__}.TokenIdQwenImagePipeline"
+    declared = resolve_declared_layouts({path: "qwen-image-token-ids"}, "a test")
+    layout, source = find_row_layout(bare(TeamTokenIdPipeline), declared)
+    assert layout is QWEN_IMAGE_TOKEN_IDS and path in source and "prompt_embed_cache_row_layouts" in source
+
+
+@pytest.mark.parametrize(
+    ("reference", "message"),
+    [
+        ("no-such-layout", "no proven layout is named 'no-such-layout'; expected one of qwen-image-text"),
+        ("vllm_omni_prompt_cache.nowhere:X", "cannot be imported"),
+        ("vllm_omni_prompt_cache.vllm_omni.layouts:PROVEN_LAYOUTS", "is a dict, expected a RowLayout"),
+    ],
+)
+def test_a_declaration_naming_no_layout_is_refused_with_the_setting_and_source(reference, message) -> None:
+    with pytest.raises(PromptEmbedCacheConfigError) as raised:
+        resolve_declared_layouts({"pkg.mod.Adapter": reference}, "environment variable X")
+    assert (
+        f"invalid prompt_embed_cache_row_layouts entry pkg.mod.Adapter={reference} from environment variable X"
+        in str(raised.value)
+    )
+    assert message in str(raised.value)
 
 
 def test_a_token_adapter_with_another_signature_is_keyed_whole() -> None:

@@ -261,25 +261,26 @@ class _CachedCalls:
             self.cache.record_whole_call("no row layout inferred: the call could not be split into rows")
             return
         self.proof.layout, self.proof.source = layout, INFERRED_SOURCE  # refute() clears them on a mismatch
-        self._checked(split, keys, output, whole_rows=0)
+        self._checked(split, keys, output, call_counted=True)
         if self.proof.layout is layout:
             self.proof.adopt(layout)
 
-    def _checked(self, split: RowSplit, keys: list[CallKey], expected: Any, *, whole_rows: int | None = None) -> Any:
+    def _checked(self, split: RowSplit, keys: list[CallKey], expected: Any, *, call_counted: bool = False) -> Any:
         """Serve ``expected`` (the uncached call) and compare it with the call's rows encoded alone.
 
         A match proves the layout for calls of this kind; a mismatch turns rows off for the class.
-        ``whole_rows``: rows the uncached call encoded for the check, None: the call's batch; 0 when
-        the uncached call was a whole-call miss, already counted as the call.
+        ``call_counted``: the uncached call was a whole-call miss, already counted as the call.
         """
         cache = self.cache
         try:
-            values = cache.get_or_compute_rows(keys, self._row_encoder(split), count_call=whole_rows != 0)
+            values = cache.get_or_compute_rows(keys, self._row_encoder(split), count_call=not call_counted)
             assembled = split.assemble(values)
             why, gap = compare_outputs(assembled, expected)
         except (LayoutMismatch, UnstackableRows) as error:
             why, gap = str(error), 0.0
-        cache.record_layout_check(split.batch if whole_rows is None else whole_rows, None if why else gap)
+        except Exception as error:  # the uncached call worked: a row call the layout made is the fault
+            why, gap = f"its row calls raised {type(error).__qualname__}: {error}", 0.0
+        cache.record_layout_check(split.batch, None if why else gap)
         if why is None:
             self.proof.prove(split, _distinct(keys))
         else:

@@ -199,7 +199,7 @@ async def send_rollout(
     negative_ids = None if spec.negative_prompt is None else prompt_token_ids(tokenizer, spec.negative_prompt)
 
     async def one(index: int, prompt_index: int, seed: int) -> tuple[int, Any]:
-        request: dict[str, Any] = {"prompt_ids": list(prompt_ids[prompt_index])}
+        request: dict[str, Any] = {"prompt_token_ids": list(prompt_ids[prompt_index])}  # verl-omni's key
         if negative_ids is not None:
             request["negative_prompt_ids"] = list(negative_ids)
         params = OmniDiffusionSamplingParams(

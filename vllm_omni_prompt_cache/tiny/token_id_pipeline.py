@@ -30,6 +30,9 @@ from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch, spli
 from vllm_omni.diffusion.worker.utils import StepRequestState
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
+from vllm_omni_prompt_cache.rows import RowLayout
+from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
+
 PIPELINE_CLASS = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
 
 _ID_KEYS = {"prompt": ("prompt_ids", "prompt_token_ids"), "negative_prompt": ("negative_prompt_ids",)}
@@ -65,6 +68,9 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
 
     # prepare_encode below replaces the stock one, which calls encode_prompt with the text signature.
     supports_step_execution: ClassVar[bool] = True
+    # Our own class, so we declare its layout (served without a first-use check; tests/test_rows.py
+    # checks it against the uncached call).
+    prompt_embed_row_layout: ClassVar[RowLayout] = TOKEN_IDS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -90,46 +96,52 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         max_sequence_length: int = 1024,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(prompt_embeds, prompt_embeds_mask)`` for int64 ids and a bool mask ``[B, L]``."""
-        started = time.perf_counter()
-        self.encoder_runs += 1
-        self.encoder_rows += int(prompt_ids.shape[0])
-        try:
-            return self._encode_token_ids(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
-        finally:
-            self.encode_seconds += time.perf_counter() - started
-
-    def _encode_token_ids(
-        self,
-        prompt_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        num_images_per_prompt: int,
-        max_sequence_length: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = attention_mask.to(torch.long)
-        outputs = self.text_encoder(input_ids=prompt_ids, attention_mask=mask, output_hidden_states=True)
-        per_prompt = self._extract_masked_hidden(outputs.hidden_states[-1], mask)
-        per_prompt = [hidden[self.prompt_template_encode_start_idx :] for hidden in per_prompt]
-        longest = max(hidden.size(0) for hidden in per_prompt)
-        embeds = torch.stack([torch.cat([h, h.new_zeros(longest - h.size(0), h.size(1))]) for h in per_prompt]).to(
-            self.text_encoder.dtype
-        )
-        embeds_mask = torch.stack(
-            [
-                torch.cat(
-                    [
-                        h.new_ones(h.size(0), dtype=torch.long),
-                        h.new_zeros(longest - h.size(0), dtype=torch.long),
-                    ]
-                )
-                for h in per_prompt
-            ]
-        )
-        embeds = embeds[:, :max_sequence_length]
-        embeds_mask = embeds_mask[:, :max_sequence_length]
+        embeds, embeds_mask = self.embed_token_ids(prompt_ids, attention_mask)
+        embeds, embeds_mask = embeds[:, :max_sequence_length], embeds_mask[:, :max_sequence_length]
         # Same row order for embeddings and mask: prompt 0's copies first, then prompt 1's.
         return (
             embeds.repeat_interleave(num_images_per_prompt, dim=0),
             embeds_mask.repeat_interleave(num_images_per_prompt, dim=0),
+        )
+
+    def embed_token_ids(
+        self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the text encoder on ``[B, L]`` ids; return each row's attended states after the template
+        prefix, right-padded with zeros to the longest row, and their long mask. Counted."""
+        started = time.perf_counter()
+        self.encoder_runs += 1
+        self.encoder_rows += int(prompt_ids.shape[0])
+        try:
+            mask = attention_mask.to(torch.long)
+            outputs = self.text_encoder(input_ids=prompt_ids, attention_mask=mask, output_hidden_states=True)
+            per_prompt = self._extract_masked_hidden(outputs.hidden_states[-1], mask)
+            per_prompt = [hidden[self.prompt_template_encode_start_idx :] for hidden in per_prompt]
+            longest = max(hidden.size(0) for hidden in per_prompt)
+            embeds = torch.stack([torch.cat([h, h.new_zeros(longest - h.size(0), h.size(1))]) for h in per_prompt])
+            embeds_mask = torch.zeros((len(per_prompt), longest), dtype=torch.long, device=embeds.device)
+            for index, hidden in enumerate(per_prompt):
+                embeds_mask[index, : hidden.size(0)] = 1
+            return embeds.to(self.text_encoder.dtype), embeds_mask
+        finally:
+            self.encode_seconds += time.perf_counter() - started
+
+    def encode_request_prompts(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        images_per_prompt: int,
+        max_sequence_length: int,
+        *,
+        one_request: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Call ``encode_prompt`` for collated ids and mask, the way this adapter calls it.
+
+        ``one_request``: step execution's per-request call. Subclasses that mirror another
+        adapter's call pattern override this.
+        """
+        return self.encode_prompt(
+            ids, mask, num_images_per_prompt=images_per_prompt, max_sequence_length=max_sequence_length
         )
 
     def collate_token_ids(self, prompts: list[Any], kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -175,6 +187,8 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         generator: torch.Generator | list[torch.Generator] | None,
         latents: torch.Tensor | None,
         attention_kwargs: dict[str, Any] | None = None,
+        *,
+        one_request: bool = False,
     ) -> _PreparedGeneration:
         """Encode ``prompts`` (one row each) and draw start latents: the one path both modes share."""
         height = sampling.height or self.default_sample_size * self.vae_scale_factor
@@ -189,16 +203,16 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
             raise ValueError(
                 "TokenIdQwenImagePipeline needs every request to carry 'prompt_ids', 'prompt_token_ids' or 'prompt'"
             )
-        prompt_embeds, prompt_embeds_mask = self.encode_prompt(
-            *positive, num_images_per_prompt=images_per_prompt, max_sequence_length=max_sequence_length
+        prompt_embeds, prompt_embeds_mask = self.encode_request_prompts(
+            *positive, images_per_prompt, max_sequence_length, one_request=one_request
         )
         negative = self.collate_token_ids(prompts, "negative_prompt")
         do_true_cfg = true_cfg_scale > 1 and negative is not None
         self.check_cfg_parallel_validity(true_cfg_scale, negative is not None)
         negative_embeds = negative_mask = None
         if do_true_cfg:
-            negative_embeds, negative_mask = self.encode_prompt(
-                *negative, num_images_per_prompt=images_per_prompt, max_sequence_length=max_sequence_length
+            negative_embeds, negative_mask = self.encode_request_prompts(
+                *negative, images_per_prompt, max_sequence_length, one_request=one_request
             )
 
         self._guidance_scale = sampling.guidance_scale if sampling.guidance_scale_provided else 1.0
@@ -279,7 +293,12 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
         """Fill ``state`` for step execution; the request's ids take forward's encode path."""
         sampling = state.sampling
         prepared = self._prepare_generation(
-            [state.prompt], sampling, sampling.generator, sampling.latents, kwargs.get("attention_kwargs")
+            [state.prompt],
+            sampling,
+            sampling.generator,
+            sampling.latents,
+            kwargs.get("attention_kwargs"),
+            one_request=True,
         )
         # post_decode unpacks at sampling's size: give it the aligned size the latents were drawn at.
         sampling.height, sampling.width = prepared.height, prepared.width

@@ -1,0 +1,124 @@
+"""The adapters our users run, through the real AsyncOmni engine on CPU: rows for code nobody declared.
+
+2 prompts x 4 siblings, CFG with one shared negative prompt: 16 rows reach ``encode_prompt``, 3 are
+distinct. The pipelines are :mod:`vllm_omni_prompt_cache.tiny.verl_omni_adapters`: verl-omni's
+Qwen-Image adapter as it calls ``encode_prompt`` (tensor ids, and lists), and an RL team's adapter
+with other parameter names. None declares a layout: verl-omni's is found by its signature, the
+team's is inferred; both are checked against the uncached call on first use. That check is the
+only extra encoding: one uncached batched call, counted as ``layout_check_rows``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from engine_support import GROUP_SIZE, PROMPTS, run, tiny_spec
+
+from vllm_omni_prompt_cache.demo.rollout import run_mode
+from vllm_omni_prompt_cache.rows import RowLayout
+from vllm_omni_prompt_cache.tiny.verl_omni_adapters import LIST_IDS_PIPELINE, TEAM_PIPELINE, VERL_OMNI_PIPELINE
+from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
+
+pytestmark = pytest.mark.engine
+ROWS = 2 * len(PROMPTS) * GROUP_SIZE
+DISTINCT_ROWS = len(PROMPTS) + 1
+
+#: A layout that fits verl-omni's signature and is wrong: it names the length limit as the copies.
+WRONG_LAYOUT = RowLayout(
+    rows=TOKEN_IDS.rows,
+    mask=TOKEN_IDS.mask,
+    copies="max_sequence_length",
+    outputs=TOKEN_IDS.outputs,
+    name="max_sequence_length as copies",
+)
+
+
+def rollout(pipeline: str, *, max_num_seqs: int = 1, step_execution: bool = False, **overrides):
+    spec = tiny_spec(max_num_seqs=max_num_seqs, step_execution=step_execution)
+    engine = {"custom_pipeline_args": {"pipeline_class": pipeline}, "request_batch_max_wait_ms": 10, **overrides}
+    return run(run_mode(spec, "ours", cache_size=32, engine_overrides=engine))
+
+
+@pytest.fixture(scope="module")
+def uncached() -> dict[int, torch.Tensor]:
+    """Final latents of verl-omni's adapter with no cache, one request per forward."""
+    spec = tiny_spec()
+    engine = {"custom_pipeline_args": {"pipeline_class": VERL_OMNI_PIPELINE}}
+    return run(run_mode(spec, "off", cache_size=32, engine_overrides=engine)).latents
+
+
+def assert_three_rows(result) -> None:
+    stats = result.stats
+    assert stats.rows_encoded == DISTINCT_ROWS, stats
+    assert stats.row_misses == DISTINCT_ROWS and stats.row_bypassed == 0
+    assert stats.row_hits + stats.row_misses == ROWS, stats
+    assert stats.layout_mismatches == 0
+    # What reached the text encoder: the cache's rows, and the checks' uncached calls.
+    assert result.encoder_rows == DISTINCT_ROWS + stats.layout_check_rows
+
+
+@pytest.mark.parametrize(("max_num_seqs", "step_execution"), [(1, False), (4, False), (8, False), (4, True)])
+def test_verl_omni_adapter_encodes_each_distinct_row_once(max_num_seqs, step_execution, uncached) -> None:
+    result = rollout(VERL_OMNI_PIPELINE, max_num_seqs=max_num_seqs, step_execution=step_execution)
+    assert_three_rows(result)
+    if max_num_seqs == 1 or step_execution:
+        # One request per encode_prompt call (1-D ids in step execution): nothing to check.
+        assert result.stats.layout_checks == 0 and result.stats.whole_call_reasons == {}
+    if max_num_seqs == 1:  # and the denoising is the uncached run's: exact
+        for index, latents in uncached.items():
+            assert torch.equal(result.latents[index], latents), index
+    elif step_execution:  # steps of several requests share a forward: as close as that allows
+        for index, latents in uncached.items():
+            torch.testing.assert_close(result.latents[index], latents, rtol=1e-4, atol=1e-4)
+    else:
+        # The first batched call was checked (and served uncached); the rest were rows.
+        assert result.stats.layout_checks == 1 and result.stats.layout_check_rows <= max_num_seqs
+        assert result.stats.layout_check_max_gap < 1e-4
+        for index, latents in uncached.items():
+            torch.testing.assert_close(result.latents[index], latents, rtol=1e-4, atol=1e-4)
+
+
+def test_verl_omni_adapter_with_list_ids_encodes_each_distinct_row_once() -> None:
+    result = rollout(LIST_IDS_PIPELINE, max_num_seqs=4)
+    assert_three_rows(result)
+    assert result.stats.layout_checks == 1
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4, 8])
+def test_an_adapter_nobody_registered_gets_rows_inferred_and_checked(max_num_seqs, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="vllm_omni_prompt_cache.proofs"):
+        result = rollout(TEAM_PIPELINE, max_num_seqs=max_num_seqs)
+    stats = result.stats
+    if max_num_seqs == 1:  # one row per call: whole-call keys already encode each distinct row once
+        assert stats.layout_checks == 0 and result.encoder_rows == DISTINCT_ROWS
+        assert stats.misses == DISTINCT_ROWS and stats.hits == ROWS - DISTINCT_ROWS
+        return
+    assert "rows follow 'inferred (input_ids, input_mask; copies images_per_prompt)' (checked)" in caplog.text
+    # The first batched miss, encoded whole, suggested the layout; its rows, encoded alone, proved it.
+    assert stats.layout_checks == 1 and stats.layout_mismatches == 0
+    assert 2 <= stats.layout_check_rows <= max_num_seqs
+    assert stats.rows_encoded == DISTINCT_ROWS and stats.whole_call_reasons == {}
+    assert result.encoder_rows == DISTINCT_ROWS + stats.layout_check_rows
+
+
+def test_a_wrong_declared_layout_is_caught_on_first_use_and_never_served(caplog) -> None:
+    class_path = VERL_OMNI_PIPELINE
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
+        result = rollout(
+            VERL_OMNI_PIPELINE,
+            max_num_seqs=4,
+            prompt_embed_cache_row_layouts={class_path: f"{__name__}:WRONG_LAYOUT"},
+        )
+    warnings = [record.getMessage() for record in caplog.records if "does not match" in record.getMessage()]
+    assert len(warnings) == 1 and "max_sequence_length as copies" in warnings[0] and class_path in warnings[0]
+    assert "(1024, 1, 64) torch.float32 assembled, (1, 38, 64) torch.float32 uncached" in warnings[0]
+    # The engine's warm-up request was that first use; the rollout's calls were all keyed whole.
+    stats = result.stats
+    assert (stats.row_hits, stats.row_misses, stats.layout_checks) == (0, 0, 0)
+    assert stats.hits + stats.misses == result.encoder_runs + stats.hits
+    # Every output came from the real encode_prompt.
+    reference = rollout(VERL_OMNI_PIPELINE, max_num_seqs=4, enable_prompt_embed_cache=False)
+    for index, latents in reference.latents.items():
+        torch.testing.assert_close(result.latents[index], latents, rtol=1e-4, atol=1e-4)
