@@ -83,3 +83,23 @@ def test_one_row_encode(benchmark, one_row_call) -> None:
 def test_one_row_hit(benchmark, one_row_call) -> None:
     variant = "whole wrapper call on a hit (split, row key, lookup)"
     time_hits(benchmark, *one_row_call, variant, rounds=ROUNDS, iterations=100)
+
+
+@pytest.fixture(scope="module")
+def one_whole_call(bench_encoder, one_row_call) -> tuple[QwenStyleTokenPipeline, torch.Tensor, torch.Tensor, str]:
+    """The same one-row call on a pipeline without a row layout: keyed as a whole call (the baseline)."""
+    _, ids, mask, group = one_row_call
+    pipeline = QwenStyleTokenPipeline(bench_encoder)
+    install_prompt_embed_cache(pipeline, max_size=8)
+    pipeline.encode_prompt(ids, mask)
+    return pipeline, ids, mask, group
+
+
+def test_one_row_hit_keyed_whole(benchmark, one_whole_call) -> None:
+    time_hits(
+        benchmark,
+        *one_whole_call,
+        "whole wrapper call on a hit, no row layout (whole-call key)",
+        rounds=ROUNDS,
+        iterations=100,
+    )

@@ -147,7 +147,8 @@ class CacheStats:
             else getattr(self, name) - getattr(earlier, name)
             for name in COUNTER_FIELDS
         }
-        return dataclasses.replace(self, bypassed=sum(counts["bypass_reasons"].values()), **counts)
+        # Upstream's stats() has no reasons, only the count: subtract the count itself.
+        return dataclasses.replace(self, bypassed=self.bypassed - earlier.bypassed, **counts)
 
     @classmethod
     def merged(cls, snapshots: Iterable[CacheStats]) -> CacheStats:

@@ -1,0 +1,226 @@
+"""How a row layout earns trust: the first-use check, inference from a call, refutation.
+
+Real tensors and a real (tiny, random) transformers Qwen2 encoder; the pipelines are small
+classes around it whose ``encode_prompt`` signatures nobody registered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache
+from vllm_omni_prompt_cache.proofs import GAP_TOLERANCE, compare_outputs, infer_layout
+from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, build_qwen2_encoder
+
+
+@pytest.fixture(scope="module")
+def encoder() -> torch.nn.Module:
+    return build_qwen2_encoder(seed=3)
+
+
+def collate(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded int64 ids and a bool mask, as an RL adapter collates a request batch."""
+    ids = torch.zeros(len(rows), max(len(row) for row in rows), dtype=torch.int64)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = torch.tensor(row)
+    return ids, ids != 0
+
+
+def token_rows(count: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 12, (count,), generator=generator).tolist()
+    return [torch.randint(1, 1000, (length,), generator=generator).tolist() for length in lengths]
+
+
+class TeamPipeline(QwenStyleTokenPipeline):
+    """A token-ID adapter with its own parameter names and an extra argument (registered nowhere)."""
+
+    def encode_prompt(self, input_ids, input_mask=None, images_per_prompt=1, max_tokens=1024, output_dtype=None):
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if input_mask is None else input_mask
+        embeds, embeds_mask = super().encode_prompt(input_ids, mask, images_per_prompt, max_tokens)
+        return (embeds if output_dtype is None else embeds.to(output_dtype)), embeds_mask
+
+
+class TilingPipeline(QwenStyleTokenPipeline):
+    """Copies the whole batch (r0, r1, r0, r1), as ``repeat`` does, instead of each row."""
+
+    def encode_prompt(self, input_ids, input_mask, copies=1):
+        embeds, mask = super().encode_prompt(input_ids, input_mask, 1)
+        return embeds.repeat(copies, 1, 1), mask.repeat(copies, 1)
+
+
+def path(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+# compare_outputs -----------------------------------------------------------------------------------
+
+
+def test_identical_outputs_match_with_no_gap() -> None:
+    embeds, mask = torch.randn(3, 5, 8), torch.ones(3, 5, dtype=torch.long)
+    assert compare_outputs((embeds.clone(), mask.clone()), (embeds, mask)) == (None, 0.0)
+
+
+def test_a_gap_below_the_tolerance_is_measured_and_accepted() -> None:
+    embeds = torch.randn(3, 5, 8)
+    nudged = embeds.clone()
+    nudged[1, 2, 3] += 1e-6 * embeds[1].abs().max()
+    why, gap = compare_outputs(nudged, embeds)
+    assert why is None and 0 < gap < GAP_TOLERANCE[torch.float32]
+
+
+def test_another_rows_values_are_a_mismatch_naming_the_row() -> None:
+    embeds = torch.randn(3, 5, 8)
+    swapped = embeds[[0, 2, 1]]
+    why, gap = compare_outputs((swapped, torch.ones(3, 5)), (embeds, torch.ones(3, 5)))
+    assert why is not None and why.startswith("output 0: row 1 differs by") and gap > 0.1
+
+
+def test_masks_and_shapes_must_be_equal() -> None:
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert compare_outputs(mask.flip(0), mask)[0] == "values differ"
+    assert "shape (2, 2)" in compare_outputs(mask[:, :2], mask)[0]
+    assert "torch.int32" in compare_outputs(mask.int(), mask)[0]
+    assert "returned 2 values" in compare_outputs((mask,), (mask, mask))[0]
+
+
+def test_bf16_gets_its_own_wider_tolerance() -> None:
+    embeds = torch.randn(2, 4, 8).to(torch.bfloat16)
+    rounded = (embeds.float() * (1 + 2**-7)).to(torch.bfloat16)  # about one bf16 step everywhere
+    why, gap = compare_outputs(rounded, embeds)
+    assert why is None and gap > GAP_TOLERANCE[torch.float32]
+
+
+# infer_layout ------------------------------------------------------------------------------------------
+
+
+def bound(pipeline, *args, **kwargs) -> dict:
+    import inspect
+
+    signature = inspect.signature(pipeline.encode_prompt)
+    arguments = signature.bind(*args, **kwargs)
+    arguments.apply_defaults()
+    return signature, dict(arguments.arguments)
+
+
+def test_a_token_adapter_layout_is_inferred_from_a_call_and_its_output(encoder) -> None:
+    pipeline = TeamPipeline(encoder)
+    ids, mask = collate(token_rows(3, seed=1))
+    signature, arguments = bound(pipeline, ids, mask, images_per_prompt=2)
+    layout = infer_layout(signature, arguments, pipeline.encode_prompt(ids, mask, images_per_prompt=2))
+    assert layout == RowLayout(
+        rows=("input_ids", "input_mask"),
+        mask="input_mask",
+        copies="images_per_prompt",
+        outputs=(RowOutput(pad_dim=1, copies="interleave"), RowOutput(pad_dim=1, copies="interleave")),
+        name="inferred (input_ids, input_mask; copies images_per_prompt)",
+    )
+
+
+def test_a_tiled_copy_order_is_inferred_as_tile(encoder) -> None:
+    pipeline = TilingPipeline(encoder)
+    ids, mask = collate(token_rows(2, seed=2))
+    signature, arguments = bound(pipeline, ids, mask, copies=3)
+    layout = infer_layout(signature, arguments, pipeline.encode_prompt(ids, mask, copies=3))
+    assert [output.copies for output in layout.outputs] == ["tile", "tile"] and layout.copies == "copies"
+
+
+def test_what_cannot_be_inferred_says_why(encoder) -> None:
+    pipeline = TeamPipeline(encoder)
+    ids, mask = collate(token_rows(2, seed=3))
+    signature, arguments = bound(pipeline, ids[:1], mask[:1])
+    assert infer_layout(signature, arguments, pipeline.encode_prompt(ids[:1], mask[:1])) == "one row: nothing to infer"
+    signature, arguments = bound(pipeline, mask, mask)
+    assert infer_layout(signature, arguments, (torch.zeros(2, 3),)) == (
+        "several arguments could be the mask: ['input_ids', 'input_mask']"
+    )
+    signature, arguments = bound(pipeline, ids, mask)
+    assert infer_layout(signature, arguments, "text") == "encode_prompt returned a str, not a tuple of tensors"
+    assert infer_layout(signature, arguments, (torch.zeros(3, 4),)) == "outputs of [3] rows for 2 input rows"
+
+
+# The first-use check, through the public install -----------------------------------------------------
+
+
+def test_an_undeclared_adapter_gets_rows_after_its_first_batched_miss_proves_them(encoder) -> None:
+    pipeline, reference = TeamPipeline(encoder), TeamPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16)
+    a, b, c = token_rows(3, seed=4)
+    first = pipeline.encode_prompt(*collate([a, b, a, b]))
+    assert pipeline.encoder_rows == 4 + 2  # the whole miss, then a and b alone to check the inferred layout
+    stats = cache.snapshot()
+    assert (stats.layout_checks, stats.layout_check_rows, stats.layout_mismatches) == (1, 4, 0)
+    assert torch.equal(first[0], reference.encode_prompt(*collate([a, b, a, b]))[0])  # served uncached
+    second = pipeline.encode_prompt(*collate([b, c, a]))
+    assert pipeline.encoder_rows == 6 + 1  # only c: a and b are rows now
+    expected = reference.encode_prompt(*collate([b, c, a]))
+    torch.testing.assert_close(second, expected, rtol=0, atol=1e-5)
+    assert cache.snapshot().layout_checks == 1  # the same kind: no second check
+
+
+def test_a_new_kind_of_call_is_checked_again(encoder) -> None:
+    pipeline = TeamPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16)
+    a, b = token_rows(2, seed=5)
+    pipeline.encode_prompt(*collate([a, b]))
+    pipeline.encode_prompt(*collate([b, a]))
+    assert cache.snapshot().layout_checks == 1
+    pipeline.encode_prompt(*collate([a, b]), images_per_prompt=2)  # copies > 1: a new kind
+    stats = cache.snapshot()
+    assert stats.layout_checks == 2 and stats.layout_mismatches == 0
+    runs = pipeline.encoder_runs
+    pipeline.encode_prompt(*collate([b, a]), images_per_prompt=2)
+    assert pipeline.encoder_runs == runs and cache.snapshot().layout_checks == 2
+
+
+def test_a_repeated_row_is_covered_by_a_check_on_distinct_trimmed_rows(encoder) -> None:
+    pipeline = TeamPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16)
+    a, b = token_rows(2, seed=6)
+    pipeline.encode_prompt(*collate([a, b]))
+    pipeline.encode_prompt(*collate([a, a, a]))
+    assert cache.snapshot().layout_checks == 1
+
+
+def test_a_wrong_user_declaration_is_caught_on_first_use_and_never_served(encoder, caplog) -> None:
+    pipeline, reference = TilingPipeline(encoder), TilingPipeline(encoder)
+    interleaving = RowLayout(
+        rows=("input_ids", "input_mask"),
+        mask="input_mask",
+        copies="copies",
+        outputs=(RowOutput(pad_dim=1, copies="interleave"), RowOutput(pad_dim=1, copies="interleave")),
+        name="interleaved copies",
+    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layouts={path(TilingPipeline): interleaving})
+    rows = token_rows(2, seed=7)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
+        outputs = [pipeline.encode_prompt(*collate(rows), copies=2) for _ in range(3)]
+    expected = reference.encode_prompt(*collate(rows), copies=2)
+    for embeds, mask in outputs:
+        assert torch.equal(embeds, expected[0]) and torch.equal(mask, expected[1])
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "'interleaved copies'" in warnings[0] and path(TilingPipeline) in warnings[0]
+    assert "prompt_embed_cache_row_layouts" in warnings[0]
+    stats = cache.snapshot()
+    assert (stats.layout_checks, stats.layout_mismatches) == (1, 1)
+    assert stats.hits == 1 and stats.row_hits == 0  # the third call hit its whole-call key
+
+
+def test_a_right_user_declaration_serves_rows_after_one_check(encoder) -> None:
+    pipeline = TilingPipeline(encoder)
+    tiling = RowLayout(
+        rows=("input_ids", "input_mask"),
+        mask="input_mask",
+        copies="copies",
+        outputs=(RowOutput(pad_dim=1, copies="tile"), RowOutput(pad_dim=1, copies="tile")),
+        name="tiled copies",
+    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layouts={path(TilingPipeline): tiling})
+    a, b, c = token_rows(3, seed=8)
+    pipeline.encode_prompt(*collate([a, b]), copies=2)
+    pipeline.encode_prompt(*collate([c, a]), copies=2)
+    stats = cache.snapshot()
+    assert (stats.layout_checks, stats.layout_mismatches, stats.rows_encoded) == (1, 0, 3)
