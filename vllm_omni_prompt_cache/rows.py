@@ -163,12 +163,43 @@ class RowLayout:
                     continue  # one item per row (an edit's image): cut, never trimmed; token lists are not
                 if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != width:
                     return f"argument {name!r} is not a [B, {width}, ...] tensor to trim with {self.mask!r}"
-            lengths = _attended_lengths(mask)
-            if min(lengths) == 0:
-                return f"a row of {self.mask!r} attends to no position"
-            if max(lengths) == width and min(lengths) == width:
-                lengths = None  # nothing to trim: rows are cut, not copied
+            # Every row attending its last column (the common case: no padding) trims nothing; that
+            # one check costs a few microseconds, the per-row lengths tens.
+            attended = mask.detach().cpu().numpy()  # numpy: microseconds where torch ops take tens
+            if width == 0 or not attended[:, -1].all():
+                lengths = _attended_lengths(attended)
+                if min(lengths) == 0:
+                    return f"a row of {self.mask!r} attends to no position"
         return RowSplit(self, arguments, present, batch, copies, lengths, unbatched)
+
+    def is_single_row(self, arguments: Mapping[str, Any]) -> bool:
+        """Return True when the call is one ``[1, ...]`` tensor row, one copy, nothing to trim.
+
+        Such a call is its own only row (every call at ``max_num_seqs`` 1): its row key reads the
+        arguments as given. A cheap test, so that case costs about what a whole call costs; False
+        sends the call through :meth:`split`.
+        """
+        if self.copies is not None and (type(copies := arguments[self.copies]) is not int or copies != 1):
+            return False
+        width = None
+        for name in self.rows:
+            value = arguments[name]
+            if value is None:
+                continue
+            if type(value) is not torch.Tensor or value.dim() < 2 or value.shape[0] != 1:
+                return False
+            width = value.shape[1] if width is None else width
+            if value.shape[1] != width:
+                return False
+        if width is None or self.mask is None:
+            return width is not None
+        mask = arguments[self.mask]  # a [1, width, ...] tensor if not None: it is one of the rows
+        if mask is None:
+            return True
+        if mask.dim() != 2:
+            return False
+        last = mask.numpy()[0, -1] if mask.is_cpu else mask[0, -1].item()  # numpy: about 1 us
+        return width > 0 and bool(last)
 
     def batch_size(self, arguments: Mapping[str, Any]) -> int | None:
         """Return how many rows the call holds, or None when its row arguments do not say."""
@@ -186,12 +217,12 @@ def _row_count(value: Any) -> int | None:
     return None
 
 
-def _attended_lengths(mask: torch.Tensor) -> list[int]:
-    """Return, per row, one past its last attended (non-zero) column; 0 for a row with none."""
-    attended = (mask if mask.dtype is torch.bool else mask != 0).detach().cpu().numpy()
+def _attended_lengths(mask: np.ndarray) -> list[int]:
+    """Return, per row of a ``[B, L]`` mask, one past its last attended (non-zero) column; 0 for none."""
+    attended = mask if mask.dtype == np.bool_ else mask != 0
     if attended.shape[1] == 0:
         return [0] * attended.shape[0]
-    last = attended.shape[1] - np.argmax(attended[:, ::-1], axis=1)  # numpy: a few us, not tens
+    last = attended.shape[1] - np.argmax(attended[:, ::-1], axis=1)
     return np.where(attended.any(axis=1), last, 0).tolist()
 
 
@@ -222,12 +253,18 @@ class RowSplit:
         self.copies = copies
         self.lengths = lengths  # per row, its length after trimming; None when no row is trimmed
         self.unbatched = unbatched  # 1-D rows were given, and viewed as [1, L]
+        self._cpu_copies: dict[str, torch.Tensor] | None = None
+
+    @property
+    def _on_cpu(self) -> dict[str, torch.Tensor]:
         # Keys read CPU bytes: each batched tensor crosses to the CPU once, not once per row.
-        self._on_cpu = {
-            name: value.detach().cpu()
-            for name in present
-            if isinstance(value := arguments[name], torch.Tensor) and not value.is_cpu
-        }
+        if self._cpu_copies is None:
+            self._cpu_copies = {
+                name: value.detach().cpu()
+                for name in self.present
+                if isinstance(value := self.arguments[name], torch.Tensor) and not value.is_cpu
+            }
+        return self._cpu_copies
 
     @property
     def is_whole(self) -> bool:

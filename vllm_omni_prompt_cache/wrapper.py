@@ -195,17 +195,17 @@ class _CachedCalls:
         layout = self.proof.layout
         if layout is None:
             return self._whole(args, kwargs, arguments, rows=None, infer=self.proof.may_infer)
-        split = layout.split(arguments)
-        if type(split) is not RowSplit:
-            cache.record_whole_call(split)
-            return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments))
-        if split.is_whole:  # one row as given: its row key, and the call itself encodes it
-            key = self.key_builder.build_from_arguments(split.key_arguments(0), row=True)
+        if layout.is_single_row(arguments):  # its own only row: the row key reads the arguments as given
+            key = self.key_builder.build_from_arguments(arguments, row=True)
             if type(key) is Bypass:
                 cache.record_bypass(key.reason)
                 cache.record_rows_encoded(1)
                 return self.encode_fn(*args, **kwargs)
             return cache.get_or_compute(key, functools.partial(self.encode_fn, *args, **kwargs), row=True)
+        split = layout.split(arguments)
+        if type(split) is not RowSplit:
+            cache.record_whole_call(split)
+            return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments))
         keys = self._row_keys(split)
         if type(keys) is Bypass:  # a shared argument no key can hold: no row can be keyed
             cache.record_bypass(keys.reason)
