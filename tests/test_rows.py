@@ -497,3 +497,19 @@ def test_an_undeclared_copy_order_is_never_guessed() -> None:
     split = layout.split({"prompt": ["a", "b"], "copies": 2})
     assert isinstance(split, str) and "copy order is not declared" in split
     assert not isinstance(layout.split({"prompt": ["a"], "copies": 2}), str)  # one row: no order to know
+
+
+def test_a_one_row_call_and_the_same_row_cut_from_a_batch_share_one_entry(encoder) -> None:
+    """The one-row fast path keys the call's arguments as given; a batch keys each cut, trimmed row."""
+    pipeline = QwenStyleTokenPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    short, long = sorted(token_rows(2, seed=21), key=len)
+    assert len(short) < len(long)
+    pipeline.encode_prompt(*collate([short]))
+    pipeline.encode_prompt(*collate([long]))
+    assert pipeline.encoder_rows == 2
+    embeds, _ = pipeline.encode_prompt(*collate([long, short, short]))  # short is padded here: trimmed
+    assert pipeline.encoder_rows == 2 and cache.snapshot().row_hits == 3
+    assert torch.equal(embeds, rows_alone(QwenStyleTokenPipeline(encoder), [long, short, short], copies=1)[0])
+    pipeline.encode_prompt(*collate([short], width=len(short) + 3))  # one row with padding: split and trimmed
+    assert pipeline.encoder_rows == 2
