@@ -81,7 +81,7 @@ def test_one_row_encode(benchmark, one_row_call) -> None:
 
 
 def test_one_row_hit(benchmark, one_row_call) -> None:
-    variant = "whole wrapper call on a hit (split, row key, lookup)"
+    variant = "whole wrapper call on a hit (one-row test, row key, lookup)"
     time_hits(benchmark, *one_row_call, variant, rounds=ROUNDS, iterations=100)
 
 
