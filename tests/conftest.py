@@ -8,6 +8,9 @@ test module imports vLLM. On a machine with CUDA it stays off and the engine tes
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
 
 from vllm_omni_prompt_cache.cpu_platform.entry_points import opt_in_where_no_gpu
 
@@ -16,3 +19,13 @@ opt_in_where_no_gpu()
 os.environ.setdefault("VLLM_LOGGING_COLOR", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+@pytest.fixture(autouse=True)
+def no_refuted_layouts_carry_over() -> Iterator[None]:
+    """A layout a test refutes stays refuted for its class in the process: start each test afresh."""
+    from vllm_omni_prompt_cache import proofs
+
+    proofs._REFUTED.clear()
+    yield
+    proofs._REFUTED.clear()

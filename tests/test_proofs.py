@@ -224,3 +224,53 @@ def test_a_right_user_declaration_serves_rows_after_one_check(encoder) -> None:
     pipeline.encode_prompt(*collate([c, a]), copies=2)
     stats = cache.snapshot()
     assert (stats.layout_checks, stats.layout_mismatches, stats.rows_encoded) == (1, 0, 3)
+
+
+class MixedCopiesPipeline(QwenStyleTokenPipeline):
+    """Copies embeddings row by row but tiles the mask, as vLLM-Omni's stock Qwen-Image does."""
+
+    def encode_prompt(self, input_ids, input_mask, copies=1):
+        embeds, mask = super().encode_prompt(input_ids, input_mask, 1)
+        return embeds.repeat_interleave(copies, dim=0), mask.repeat(copies, 1)
+
+
+def test_a_check_whose_rows_could_not_tell_the_mask_order_apart_covers_nothing_beyond(encoder, caplog) -> None:
+    """Equal-length rows have equal masks: the inferred mask order is unproven, and the next call
+    whose masks differ is checked, caught, and served uncached."""
+    pipeline, reference = MixedCopiesPipeline(encoder), MixedCopiesPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16)
+    generator = torch.Generator().manual_seed(9)
+    same_length = [torch.randint(1, 1000, (7,), generator=generator).tolist() for _ in range(2)]
+    first = pipeline.encode_prompt(*collate(same_length), copies=2)
+    assert cache.snapshot().layout_checks == 1 and cache.snapshot().layout_mismatches == 0
+    short, long = token_rows(1, seed=10)[0][:4], token_rows(1, seed=11)[0] + [5, 6, 7, 8]
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
+        second = pipeline.encode_prompt(*collate([short, long]), copies=2)
+    for got, rows in ((first, same_length), (second, [short, long])):
+        want = reference.encode_prompt(*collate(rows), copies=2)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    stats = cache.snapshot()
+    assert (stats.layout_checks, stats.layout_mismatches) == (2, 1)
+    assert "output 1: values differ" in caplog.text
+
+
+def test_a_row_call_that_raises_refutes_an_unchecked_layout_and_the_call_is_served(encoder) -> None:
+    pipeline = TeamPipeline(encoder)
+    wrong = RowLayout(rows=("input_ids",), outputs=(RowOutput(), RowOutput()), name="ids without their mask")
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layouts={path(TeamPipeline): wrong})
+    rows = token_rows(2, seed=12)
+    embeds, _ = pipeline.encode_prompt(*collate(rows))  # each row's ids beside the whole batch's mask
+    assert torch.equal(embeds, TeamPipeline(encoder).encode_prompt(*collate(rows))[0])
+    assert cache.snapshot().whole_call_reasons == {"row layout dropped: it did not match encode_prompt's outputs": 1}
+
+
+def test_a_counted_call_is_a_miss_when_its_check_runs_the_encoder(encoder) -> None:
+    pipeline = TeamPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16)
+    a, b = token_rows(2, seed=13)
+    pipeline.encode_prompt(*collate([a, b]))  # inferred and checked
+    pipeline.encode_prompt(*collate([b, a]))  # rows: a hit
+    pipeline.encode_prompt(*collate([b, a]), images_per_prompt=2)  # rows cached, but a new kind: checked
+    stats = cache.snapshot()
+    assert (stats.hits, stats.misses, stats.layout_checks) == (1, 2, 2)
+    assert stats.calls == 3

@@ -513,3 +513,49 @@ def test_a_one_row_call_and_the_same_row_cut_from_a_batch_share_one_entry(encode
     assert torch.equal(embeds, rows_alone(QwenStyleTokenPipeline(encoder), [long, short, short], copies=1)[0])
     pipeline.encode_prompt(*collate([short], width=len(short) + 3))  # one row with padding: split and trimmed
     assert pipeline.encoder_rows == 2
+
+
+def test_a_flat_list_of_token_ids_is_one_prompt_not_rows() -> None:
+    split = TOKEN_IDS.split(
+        {"prompt_ids": [7, 8, 9], "attention_mask": None, "num_images_per_prompt": 1, "max_sequence_length": 8}
+    )
+    assert split == "argument 'prompt_ids' is a list, not rows"
+
+
+@pytest.mark.parametrize(
+    ("mask", "single"),
+    [
+        (None, True),
+        (torch.tensor([[1.0, 1.0, 1.0]], dtype=torch.bfloat16), True),
+        (torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.bfloat16), False),
+        (torch.tensor([[True, False, True]]), True),
+        (torch.tensor([[1, 1, 0]]), False),
+        (torch.ones(1, 3, requires_grad=True), True),
+    ],
+)
+def test_the_one_row_test_reads_any_mask(mask, single) -> None:
+    arguments = {"prompt_ids": torch.ones(1, 3, dtype=torch.int64), "attention_mask": mask}
+    assert TOKEN_IDS.is_single_row({**arguments, "num_images_per_prompt": 1, "max_sequence_length": 8}) is single
+
+
+def test_the_one_row_test_refuses_what_split_must_judge() -> None:
+    ids = torch.ones(1, 0, dtype=torch.int64)
+    base = {"num_images_per_prompt": 1, "max_sequence_length": 8}
+    assert TOKEN_IDS.is_single_row({**base, "prompt_ids": ids, "attention_mask": ids.bool()}) is False
+    two = torch.ones(2, 3, dtype=torch.int64)
+    assert TOKEN_IDS.is_single_row({**base, "prompt_ids": two, "attention_mask": two.bool()}) is False
+    one = torch.ones(1, 3, dtype=torch.int64)
+    copies = {**base, "num_images_per_prompt": 2, "prompt_ids": one, "attention_mask": one.bool()}
+    assert TOKEN_IDS.is_single_row(copies) is False
+
+
+def test_a_one_row_output_of_the_wrong_form_drops_the_layout_and_is_served_uncached(encoder, caplog) -> None:
+    pipeline = QwenStyleTokenPipeline(encoder)
+    unordered = dataclasses.replace(TOKEN_IDS, copies=None, name="copies not declared")
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=unordered)
+    ids, mask = collate(token_rows(1, seed=22))
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
+        embeds, _ = pipeline.encode_prompt(ids, mask, num_images_per_prompt=2)  # two rows out of one
+    assert torch.equal(embeds, QwenStyleTokenPipeline(encoder).encode_prompt(ids, mask, num_images_per_prompt=2)[0])
+    assert "'copies not declared'" in caplog.text and len(cache) == 0
+    assert cache.snapshot().whole_call_reasons == {LAYOUT_DROPPED_REASON: 1}

@@ -2,12 +2,13 @@
 
 A :class:`~.rows.RowLayout` is a claim about a function: that each output row depends on its own
 input row alone, padded and copied as declared. A wrong claim would assemble wrong embeddings, so
-no layout is taken on trust. :class:`LayoutProof` tracks, for one installed cache, which kinds of
-call the layout has been checked on; the first call of a new kind is served from the uncached
-batched call and compared with the output assembled from rows encoded alone
-(:func:`compare_outputs`). A mismatch turns rows off for the pipeline's class. A pipeline with no
-layout may get one from :func:`infer_layout`, from the shapes of a call and of its uncached output;
-the same check then decides.
+no layout found by name or inferred is taken on trust (one written in code is its author's word).
+:class:`LayoutProof` tracks, for one installed cache, what kinds of call the layout has been
+checked on; the first call that goes beyond them is served from the uncached batched call and
+compared with the output assembled from rows encoded alone (:func:`compare_outputs`). A mismatch
+turns rows off for the pipeline's class. A pipeline with no layout may get one from
+:func:`infer_layout`, from the shapes of a call and of its uncached output; the same check then
+decides.
 
 Nothing here knows about vLLM-Omni.
 """
@@ -100,6 +101,10 @@ def _binary(tensor: torch.Tensor) -> bool:
     return tensor.dtype is torch.bool or bool(((tensor == 0) | (tensor == 1)).all())
 
 
+#: Why a one-row call suggests no layout (every row layout describes it).
+ONE_ROW = "one row: nothing to infer"
+
+
 def infer_layout(signature: inspect.Signature, arguments: Mapping[str, Any], output: Any) -> RowLayout | str:
     """Return the row layout a call and its uncached output suggest, or why none can be inferred.
 
@@ -117,7 +122,7 @@ def infer_layout(signature: inspect.Signature, arguments: Mapping[str, Any], out
         return f"prompt arguments disagree on the batch size: {sorted(sizes)}"
     (batch,) = sizes
     if batch < 2:
-        return "one row: nothing to infer"
+        return ONE_ROW
     tensors = {name: arguments[name] for name in rows if isinstance(arguments[name], torch.Tensor)}
     masks = [name for name, tensor in tensors.items() if tensor.dtype is torch.bool]
     if not masks:
@@ -168,7 +173,7 @@ def _copy_order(value: torch.Tensor, batch: int, copies: int) -> str | None:
     interleaved = all(torch.equal(value[0], value[index]) for index in range(copies))
     tiled = all(torch.equal(value[0], value[index * batch]) for index in range(copies))
     if interleaved:
-        return "interleave"  # identical rows too: a call with distinct rows is a new kind, checked again
+        return "interleave"  # rows alike: no order can be told apart; a call whose rows differ is checked again
     return "tile" if tiled else None
 
 
@@ -192,11 +197,13 @@ def class_path(kind: type) -> str:
 
 
 class LayoutProof:
-    """A pipeline's row layout, where it came from, and the kinds of call a check has proven it for.
+    """A pipeline's row layout, where it came from, and what checks have proven it for.
 
-    A check on a call proves the layout for calls of the same kind (:meth:`RowSplit.kind`) that are
-    no harder: a call with several distinct rows covers one with a single row repeated, and a call
-    whose rows were trimmed of padding covers one whose rows were not.
+    A check on a call proves the layout for later calls of the same kind (:meth:`RowSplit.kind`)
+    whose rows exercise no more than the checked call's did, output by output
+    (:meth:`RowSplit.strength`): a check whose rows all had the same mask says nothing about the
+    mask's copy order, and one whose rows all had the same length says nothing about padding, so
+    a later call that has them is checked again.
     """
 
     def __init__(
@@ -214,35 +221,53 @@ class LayoutProof:
         refuted = refuted_layouts(self.owner)
         self.layout = None if layout in refuted else layout
         self.may_infer = may_infer and _INFERRED not in refuted
-        self._proven: dict[tuple, set[tuple[bool, bool]]] = {}
+        self.inferring = False  # one call at a time tries to infer a layout
+        self.lock = threading.Lock()
+        self._proven: dict[tuple, list[tuple]] = {}  # (layout, kind) -> strengths checked
 
-    @staticmethod
-    def _strength(split: RowSplit, distinct: int) -> tuple[bool, bool]:
-        return distinct > 1, split.lengths is not None
+    def needs_check(self, layout: RowLayout, split: RowSplit, strength: tuple) -> bool:
+        """Return True when no earlier check of ``layout`` covers a call like ``split`` with ``strength``."""
+        if self.trusted:
+            return False  # the class (or the caller) vouches for its layout
+        with self.lock:
+            proven = list(self._proven.get((layout, split.kind()), ()))
+        return not any(_covers(checked, strength) for checked in proven)
 
-    def needs_check(self, split: RowSplit, distinct: int) -> bool:
-        """Return True when no earlier check covers a call like ``split`` with ``distinct`` rows."""
-        if split.is_whole or self.trusted:
-            return False  # the row is the call: nothing to assemble; or the class vouches for its layout
-        several, trimmed = self._strength(split, distinct)
-        return not any(
-            proven_several >= several and proven_trimmed >= trimmed
-            for proven_several, proven_trimmed in self._proven.get(split.kind(), ())
-        )
+    def has_checked(self, layout: RowLayout, split: RowSplit) -> bool:
+        """Return True when a check has passed ``layout`` on a call of ``split``'s kind."""
+        with self.lock:
+            return bool(self._proven.get((layout, split.kind())))
 
-    def prove(self, split: RowSplit, distinct: int) -> None:
-        """Record that a call like ``split`` matched its uncached output."""
-        self._proven.setdefault(split.kind(), set()).add(self._strength(split, distinct))
+    def prove(self, layout: RowLayout, split: RowSplit, strength: tuple) -> None:
+        """Record that a call like ``split``, with ``strength``, matched its uncached output."""
+        with self.lock:
+            self._proven.setdefault((layout, split.kind()), []).append(strength)
 
-    def adopt(self, layout: RowLayout) -> None:
-        """Use an inferred ``layout`` from now on (its first check already passed)."""
-        self.layout, self.source, self.may_infer = layout, INFERRED_SOURCE, False
+    def claim_inference(self) -> bool:
+        """Return True if this call may try to infer a layout now (then :meth:`end_inference` it)."""
+        with self.lock:
+            if self.layout is not None or not self.may_infer or self.inferring:
+                return False
+            self.inferring = True
+            return True
+
+    def end_inference(self, layout: RowLayout | None) -> None:
+        """Adopt ``layout`` (its first check passed), or None; let another call infer again."""
+        with self.lock:
+            self.inferring = False
+            if layout is None or not self.may_infer:
+                return
+            self.layout, self.source, self.may_infer = layout, INFERRED_SOURCE, False
         logger.info("Prompt-embed cache: %s's encode_prompt rows follow %r (checked).", self.owner, layout.name)
 
-    def refute(self, layout: RowLayout, why: str) -> None:
+    def refute(self, layout: RowLayout, why: str, *, inferred: bool = False) -> None:
         """Turn rows off for this class with ``layout``, in this process, with one warning."""
-        inferred = self.source == INFERRED_SOURCE
-        self.layout, self.may_infer = None, False
+        source = INFERRED_SOURCE if inferred else self.source
+        with self.lock:
+            if inferred:
+                self.may_infer = False
+            elif self.layout is layout:
+                self.layout = None
         refuted = (self.owner, _INFERRED if inferred else layout)
         with _REFUTED_LOCK:
             first = refuted not in _REFUTED
@@ -252,10 +277,18 @@ class LayoutProof:
                 "Prompt-embed cache: row layout %r (%s) does not match %s.encode_prompt: %s. That call was "
                 "served from the uncached call; from now on its calls are keyed whole.",
                 layout.name,
-                self.source,
+                source,
                 self.owner,
                 why,
             )
+
+
+def _covers(checked: tuple, strength: tuple) -> bool:
+    """Return True when a checked call exercised everything ``strength`` does, output by output."""
+    return len(checked) == len(strength) and all(
+        (not differ or checked_differ) and (not lengths or checked_lengths)
+        for (checked_differ, checked_lengths), (differ, lengths) in zip(checked, strength, strict=True)
+    )
 
 
 def refuted_layouts(owner: str) -> dict[Any, str]:

@@ -165,12 +165,29 @@ class RowLayout:
                     return f"argument {name!r} is not a [B, {width}, ...] tensor to trim with {self.mask!r}"
             # Every row attending its last column (the common case: no padding) trims nothing; that
             # one check costs a few microseconds, the per-row lengths tens.
-            attended = mask.detach().cpu().numpy()  # numpy: microseconds where torch ops take tens
+            attended = _mask_array(mask)
             if width == 0 or not attended[:, -1].all():
                 lengths = _attended_lengths(attended)
                 if min(lengths) == 0:
                     return f"a row of {self.mask!r} attends to no position"
         return RowSplit(self, arguments, present, batch, copies, lengths, unbatched)
+
+    def check_row(self, value: Any) -> Any:
+        """Return ``value`` (one row's output) if it has the declared form; raise LayoutMismatch if not."""
+        outputs = self.outputs
+        if not isinstance(value, (tuple, list)) or len(value) != len(outputs):
+            raise LayoutMismatch(
+                f"a row returned {type(value).__qualname__}"
+                + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
+                + f", the layout declares a tuple of {len(outputs)} tensors"
+            )
+        for position, (tensor, output) in enumerate(zip(value, outputs, strict=True)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] != 1:
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__qualname__
+                raise LayoutMismatch(f"output {position} of a one-row call is {shape}, expected a [1, ...] tensor")
+            if output.pad_dim is not None and tensor.dim() <= output.pad_dim:
+                raise LayoutMismatch(f"output {position} has no dimension {output.pad_dim} to pad")
+        return value
 
     def is_single_row(self, arguments: Mapping[str, Any]) -> bool:
         """Return True when the call is one ``[1, ...]`` tensor row, one copy, nothing to trim.
@@ -196,14 +213,16 @@ class RowLayout:
         mask = arguments[self.mask]  # a [1, width, ...] tensor if not None: it is one of the rows
         if mask is None:
             return True
-        if mask.dim() != 2:
+        if mask.dim() != 2 or width == 0:
             return False
-        last = mask.numpy()[0, -1] if mask.is_cpu else mask[0, -1].item()  # numpy: about 1 us
-        return width > 0 and bool(last)
+        return bool(_mask_array(mask[:, -1:])[0, 0])
 
     def batch_size(self, arguments: Mapping[str, Any]) -> int | None:
         """Return how many rows the call holds, or None when its row arguments do not say."""
-        sizes = {_row_count(arguments[name]) for name in self.rows if arguments[name] is not None}
+        present = [arguments[name] for name in self.rows if arguments[name] is not None]
+        if self.mask is not None and present and all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in present):
+            return 1  # one unbatched row, as split() reads it
+        sizes = {_row_count(value) for value in present}
         return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -213,6 +232,8 @@ def _row_count(value: Any) -> int | None:
     if isinstance(value, str):
         return 1
     if isinstance(value, (list, tuple)):
+        if value and all(type(item) is int for item in value):
+            return None  # one prompt's token ids, not rows of them: keyed whole
         return len(value)
     return None
 
@@ -226,10 +247,19 @@ def _attended_lengths(mask: np.ndarray) -> list[int]:
     return np.where(attended.any(axis=1), last, 0).tolist()
 
 
+def _mask_array(mask: torch.Tensor) -> np.ndarray:
+    """Return ``mask`` as a numpy array of what is attended: numpy takes microseconds where torch takes tens."""
+    if mask.dtype is torch.bool or not (mask.is_floating_point() or mask.is_complex()):
+        return mask.detach().cpu().numpy()
+    return (mask.detach() != 0).cpu().numpy()  # bf16 and other floats have no numpy view
+
+
 def _form(value: Any) -> str:
     """Return what kind of value a row argument is, for a check's kind (see RowSplit.kind)."""
     if isinstance(value, torch.Tensor):
         return f"tensor {value.dtype}"
+    if isinstance(value, (list, tuple)) and value:
+        return f"{type(value).__qualname__} of {type(value[0]).__qualname__}"
     return type(value).__qualname__
 
 
@@ -279,6 +309,22 @@ class RowSplit:
             tuple((name, _form(self.arguments[name])) for name in self.layout.rows),
         )
 
+    def strength(self, row_values: Sequence[Any]) -> tuple[tuple[bool, bool], ...]:
+        """Return, per output, what this call's rows exercise: (two rows differ, two rows differ in length).
+
+        Measured on the rows' own outputs, so a check is known to have tested copy order and padding
+        only where its rows could tell them apart (see proofs.LayoutProof).
+        """
+        distinct = list({id(value): value for value in row_values}.values())
+        measured = []
+        for position, output in enumerate(self.layout.outputs):
+            tensors = [value[position] for value in distinct]
+            first = tensors[0]
+            differ = any(t.shape != first.shape or not torch.equal(t, first) for t in tensors[1:])
+            lengths = output.pad_dim is not None and len({t.shape[output.pad_dim] for t in tensors}) > 1
+            measured.append((differ, lengths))
+        return tuple(measured)
+
     def _row(self, value: Any, index: int, *, for_key: bool) -> Any:
         if isinstance(value, str):
             return value
@@ -311,20 +357,7 @@ class RowSplit:
 
     def check_row(self, value: Any) -> Any:
         """Return ``value`` (one row's output) if it has the declared form; raise LayoutMismatch if not."""
-        outputs = self.layout.outputs
-        if not isinstance(value, (tuple, list)) or len(value) != len(outputs):
-            raise LayoutMismatch(
-                f"a row returned {type(value).__qualname__}"
-                + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
-                + f", the layout declares a tuple of {len(outputs)} tensors"
-            )
-        for position, (tensor, output) in enumerate(zip(value, outputs, strict=True)):
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] != 1:
-                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__qualname__
-                raise LayoutMismatch(f"output {position} of a one-row call is {shape}, expected a [1, ...] tensor")
-            if output.pad_dim is not None and tensor.dim() <= output.pad_dim:
-                raise LayoutMismatch(f"output {position} has no dimension {output.pad_dim} to pad")
-        return value
+        return self.layout.check_row(value)
 
     def assemble(self, row_values: Sequence[Any]) -> Any:
         """Return the call's output from each row's one-copy output (``row_values[i]`` for row i).

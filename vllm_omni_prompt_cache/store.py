@@ -434,15 +434,16 @@ class PromptEmbedCache:
 
     def get_or_compute_rows(
         self, keys: Sequence[CallKey], compute: Callable[[int], T], *, count_call: bool = True
-    ) -> list[T]:
-        """Return a value for each of ``keys`` (the rows of one call), running ``compute(i)`` per missing row.
+    ) -> tuple[list[T], int]:
+        """Return a value for each of ``keys`` (the rows of one call), running ``compute(i)`` per missing row,
+        and how many rows this call encoded.
 
         Rows with the same key (identity and witness) share one entry and one encode, of the first
         of them; ``compute(i)`` gets that row's index. Each distinct row is looked up, verified,
         encoded once across concurrent calls, and stored on its own. The call counts as a hit when
         it encoded no row itself. It encodes the rows it owns before it waits for rows other calls
         are encoding, so two calls waiting on each other cannot deadlock. ``count_call``: False when
-        the call was already counted (a whole-call miss whose rows a layout check encodes).
+        the caller counts the call itself (:meth:`record_call`).
         """
         values: list[Any] = [MISS] * len(keys)
         counts = self._counts
@@ -480,7 +481,7 @@ class PromptEmbedCache:
             for index, first in copies:
                 values[index] = values[first]
             succeeded = True
-            return values
+            return values, encoded
         finally:
             with self._lock:
                 counts.rows_encoded += encoded
@@ -586,6 +587,14 @@ class PromptEmbedCache:
         """Count ``rows`` rows a whole call sends to the encoder (split calls count their own)."""
         with self._lock:
             self._counts.rows_encoded += rows
+
+    def record_call(self, *, hit: bool) -> None:
+        """Count one call as a hit (it ran no encoder) or a miss."""
+        with self._lock:
+            if hit:
+                self._counts.hits += 1
+            else:
+                self._counts.misses += 1
 
     def record_layout_check(self, rows: int, gap: float | None) -> None:
         """Count one layout check whose uncached call encoded ``rows``; ``gap``: what it measured, None: mismatch."""

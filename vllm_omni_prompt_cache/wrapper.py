@@ -18,11 +18,13 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.proofs import (
     DECLARED_BY_CLASS,
     DECLARED_IN_CODE,
-    INFERRED_SOURCE,
+    ONE_ROW,
     LayoutProof,
     compare_outputs,
     infer_layout,
@@ -195,14 +197,14 @@ class _CachedCalls:
         layout = self.proof.layout
         if layout is None:
             return self._whole(args, kwargs, arguments, rows=None, infer=self.proof.may_infer)
-        if layout.is_single_row(arguments):  # its own only row: the row key reads the arguments as given
-            key = self.key_builder.build_from_arguments(arguments, row=True)
-            if type(key) is Bypass:
-                cache.record_bypass(key.reason)
-                cache.record_rows_encoded(1)
-                return self.encode_fn(*args, **kwargs)
-            return cache.get_or_compute(key, functools.partial(self.encode_fn, *args, **kwargs), row=True)
-        split = layout.split(arguments)
+        try:
+            single = layout.is_single_row(arguments)
+            split = None if single else layout.split(arguments)
+        except Exception as error:  # hostile arguments: reading them as rows must not fail the call
+            cache.record_whole_call(f"rows could not be read: {type(error).__qualname__} raised")
+            return self._whole(args, kwargs, arguments, rows=None)
+        if single:
+            return self._single_row(layout, args, kwargs, arguments)
         if type(split) is not RowSplit:
             cache.record_whole_call(split)
             return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments))
@@ -211,17 +213,64 @@ class _CachedCalls:
             cache.record_bypass(keys.reason)
             cache.record_rows_encoded(split.batch)
             return self.encode_fn(*args, **kwargs)
-        if self.proof.needs_check(split, _distinct(keys)):
-            return self._checked(split, keys, self.encode_fn(*args, **kwargs))
-        try:
-            return split.assemble(cache.get_or_compute_rows(keys, self._row_encoder(split)))
-        except (LayoutMismatch, UnstackableRows) as error:
-            # The rows path counted this call already: serve it once more, whole and uncached.
-            if type(error) is LayoutMismatch:
-                self.proof.refute(layout, str(error))
-            cache.record_whole_call(LAYOUT_DROPPED_REASON if type(error) is LayoutMismatch else UNSTACKABLE_REASON)
-            cache.record_rows_encoded(split.batch)
+        return self._by_rows(layout, split, keys, functools.partial(self.encode_fn, *args, **kwargs))
+
+    def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> Any:
+        """Serve a call that is its own only row: its row key reads the arguments as given."""
+        cache = self.cache
+        key = self.key_builder.build_from_arguments(arguments, row=True)
+        if type(key) is Bypass:
+            cache.record_bypass(key.reason)
+            cache.record_rows_encoded(1)
             return self.encode_fn(*args, **kwargs)
+        try:
+            return cache.get_or_compute(key, lambda: layout.check_row(self.encode_fn(*args, **kwargs)), row=True)
+        except LayoutMismatch as error:  # the row was not stored; serve the call whole and uncached
+            self.proof.refute(layout, str(error))
+            cache.record_whole_call(LAYOUT_DROPPED_REASON)
+            cache.record_rows_encoded(1)
+            return self.encode_fn(*args, **kwargs)
+
+    def _by_rows(self, layout: RowLayout, split: RowSplit, keys: list[CallKey], uncached: Callable[[], Any]) -> Any:
+        """Serve each distinct row from the cache or one encode of it alone; assemble the call's output.
+
+        A call that goes beyond what checks have proven the layout for is served from ``uncached()``
+        and compared with its assembled rows (:meth:`_check`).
+        """
+        cache = self.cache
+        try:
+            values, encoded = cache.get_or_compute_rows(keys, self._row_encoder(split), count_call=False)
+        except LayoutMismatch as error:
+            cache.record_call(hit=False)
+            self.proof.refute(layout, str(error))
+            cache.record_whole_call(LAYOUT_DROPPED_REASON)
+            cache.record_rows_encoded(split.batch)
+            return uncached()
+        except Exception as error:
+            cache.record_call(hit=False)
+            if self.proof.trusted or self.proof.has_checked(layout, split) or _transient(error):
+                raise  # the encoder itself failed, as it would uncached
+            # Rows cut by a layout no check has passed yet for such calls: the cut is the suspect.
+            self.proof.refute(layout, f"its row calls raised {type(error).__qualname__}: {error}")
+            cache.record_whole_call(LAYOUT_DROPPED_REASON)
+            cache.record_rows_encoded(split.batch)
+            return uncached()
+        except BaseException:
+            cache.record_call(hit=False)
+            raise
+        strength = split.strength(values)
+        if self.proof.needs_check(layout, split, strength):
+            cache.record_call(hit=False)  # the check runs the encoder on the whole call
+            return self._check(layout, split, values, strength, uncached())
+        try:
+            assembled = split.assemble(values)
+        except UnstackableRows:
+            cache.record_call(hit=False)
+            cache.record_whole_call(UNSTACKABLE_REASON)
+            cache.record_rows_encoded(split.batch)
+            return uncached()
+        cache.record_call(hit=encoded == 0)
+        return assembled
 
     def _whole(
         self, args: tuple, kwargs: dict, arguments: dict[str, Any], rows: int | None, *, infer: bool = False
@@ -245,47 +294,61 @@ class _CachedCalls:
             cache.record_bypass(key.reason)
             return encode()
         result = cache.get_or_compute(key, encode)
-        if infer and encoded:
-            self._infer(arguments, encoded[0])
+        if infer and encoded and self.proof.claim_inference():
+            adopted = None
+            try:
+                adopted = self._infer(arguments, encoded[0])
+            finally:
+                self.proof.end_inference(adopted)
         return result
 
-    def _infer(self, arguments: dict[str, Any], output: Any) -> None:
-        """Adopt the layout a missed call suggests if its rows, encoded alone, assemble to ``output``."""
+    def _infer(self, arguments: dict[str, Any], output: Any) -> RowLayout | None:
+        """Return the layout a missed call suggests if its rows, encoded alone, assemble to ``output``."""
         layout = infer_layout(self.signature, arguments, output)
         if type(layout) is str:
-            self.cache.record_whole_call(f"no row layout inferred: {layout}")
-            return
+            if layout != ONE_ROW:  # a one-row call says nothing: not worth a reason
+                self.cache.record_whole_call(f"no row layout inferred: {layout}")
+            return None
         split = layout.split(arguments)
         keys = None if type(split) is not RowSplit else self._row_keys(split)
         if keys is None or type(keys) is Bypass:
             self.cache.record_whole_call("no row layout inferred: the call could not be split into rows")
-            return
-        self.proof.layout, self.proof.source = layout, INFERRED_SOURCE  # refute() clears them on a mismatch
-        self._checked(split, keys, output, call_counted=True)
-        if self.proof.layout is layout:
-            self.proof.adopt(layout)
+            return None
+        try:
+            values, _ = self.cache.get_or_compute_rows(keys, self._row_encoder(split), count_call=False)
+        except LayoutMismatch as error:
+            self.proof.refute(layout, str(error), inferred=True)
+            return None
+        strength = split.strength(values)
+        passed = self._check(layout, split, values, strength, output, inferred=True) is not None
+        return layout if passed else None
 
-    def _checked(self, split: RowSplit, keys: list[CallKey], expected: Any, *, call_counted: bool = False) -> Any:
-        """Serve ``expected`` (the uncached call) and compare it with the call's rows encoded alone.
+    def _check(
+        self,
+        layout: RowLayout,
+        split: RowSplit,
+        values: list[Any],
+        strength: tuple,
+        expected: Any,
+        *,
+        inferred: bool = False,
+    ) -> Any:
+        """Compare ``expected`` (the uncached call) with the call's rows assembled; return ``expected``.
 
-        A match proves the layout for calls of this kind; a mismatch turns rows off for the class.
-        ``call_counted``: the uncached call was a whole-call miss, already counted as the call.
+        A match proves the layout for calls like this one; a mismatch turns rows off for the class.
+        For an inferred layout, returns None on a mismatch (the caller already holds ``expected``).
         """
         cache = self.cache
         try:
-            values = cache.get_or_compute_rows(keys, self._row_encoder(split), count_call=not call_counted)
-            assembled = split.assemble(values)
-            why, gap = compare_outputs(assembled, expected)
-        except (LayoutMismatch, UnstackableRows) as error:
+            why, gap = compare_outputs(split.assemble(values), expected)
+        except UnstackableRows as error:
             why, gap = str(error), 0.0
-        except Exception as error:  # the uncached call worked: a row call the layout made is the fault
-            why, gap = f"its row calls raised {type(error).__qualname__}: {error}", 0.0
         cache.record_layout_check(split.batch, None if why else gap)
         if why is None:
-            self.proof.prove(split, _distinct(keys))
-        else:
-            self.proof.refute(split.layout, why)
-        return expected
+            self.proof.prove(layout, split, strength)
+            return expected
+        self.proof.refute(layout, why, inferred=inferred)
+        return None if inferred else expected
 
     def _row_keys(self, split: RowSplit) -> list[CallKey] | Bypass:
         keys = []
@@ -304,9 +367,9 @@ class _CachedCalls:
         return encode_row
 
 
-def _distinct(keys: list[CallKey]) -> int:
-    """Return how many distinct identities ``keys`` hold (colliding witnesses aside: a check bound)."""
-    return len({key.identity for key in keys})
+def _transient(error: Exception) -> bool:
+    """Return True for failures that say nothing about a layout (memory): they are raised, not held against it."""
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError))
 
 
 def uninstall_prompt_embed_cache(pipeline: Any) -> None:

@@ -4,8 +4,9 @@ In order (the first that applies wins):
 
 1. a user's declaration for the class (the ``prompt_embed_cache_row_layouts`` setting: a class
    path and a layout, for classes the user cannot edit);
-2. the class's own ``prompt_embed_row_layout`` (:data:`~vllm_omni_prompt_cache.proofs.DECLARED_BY_CLASS`,
-   the only source served without a first-use check);
+2. the class's own ``prompt_embed_row_layout`` (:data:`~vllm_omni_prompt_cache.proofs.DECLARED_BY_CLASS`:
+   served without a first-use check, like ``install_prompt_embed_cache(row_layout=...)``, unless a
+   subclass replaced the ``encode_prompt`` it was declared for);
 3. a layout of :data:`PROVEN_LAYOUTS` whose rule matches the class: each was written against
    that pipeline's real ``encode_prompt`` and is tested on it (``tests/test_layouts.py``);
 4. none: the wrapper infers one from the first batched call (see :mod:`..proofs`).
@@ -141,7 +142,12 @@ def find_row_layout(pipeline: Any, declared: Mapping[str, RowLayout]) -> tuple[R
             return declared[path], f"declared for {path} by the prompt_embed_cache_row_layouts setting"
     own = getattr(kind, ROW_LAYOUT_ATTRIBUTE, None)
     if own is not None:
-        return own, DECLARED_BY_CLASS
+        declaring = next(c for c in kind.__mro__ if ROW_LAYOUT_ATTRIBUTE in vars(c))
+        encoding = next((c for c in kind.__mro__ if "encode_prompt" in vars(c)), declaring)
+        if issubclass(declaring, encoding):  # declared beside (or below) the encode_prompt it describes
+            return own, DECLARED_BY_CLASS
+        # Inherited by a class that replaced encode_prompt: found, not vouched for; checked on first use.
+        return own, f"declared by {declaring.__qualname__} for an encode_prompt {kind.__qualname__} overrides"
     for name, proven in PROVEN_LAYOUTS.items():
         if proven.matches(kind):
             return proven.layout, f"proven layout {name!r}"

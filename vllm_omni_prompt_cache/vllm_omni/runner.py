@@ -16,7 +16,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.config import ROW_LAYOUTS, PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 from vllm_omni_prompt_cache.vllm_omni.layouts import resolve_declared_layouts
@@ -91,7 +91,7 @@ def install_for_stage(pipeline: Any, settings: PromptEmbedCacheSettings, model_t
         verify=settings.verify,
         report=StatsLogger(STATS_LOG_INTERVAL_S),
         row_layouts=resolve_declared_layouts(
-            settings.row_layouts, settings.sources.get("prompt_embed_cache_row_layouts", "the stage's settings")
+            settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, "the stage's settings")
         ),
     )
     if cache is not None:
