@@ -52,6 +52,14 @@ class TilingPipeline(QwenStyleTokenPipeline):
         return embeds.repeat(copies, 1, 1), mask.repeat(copies, 1)
 
 
+def copies_layout(order: str, name: str) -> RowLayout:
+    """The layout of TilingPipeline's signature, with both outputs' copies in ``order``."""
+    output = RowOutput(pad_dim=1, copies=order)
+    return RowLayout(
+        rows=("input_ids", "input_mask"), mask="input_mask", copies="copies", outputs=(output, output), name=name
+    )
+
+
 def path(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
@@ -187,13 +195,7 @@ def test_a_repeated_row_is_covered_by_a_check_on_distinct_trimmed_rows(encoder) 
 
 def test_a_wrong_user_declaration_is_caught_on_first_use_and_never_served(encoder, caplog) -> None:
     pipeline, reference = TilingPipeline(encoder), TilingPipeline(encoder)
-    interleaving = RowLayout(
-        rows=("input_ids", "input_mask"),
-        mask="input_mask",
-        copies="copies",
-        outputs=(RowOutput(pad_dim=1, copies="interleave"), RowOutput(pad_dim=1, copies="interleave")),
-        name="interleaved copies",
-    )
+    interleaving = copies_layout("interleave", "interleaved copies")
     cache = install_prompt_embed_cache(pipeline, max_size=16, row_layouts={path(TilingPipeline): interleaving})
     rows = token_rows(2, seed=7)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
@@ -211,13 +213,7 @@ def test_a_wrong_user_declaration_is_caught_on_first_use_and_never_served(encode
 
 def test_a_right_user_declaration_serves_rows_after_one_check(encoder) -> None:
     pipeline = TilingPipeline(encoder)
-    tiling = RowLayout(
-        rows=("input_ids", "input_mask"),
-        mask="input_mask",
-        copies="copies",
-        outputs=(RowOutput(pad_dim=1, copies="tile"), RowOutput(pad_dim=1, copies="tile")),
-        name="tiled copies",
-    )
+    tiling = copies_layout("tile", "tiled copies")
     cache = install_prompt_embed_cache(pipeline, max_size=16, row_layouts={path(TilingPipeline): tiling})
     a, b, c = token_rows(3, seed=8)
     pipeline.encode_prompt(*collate([a, b]), copies=2)
