@@ -296,11 +296,6 @@ class RowSplit:
             }
         return self._cpu_copies
 
-    @property
-    def is_whole(self) -> bool:
-        """True when the call is its only row as given: one row, one copy, nothing trimmed or reshaped."""
-        return self.batch == 1 and self.copies == 1 and self.lengths is None and not self.unbatched
-
     def kind(self) -> tuple:
         """Return what a layout check on this call proves the layout for (see wrapper.py)."""
         return (
