@@ -29,3 +29,13 @@ def no_refuted_layouts_carry_over() -> Iterator[None]:
     proofs._REFUTED.clear()
     yield
     proofs._REFUTED.clear()
+
+
+@pytest.fixture
+def accept_device_reporting_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the key encoder read ``device_reporting.ReportsCudaDevice`` as it reads a plain tensor."""
+    from device_reporting import ReportsCudaDevice
+
+    from vllm_omni_prompt_cache import keys
+
+    monkeypatch.setattr(keys, "_PLAIN_TENSOR_TYPES", (*keys._PLAIN_TENSOR_TYPES, ReportsCudaDevice))

@@ -86,7 +86,7 @@ def test_dict_order_does_not_matter_and_values_do() -> None:
     assert one({"a": 1}).identity != one({"a": 2}).identity
 
 
-def test_tensor_device_identity_strides_and_grad_are_not_in_the_key() -> None:
+def test_tensor_identity_strides_and_grad_are_not_in_the_key() -> None:
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     transposed_view = base.t()  # non-contiguous
     copy = transposed_view.contiguous()
@@ -95,6 +95,21 @@ def test_tensor_device_identity_strides_and_grad_are_not_in_the_key() -> None:
     keys = {one(t).identity for t in (transposed_view, copy, with_grad)}
     assert len(keys) == 1
     assert one(offset_view).identity == one(copy.reshape(1, 12)[:, :4].clone()).identity
+
+
+def test_a_tensor_on_another_device_keys_like_its_cpu_copy(accept_device_reporting_tensors) -> None:
+    """The device-to-host branch (taken by a CUDA tensor) leaves the device out of identity and witness."""
+    from device_reporting import ReportsCudaDevice
+
+    for values in (torch.tensor([[5, 6, 7, 0]]), torch.randn(2, 3).to(torch.bfloat16)):
+        on_host = one(values)
+        reported = ReportsCudaDevice(values.clone())
+        assert reported.device.type == "cuda" and not reported.is_cpu  # what a CUDA argument reports
+        on_device = one(reported)
+        assert isinstance(on_device, CallKey)
+        assert on_device.identity == on_host.identity
+        assert witness_matches(freeze_witness(on_host.witness), on_device.witness)
+    assert one(ReportsCudaDevice(torch.tensor([[5, 6, 8, 0]]))).identity != one(torch.tensor([[5, 6, 7, 0]])).identity
 
 
 def test_tensor_dtype_and_shape_are_in_the_key() -> None:
@@ -261,12 +276,14 @@ scalars = st.one_of(
     st.text(max_size=3),
     st.binary(max_size=3),
 )
+#: Keys of every kind a dict can mix and the encoder orders: text, ints, bools, floats, None.
+dict_keys = st.one_of(st.text(max_size=2), st.integers(-2, 2), st.booleans(), st.none(), st.floats(-2, 2, width=16))
 values = st.recursive(
     st.one_of(scalars, tensors()),
     lambda children: st.one_of(
         st.lists(children, max_size=3),
         st.tuples(children, children),
-        st.dictionaries(st.text(max_size=2), children, max_size=3),
+        st.dictionaries(dict_keys, children, max_size=3),
     ),
     max_leaves=6,
 )
@@ -281,7 +298,7 @@ def canonical(value):
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(canonical(v) for v in value))
     if isinstance(value, dict):
-        return ("d", tuple(sorted((k, canonical(v)) for k, v in value.items())))
+        return ("d", tuple(sorted((canonical(k), canonical(v)) for k, v in value.items())))
     return (type(value).__name__, value)
 
 
@@ -325,12 +342,16 @@ def nest(kind: str, depth: int, leaf=1):
     return value
 
 
-def test_the_exact_reason_strings() -> None:
-    assert MAX_KEY_DEPTH == 32
-    assert MAX_KEY_ITEMS == 10_000
-    assert CONTAINS_ITSELF.reason == "argument 'prompt_ids': contains itself"
-    assert TOO_DEEP.reason == "argument 'prompt_ids': nested deeper than 32 levels"
-    assert TOO_MANY.reason == "argument 'prompt_ids': more than 10,000 container items in the call"
+def test_the_exact_reason_strings_at_the_exact_limits() -> None:
+    """The reasons users read in stats and logs, produced by the real encoder at its documented limits."""
+    looped: list = []
+    looped.append(looped)
+    assert one(looped).reason == "argument 'prompt_ids': contains itself"
+    assert isinstance(one(nest("list", 32)), CallKey)
+    assert one(nest("list", 33)).reason == "argument 'prompt_ids': nested deeper than 32 levels"
+    assert isinstance(one([0] * 10_000), CallKey)
+    assert one([0] * 10_001).reason == "argument 'prompt_ids': more than 10,000 container items in the call"
+    assert one({torch.float32: 1, torch.int64: 2}).reason == "argument 'prompt_ids': dict with keys of mixed kinds"
 
 
 def test_a_list_that_contains_itself_bypasses() -> None:
@@ -358,6 +379,14 @@ def test_mutually_containing_containers_bypass() -> None:
     via_tuple = []
     via_tuple.append((1, via_tuple))
     assert one(via_tuple) == CONTAINS_ITSELF
+
+
+def test_dict_keys_of_mixed_kinds_have_one_canonical_order() -> None:
+    forward = {1: "a", "b": 2, None: 3, 2.5: 4, False: 5}
+    backward = dict(reversed(forward.items()))
+    assert one(forward).identity == one(backward).identity
+    assert one({1: "a"}).identity != one({"1": "a"}).identity != one({1.0: "a"}).identity
+    assert one({True: "a"}).identity != one({1: "a"}).identity
 
 
 def test_shared_sub_containers_are_not_cycles() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -32,10 +34,48 @@ def test_entry_points_are_discovered() -> None:
         assert group(platform_group)["prompt_embed_cache_early"] == f"{plugin}:register_at_platform_detection"
 
 
-def test_the_early_registration_never_offers_a_platform() -> None:
-    from vllm_omni_prompt_cache.vllm_omni.plugin import register_at_platform_detection
+EARLY_REGISTRATION = """
+    import json, sys
+    from vllm_omni_prompt_cache.vllm_omni import imports, plugin
+    offered = plugin.register_at_platform_detection()
+    assert "vllm_omni" not in sys.modules  # it only arranged hooks, importing nothing of vLLM-Omni
+    print(json.dumps({"offered": offered, "awaited": sorted(imports._callbacks)}))
+"""
 
-    assert register_at_platform_detection() is None
+
+def test_the_early_registration_hooks_every_module_and_offers_no_platform() -> None:
+    """In a fresh process, as platform detection runs it: every hook is awaited and None is returned."""
+    result = run_python(EARLY_REGISTRATION)
+    assert result.returncode == 0, result.stderr[-3000:]
+    registered = json.loads(result.stdout.strip().splitlines()[-1])
+    assert registered["offered"] is None  # what both frameworks read as "no platform here"
+    assert registered["awaited"] == sorted(
+        [
+            "vllm_omni.config.config_factory",
+            "vllm_omni.diffusion.cache.prompt_embed_cache",
+            "vllm_omni.diffusion.lora.manager",
+            "vllm_omni.diffusion.worker.diffusion_model_runner",
+            "vllm_omni.diffusion.worker.diffusion_worker",
+            "vllm_omni.engine.omni_engine_base",
+            "vllm_omni.engine.stage_pool",
+            "vllm_omni.engine.stage_runtime",
+            "vllm_omni.entrypoints.cli.serve",
+        ]
+    )
+
+
+def test_a_failing_early_registration_is_logged_once_and_detection_goes_on(monkeypatch, caplog) -> None:
+    from vllm_omni_prompt_cache.vllm_omni import plugin
+
+    def broken() -> None:
+        raise RuntimeError("hook table unreadable")
+
+    monkeypatch.setattr(plugin, "register_vllm", broken)
+    with caplog.at_level(logging.ERROR, logger="vllm_omni_prompt_cache"):
+        assert plugin.register_at_platform_detection() is None
+    (record,) = [r for r in caplog.records if r.name == "vllm_omni_prompt_cache"]
+    assert record.getMessage() == "vllm-omni-prompt-cache: could not register the prompt-embed cache integration"
+    assert record.exc_info[1].args == ("hook table unreadable",)
 
 
 def test_every_stock_binding_is_ours_after_the_plugins_load() -> None:

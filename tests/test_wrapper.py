@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -114,13 +115,16 @@ def test_stock_style_list_calls_still_hit(pipeline) -> None:
     assert cache.stats()["hits"] == 1
 
 
-def test_gpu_style_device_does_not_enter_the_key(pipeline) -> None:
-    """Device is not part of the key: the same ids on 'cpu' twice and via .to('cpu') hit."""
+def test_a_call_from_another_device_hits_the_cpu_callers_entry(pipeline, accept_device_reporting_tensors) -> None:
+    """The same ids and mask reported on cuda:0 hit what a CPU caller stored: the device is not in the key."""
+    from device_reporting import ReportsCudaDevice
+
     cache = install_prompt_embed_cache(pipeline)
     ids, mask = collate([4, 5, 6])
-    pipeline.encode_prompt(ids.to("cpu"), mask)
-    pipeline.encode_prompt(ids.clone().to(torch.device("cpu")), mask.clone())
-    assert cache.stats()["hits"] == 1
+    stored, _ = pipeline.encode_prompt(ids, mask)
+    served, _ = pipeline.encode_prompt(ReportsCudaDevice(ids.clone()), ReportsCudaDevice(mask.clone()))
+    assert (pipeline.encoder_runs, cache.stats()["hits"]) == (1, 1)
+    assert torch.equal(served, stored)
 
 
 def test_disabled_cache_counts_bypasses_and_never_stores(pipeline) -> None:
@@ -189,8 +193,52 @@ def test_concurrent_threads_get_correct_results_and_stats_add_up(encoder) -> Non
     assert wrong == []
     assert stats["hits"] + stats["misses"] + stats["bypassed"] == 8 * calls_per_thread
     assert stats["bypassed"] == 0
-    assert pipeline.encoder_runs == stats["misses"]  # single-flight: one run per miss
+    assert pipeline.encoder_runs == stats["misses"]  # no call encoded without being counted
     assert stats["size"] <= 3
+
+
+class GatedPipeline(TokenIdTextPipeline):
+    """Its encoder waits for ``release``, so concurrent callers are sure to overlap one encode."""
+
+    def __init__(self, text_encoder: torch.nn.Module) -> None:
+        super().__init__(text_encoder)
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):
+        self.started.set()
+        if not self.release.wait(10):
+            raise TimeoutError("the test never released the encoder")
+        return super().encode_prompt(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+
+
+def test_concurrent_identical_calls_share_one_encode_through_the_wrapper(encoder) -> None:
+    """Single-flight seen from encode_prompt: callers that arrive during an encode wait for it."""
+    reference = TokenIdTextPipeline(encoder).encode_prompt(*collate([9, 8, 7]))[0]
+    pipeline = GatedPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    results: list[torch.Tensor] = []
+
+    def call() -> None:
+        results.append(pipeline.encode_prompt(*collate([9, 8, 7]))[0])
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    threads[0].start()
+    try:
+        assert pipeline.started.wait(10)
+        for thread in threads[1:]:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while not any(flight.waiters >= 5 for flight in list(cache._flights.values())):
+            assert time.monotonic() < deadline, "the later callers never waited on the first one's encode"
+            time.sleep(0.001)
+    finally:
+        pipeline.release.set()
+        for thread in threads:
+            thread.join(20)
+    assert pipeline.encoder_runs == 1
+    assert len(results) == 6 and all(torch.equal(result, reference) for result in results)
+    assert (cache.stats()["hits"], cache.stats()["misses"]) == (5, 1)
 
 
 def test_byte_budget_holds_through_the_wrapper(pipeline) -> None:

@@ -184,8 +184,10 @@ class _Encoder:
         items = [(self.encode(key), self.encode(item)) for key, item in value.items()]
         self.open_ids.remove(container_id)
         try:
-            items.sort(key=lambda pair: pair[0])
-        except TypeError:
+            # Text keys encode to bare strings, every other kind to a tagged tuple: order the two
+            # groups apart, so {1: a, "b": c} has one canonical order too.
+            items.sort(key=lambda pair: (type(pair[0]) is str, pair[0]))
+        except TypeError:  # keys whose encodings do not order, such as dtypes
             raise _Uncacheable("dict with keys of mixed kinds") from None
         return ("dict", tuple(items))
 
