@@ -40,10 +40,16 @@ def replace_once(owner: Any, name: str, wrap: Callable[[Any], Any]) -> bool:
 
     For a class, ``current`` is the class's own attribute (a function, or a classmethod object);
     for an instance, the attribute as looked up. Plugins load many times, in many processes: the
-    mark on the replacement keeps every wrapper from being applied twice.
+    mark on the replacement keeps every wrapper from being applied twice. A class or module that
+    lacks ``name`` (another vLLM-Omni version) is said once, as a warning, and left alone.
     """
     current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-    if current is None or getattr(current, _MARK, False):
+    if current is None:
+        if isinstance(owner, (type, ModuleType)):  # a hook point of vLLM-Omni's that is not there
+            where = owner.__name__ if isinstance(owner, ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
+            logger.warning("vllm-omni-prompt-cache: %s has no %s to hook; that part stays stock.", where, name)
+        return False
+    if getattr(current, _MARK, False):
         return False
     replacement = wrap(current)
     setattr(replacement, _MARK, True)
