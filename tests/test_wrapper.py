@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -15,7 +16,7 @@ from vllm_omni_prompt_cache import (
     uninstall_prompt_embed_cache,
 )
 from vllm_omni_prompt_cache.store import COLLISION_REASON
-from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 from vllm_omni_prompt_cache.wrapper import DISABLED_REASON
 
 PROMPTS = 8
@@ -63,6 +64,53 @@ def test_install_returns_none_without_a_callable_encode_prompt() -> None:
 
     assert install_prompt_embed_cache(object()) is None
     assert install_prompt_embed_cache(NoEncoder()) is None
+
+
+def test_an_unreadable_signature_leaves_encode_prompt_alone(caplog) -> None:
+    """A C-extension encode function has no signature to key by: said once, nothing wrapped."""
+
+    class CompiledEncoder:
+        encode_prompt = staticmethod(next)  # a builtin: inspect.signature raises ValueError
+
+    pipeline = CompiledEncoder()
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache"):
+        assert install_prompt_embed_cache(pipeline) is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("vllm_omni_prompt_cache")]
+    assert warning.startswith("Prompt-embed cache: cannot read the signature of CompiledEncoder.encode_prompt (")
+    assert warning.endswith("); not installed.")
+    assert pipeline.encode_prompt is next and not hasattr(pipeline, "_prompt_embed_cache")
+    assert pipeline.encode_prompt(iter([7])) == 7
+
+
+@pytest.mark.parametrize("declared_on_class", [True, False])
+def test_a_declared_layout_that_is_not_a_row_layout_keys_calls_whole(encoder, caplog, declared_on_class) -> None:
+    """A layout named by string (a common slip) is refused with a warning; the cache still works whole."""
+
+    class Misdeclared(QwenStyleTokenPipeline):
+        if declared_on_class:
+            prompt_embed_row_layout = "token-ids"
+
+    pipeline = Misdeclared(encoder)
+    declared = {} if declared_on_class else {"row_layout": "token-ids"}
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache"):
+        cache = install_prompt_embed_cache(pipeline, **declared)
+    (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("vllm_omni_prompt_cache")]
+    assert warning.endswith("is a str, not a RowLayout; calls are keyed whole.")
+    first, second = prompt_token_ids(2, seed=4)
+    pair = collate_rows([first, second])
+    pipeline.encode_prompt(*pair)
+    pipeline.encode_prompt(*collate_rows([first]))  # a row of the pair: not cached as a row
+    pipeline.encode_prompt(*pair)
+    stats = cache.stats()
+    assert (stats["misses"], stats["hits"], stats["rows_encoded"]) == (2, 1, 0)
+    assert pipeline.encoder_rows == 3
+
+
+def collate_rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.zeros(len(rows), LENGTH, dtype=torch.int64)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = torch.tensor(row)
+    return ids, ids != 0
 
 
 def run_rollout(pipeline, token_ids, negative_ids=None):
