@@ -9,6 +9,8 @@ engine client (``_ReplicaClient`` records what it is sent): running engines here
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -27,7 +29,7 @@ from vllm_omni.utils.tracking_parser import TrackingArgumentParser
 from vllm_omni_prompt_cache.config import PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.routing import EPSILON_ENV
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
-from vllm_omni_prompt_cache.vllm_omni.balancer import PromptAffinityBalancer, routing_stats
+from vllm_omni_prompt_cache.vllm_omni.balancer import PromptAffinityBalancer, _local_replica, routing_stats
 from vllm_omni_prompt_cache.vllm_omni.cli_args import POLICY
 
 PROMPTS = ([101, 7, 7, 9], [101, 8, 3], [101, 5, 5, 5, 5], [101, 2])
@@ -239,3 +241,69 @@ def test_validate_leaves_stock_policies_to_stock_and_restores_ours_when_stock_re
     with pytest.raises(ValueError, match="--stage-id requires both"):
         OmniServeCommand().validate(ours)
     assert ours.omni_lb_policy == POLICY
+
+
+def test_concurrent_selects_lose_no_placement_and_keep_siblings_together() -> None:
+    """vLLM-Omni may pick a replica from its main thread and its orchestrator at once."""
+    balancer = PromptAffinityBalancer(epsilon=0.25)
+    replicas = [_local_replica(0, index, load=0) for index in range(4)]
+    threads, calls = 8, 400
+    chosen: dict[int, set[int]] = {index: set() for index in range(len(PROMPTS))}
+    start = threading.Barrier(threads)
+
+    def submit(offset: int) -> None:
+        start.wait()
+        for call in range(calls):
+            index = (offset + call) % len(PROMPTS)
+            task = {"request_id": f"t{offset}-{call}", "engine_inputs": {"prompt_ids": list(PROMPTS[index])}}
+            chosen[index].add(balancer.select(task, replicas))  # set.add holds the GIL: no lost element
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        workers = [threading.Thread(target=submit, args=(offset,)) for offset in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    placements = balancer.stats()["placements"]
+    # One first placement per prompt, then every sibling to where it went; none lost to a race.
+    assert placements == {"home": len(PROMPTS), "with siblings": threads * calls - len(PROMPTS)}
+    assert all(len(replica_ids) == 1 for replica_ids in chosen.values())  # siblings never split
+
+
+def test_a_select_waits_while_another_thread_is_routing() -> None:
+    """The router's state changes over several steps: one thread routes at a time."""
+    balancer = PromptAffinityBalancer(epsilon=0.25)
+    replicas = [_local_replica(0, index, load=0) for index in range(2)]
+    route = balancer.router.route
+    inside, most_inside = [0], [0]
+    first_inside, release = threading.Event(), threading.Event()
+
+    def observed_route(*args, **kwargs) -> int:
+        inside[0] += 1
+        most_inside[0] = max(most_inside[0], inside[0])
+        if not first_inside.is_set():
+            first_inside.set()
+            release.wait(10)  # hold the first routing step open
+        try:
+            return route(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    balancer.router.route = observed_route
+    tasks = [{"request_id": f"r{index}", "engine_inputs": {"prompt_ids": list(PROMPTS[index])}} for index in (0, 1)]
+    results: list[int] = []
+    first = threading.Thread(target=lambda: results.append(balancer.select(tasks[0], replicas)))
+    second = threading.Thread(target=lambda: results.append(balancer.select(tasks[1], replicas)))
+    first.start()
+    assert first_inside.wait(10)
+    second.start()
+    second.join(0.5)  # long enough for an unguarded select to enter the router
+    assert second.is_alive() and most_inside[0] == 1
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert len(results) == 2 and most_inside[0] == 1
