@@ -1,4 +1,5 @@
-"""When the worker's cache is emptied, and what it reports: sleep, weight loads, LoRA, log line."""
+"""When the worker's cache is emptied, and what it reports: sleep (both levels), weight loads, a new pipeline,
+log line. LoRA changes are in ``test_lora_hooks.py``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import torch
 from engine_support import RELOADING_EXTENSION, run, tiny_spec
 
 from vllm_omni_prompt_cache import PromptEmbedCacheSettings, install_prompt_embed_cache
-from vllm_omni_prompt_cache.demo.rollout import engine_kwargs, open_engine, send_rollout, worker_value
+from vllm_omni_prompt_cache.demo.rollout import (
+    TOKEN_ID_PIPELINE,
+    engine_kwargs,
+    open_engine,
+    send_rollout,
+    worker_value,
+)
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 from vllm_omni_prompt_cache.vllm_omni import lifecycle, runner
 
@@ -45,6 +52,14 @@ def test_engine_sleep_and_weight_loads_empty_the_cache_and_stats_are_logged(monk
             sizes["after wake"] = await worker_value(engine, "get_prompt_embed_cache_stats")
             await engine.collective_rpc("clear_prompt_embed_cache")
             sizes["after rpc clear"] = await worker_value(engine, "get_prompt_embed_cache_stats")
+            await send_rollout(engine, spec)
+            await engine.collective_rpc("re_init_pipeline", args=({"pipeline_class": TOKEN_ID_PIPELINE},))
+            sizes["after re-init"] = await worker_value(engine, "get_prompt_embed_cache_stats")
+            await send_rollout(engine, spec)
+            sizes["re-init refilled"] = await worker_value(engine, "get_prompt_embed_cache_stats")
+            # Level 2 discards the weights; AsyncOmni 0.30 cannot wake from it, so it comes last.
+            await engine.sleep(level=2)
+            sizes["after deep sleep"] = await worker_value(engine, "get_prompt_embed_cache_stats")
         return sizes
 
     worker_errors = ErrorCollector()
@@ -64,6 +79,11 @@ def test_engine_sleep_and_weight_loads_empty_the_cache_and_stats_are_logged(monk
     assert stats["after sleep"]["size"] == 0
     assert stats["after wake"]["misses"] == stats["after sleep"]["misses"] + kinds - 1
     assert stats["after rpc clear"]["size"] == 0
+    assert stats["after deep sleep"]["size"] == 0
+    assert stats["after re-init"] == {**stats["after re-init"], "size": 0, "hits": 0, "misses": 0}  # a new cache
+    refilled = stats["re-init refilled"]  # the new pipeline's cache encodes each prompt once, then hits
+    assert (refilled["size"], refilled["misses"]) == (kinds - 1, kinds - 1)
+    assert refilled["hits"] == 2 * len(spec.requests()) - (kinds - 1)  # prompt and negative prompt per request
     messages = [record.getMessage() for record in caplog.records if record.name == LOGGER]
     assert any("cleared" in m and "text-encoder weights were loaded" in m for m in messages)
     assert any("cleared" in m and "going to sleep" in m for m in messages)
@@ -133,56 +153,3 @@ def test_weight_loads_clear_only_for_text_encoder_weights() -> None:
     pipeline.load_weights([("text_encoder.embed_tokens.weight", torch.zeros(1))])
     assert len(cache) == 0
     assert loaded == ["transformer.proj.weight", "text_encoder.embed_tokens.weight"]
-
-
-class FakeLoraLayer:
-    """Stands in for a vLLM LoRA-wrapped linear layer (those need vLLM's punica kernels)."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def suspend_lora(self) -> None:
-        self.calls.append("suspend")
-
-    def resume_lora(self) -> None:
-        self.calls.append("resume")
-
-    def reset_lora(self, index: int) -> None:
-        self.calls.append("reset")
-
-
-def lora_manager(module_names: list[str], pipeline):
-    """A real DiffusionLoRAManager with its state set directly (building one needs LoRA kernels)."""
-    pytest.importorskip("vllm_omni")
-    from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
-
-    import vllm_omni_prompt_cache.vllm_omni.plugin  # noqa: F401  (the plugin hooks the class on import)
-
-    manager = object.__new__(DiffusionLoRAManager)
-    manager.pipeline = pipeline
-    manager._lora_modules = {name: FakeLoraLayer() for name in module_names}
-    manager._active_adapter_id = 7
-    manager._suspended_adapter_id = None
-    manager._adapter_scales = {7: 1.0}
-    return manager
-
-
-@pytest.mark.parametrize(
-    ("modules", "cleared"),
-    [(["text_encoder.layers.0.q_proj"], True), (["transformer.blocks.0.attn.to_q"], False)],
-)
-def test_lora_deactivation_clears_only_when_it_touches_the_text_encoder(modules, cleared) -> None:
-    from vllm_omni_prompt_cache.vllm_omni import plugin
-
-    plugin.register()
-    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(pipeline)
-    ids = torch.tensor([[1, 2]])
-    pipeline.encode_prompt(ids, ids != 0)
-    manager = lora_manager(modules, pipeline)
-    manager._deactivate_all_adapters()  # real vLLM-Omni code: suspends every LoRA layer
-    assert all(layer.calls == ["suspend"] for layer in manager._lora_modules.values())
-    assert (len(cache) == 0) is cleared
-    pipeline.encode_prompt(ids, ids != 0)
-    manager._deactivate_all_adapters()  # already inactive: nothing changed, nothing cleared
-    assert len(cache) == 1

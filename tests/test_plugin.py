@@ -136,41 +136,6 @@ def test_the_vllm_omni_backend_installs_upstreams_untouched_cache() -> None:
     assert off is None
 
 
-def test_interaction_handlers_built_inside_load_model_see_the_cache() -> None:
-    """Stock load_model builds interaction handlers after its install point; they capture encode_prompt."""
-    from types import SimpleNamespace
-
-    from vllm_omni.diffusion.data import OmniDiffusionConfig
-    from vllm_omni.diffusion.interaction.coordinator import InteractionCoordinator
-
-    class InteractivePipeline:  # SupportsInteractionApply, as Helios is
-        device = torch.device("cpu")
-        transformer = SimpleNamespace(dtype=torch.float32)
-
-        def encode_prompt(self, prompt):
-            return torch.zeros(1)
-
-        def peek_chunk_media(self, state): ...
-
-        def apply_interaction_at_chunk_boundary(self, state): ...
-
-        def prepare_next_chunk(self, state): ...
-
-    class Runner:
-        def load_model(self):  # what stock load_model does after its own install point
-            self.pipeline = InteractivePipeline()
-            self.prompt_embed_cache = None
-            self._interaction_coordinator = InteractionCoordinator.build(self.pipeline, self.od_config)
-
-    Runner.load_model = runner._installing_after(Runner.load_model)
-    stage = Runner()
-    stage.od_config = OmniDiffusionConfig.from_kwargs(model_class_name="HeliosPipeline", enable_prompt_embed_cache=True)
-    stage.load_model()
-    assert isinstance(stage.prompt_embed_cache, PromptEmbedCache)
-    handler = stage._interaction_coordinator.get_handler("prompt")
-    assert handler._encode_prompt is stage.pipeline.encode_prompt  # the cached wrapper, not the raw method
-
-
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     environment = {**os.environ, "VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM": "1", **env}
     return subprocess.run(

@@ -18,7 +18,7 @@ from vllm_omni.utils.tracking_parser import TrackingArgumentParser
 from vllm_omni_prompt_cache.config import BACKEND, MAX_BYTES, MAX_SIZE, VERIFY, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 from vllm_omni_prompt_cache.vllm_omni.cli_args import GROUP_TITLE
-from vllm_omni_prompt_cache.vllm_omni.settings import EXTRAS_KEY, RESOLVED_KEY, stage_settings
+from vllm_omni_prompt_cache.vllm_omni.settings import RESOLVED_KEY, stage_settings
 
 
 @pytest.fixture(scope="module")
@@ -71,26 +71,6 @@ def test_settings_are_resolved_once_in_the_callers_process_and_carried_whole(mod
     assert carried["sources"][MAX_BYTES.name] == f"environment variable {MAX_BYTES.env}"
     monkeypatch.setenv(MAX_BYTES.env, "4KiB")  # the worker does not resolve again
     assert stage_settings(config).max_bytes == 2048
-
-
-def test_a_deploy_config_stage_is_resolved_in_the_worker(monkeypatch) -> None:
-    """A stage from a deploy-config YAML skips the kwargs builder: its fields, extras and env resolve once."""
-    monkeypatch.setenv(VERIFY.env, "off")
-    config = OmniDiffusionConfig(
-        enable_prompt_embed_cache=True,
-        prompt_embed_cache_size=5,
-        extras={EXTRAS_KEY: {MAX_BYTES.name: "1KiB", BACKEND.name: "vllm-omni"}},
-    )
-    settings = stage_settings(config)
-    assert (settings.enabled, settings.max_size, settings.max_bytes, settings.verify) == (True, 5, 1024, False)
-    assert settings.backend == "vllm-omni"
-    config.extras[EXTRAS_KEY] = {"prompt_embed_cache_max_byte": "1KiB"}  # a typo is an error, not ignored
-    with pytest.raises(PromptEmbedCacheConfigError, match=r"unknown prompt-embed cache setting\(s\) \['prompt_embed"):
-        stage_settings(config)
-    # Enabling there would slip past vLLM-Omni's own checks, which read the stage's fields.
-    config.extras[EXTRAS_KEY] = {"enable_prompt_embed_cache": True}
-    with pytest.raises(PromptEmbedCacheConfigError, match="set them as the stage's own engine_args"):
-        stage_settings(config)
 
 
 @pytest.mark.parametrize(

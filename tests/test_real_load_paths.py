@@ -1,0 +1,328 @@
+"""vLLM-Omni's own load paths with the plugin loaded: the real runner ``load_model`` and deploy-config loader.
+
+Stand-ins elsewhere imitate these paths; here vLLM-Omni's code runs itself. ``load_model`` is the
+real ``DiffusionModelRunner.load_model`` (weights loader included) on a tiny custom pipeline that
+has nothing to read from disk, and a deploy-config YAML goes through the resolver and stage builder
+an engine uses, without starting one.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("vllm_omni", reason="the real load paths need the vllm-omni extra")
+
+from vllm.config import set_current_vllm_config
+from vllm_omni.config.omni_config import BaseVllmOmniStageConfig
+from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
+from vllm_omni.config.resolver import resolve_omni_config
+from vllm_omni.config.stage_config import PipelineConfig, StageExecutionType, StagePipelineConfig
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.forward_context import set_forward_context
+from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
+from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+from vllm_omni.diffusion.worker.utils import StepRequestState
+from vllm_omni.engine import stage_init_utils
+from vllm_omni.entrypoints.utils import prepare_stage_config_inputs
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+from vllm_omni_prompt_cache import PromptEmbedCache
+from vllm_omni_prompt_cache.config import (
+    BACKEND,
+    ENABLE,
+    MAX_BYTES,
+    MAX_SIZE,
+    ROW_LAYOUTS,
+    SETTINGS,
+    VERIFY,
+    PromptEmbedCacheConfigError,
+)
+from vllm_omni_prompt_cache.vllm_omni import plugin
+from vllm_omni_prompt_cache.vllm_omni.settings import EXTRAS_KEY, stage_settings
+
+CPU = torch.device("cpu")
+#: Stage-config sources as our resolver names them for a deploy-config stage.
+STAGE_SOURCE = "diffusion stage config"
+
+
+@pytest.fixture(autouse=True)
+def plugin_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load the plugin as a worker does, with no cache env var of the host leaking into the settings."""
+    for name in list(os.environ):
+        if name.startswith("OMNI_DIFFUSION_PROMPT_EMBED_CACHE"):
+            monkeypatch.delenv(name)
+    plugin.register()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny pipelines that the real loader can build: no weight sources, no checkpoint-required parameter.
+# ---------------------------------------------------------------------------------------------
+
+
+class TinyTransformer(nn.Linear):
+    """A stand-in DiT: the prompt interaction handler reads ``pipeline.transformer.dtype``."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        for parameter in self.parameters():
+            # Initialized here, not from a checkpoint: the loader's strict check must not ask for it.
+            parameter.is_checkpoint_optional = True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+
+class TinyPipeline(nn.Module):
+    """A custom pipeline the way ``DiffusersPipelineLoader`` builds one: ``cls(od_config=...)``."""
+
+    #: No ``ComponentSource``: the loader has nothing to read from disk.
+    weights_sources: ClassVar[tuple[Any, ...]] = ()
+
+    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+        super().__init__()
+        self.transformer = TinyTransformer()
+        self.encoder_runs = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.weight.device
+
+    def encode_prompt(
+        self,
+        prompt: str | list[str],
+        negative_prompt: str | None = None,
+        do_classifier_free_guidance: bool = True,
+        num_videos_per_prompt: int = 1,
+        max_sequence_length: int | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Helios's text signature, as the prompt interaction handler calls it."""
+        self.encoder_runs += 1
+        return torch.full((num_videos_per_prompt, 3, 4), float(len(prompt)), dtype=dtype), None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return {name for name, _ in weights}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("these tests never generate")
+
+
+class TinyInteractivePipeline(TinyPipeline):
+    """Step execution + ``SupportsInteractionApply``, as Helios has: mid-generation prompt updates."""
+
+    supports_step_execution: ClassVar[bool] = True  # part of the runtime-checked protocol
+
+    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+        super().__init__(od_config)
+        self._interaction_coordinator: Any = None  # stock load_model hands its coordinator over here
+
+    def peek_chunk_media(self, state: StepRequestState) -> Any:
+        raise NotImplementedError
+
+    def apply_interaction_at_chunk_boundary(self, state: StepRequestState) -> None:
+        raise NotImplementedError
+
+    def prepare_next_chunk(self, state: StepRequestState) -> None:
+        raise NotImplementedError
+
+    def prepare_encode(self, state: StepRequestState, **kwargs: Any) -> StepRequestState:
+        raise NotImplementedError
+
+    def denoise_step(self, input_batch: Any, **kwargs: Any) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def step_scheduler(self, state: StepRequestState, noise_pred: torch.Tensor, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def post_decode(self, state: StepRequestState, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def qualified_name(cls: type) -> str:
+    """The string form ``custom_pipeline_args={"pipeline_class": ...}`` hands the loader."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def load_with_real_runner(od_config: OmniDiffusionConfig, pipeline_cls: type) -> DiffusionModelRunner:
+    """Build a ``DiffusionModelRunner``; run its real ``load_model`` as ``DiffusionWorker.load_model`` does."""
+    vllm_config = create_diffusion_vllm_config(CPU, od_config)  # what DiffusionWorker.init_device builds
+    runner = DiffusionModelRunner(vllm_config, od_config, device=CPU)
+    # load_model's memory profiler runs gc.collect() three times (~1 s each over vLLM's imported heap);
+    # the objects that exist already are frozen out of those passes, and unfrozen after.
+    gc.freeze()
+    try:
+        with (
+            set_forward_context(vllm_config=vllm_config, omni_diffusion_config=od_config),
+            set_current_vllm_config(vllm_config),
+        ):
+            runner.load_model(load_format="custom_pipeline", custom_pipeline_name=qualified_name(pipeline_cls))
+    finally:
+        gc.unfreeze()
+    return runner
+
+
+# ---------------------------------------------------------------------------------------------
+# A. Interaction handlers that the real load_model builds see the cache.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_real_load_model_hands_interaction_handlers_the_cached_encode_prompt() -> None:
+    """Stock ``load_model`` builds the prompt handler after its install point; it must still get cache hits.
+
+    A prompt update reaches the handler through the runner's real ``submit_interaction``. The one
+    thing put in place by hand is the state of a request already generating: the runner's step
+    execution creates it from a scheduler output with a pipeline that denoises, which this is not.
+    """
+    od_config = OmniDiffusionConfig.from_kwargs(
+        model_class_name="HeliosPipeline",  # the interaction registry's key for a prompt handler
+        enable_prompt_embed_cache=True,
+        extras={EXTRAS_KEY: {MAX_BYTES.name: "1KiB"}},  # only our installer reads this
+        streaming_output=True,
+        step_execution=True,
+        dtype=torch.float32,
+    )
+    runner = load_with_real_runner(od_config, TinyInteractivePipeline)
+
+    cache = runner.prompt_embed_cache
+    assert isinstance(cache, PromptEmbedCache)
+    assert cache.stats()["max_bytes"] == 1024  # installed by our wrapper from the stage's settings
+    assert runner.pipeline._interaction_coordinator is runner._interaction_coordinator
+
+    runner.state_cache["req-0"] = StepRequestState(
+        request_id="req-0", sampling=OmniDiffusionSamplingParams(), prompt_embeds=torch.zeros(1, 3, 4)
+    )
+    for event_id in ("update-1", "update-2"):
+        runner.submit_interaction("req-0", {"event_id": event_id, "event": {"prompt": "a red fox at dusk"}})
+    stats = cache.stats()
+    assert (runner.pipeline.encoder_runs, stats["hits"], stats["misses"]) == (1, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# B. Settings under engine_args.extras.prompt_embed_cache in a real deploy-config YAML.
+# ---------------------------------------------------------------------------------------------
+
+#: A registry key that no model directory name contains (vLLM-Omni also matches keys against paths).
+PIPELINE_KEY = "prompt_cache_real_load_paths_single_stage"
+
+
+def register_single_stage_pipeline() -> None:
+    """A one-stage diffusion pipeline, so a deploy config applies to a model directory without an HF config."""
+    if PIPELINE_KEY in OMNI_PIPELINES:
+        return
+    stage = StagePipelineConfig(
+        stage_id=0,
+        model_stage="diffusion",
+        execution_type=StageExecutionType.DIFFUSION,
+        final_output=True,
+        final_output_type="image",
+        model_arch="QwenImagePipeline",
+    )
+    register_pipeline(PipelineConfig(model_type=PIPELINE_KEY, model_arch="QwenImagePipeline", stages=(stage,)))
+
+
+def deploy_yaml(extras: str, engine_args: str = "") -> str:
+    """A deploy config whose diffusion stage names our settings under ``engine_args.extras``."""
+    return (
+        f"pipeline: {PIPELINE_KEY}\n"
+        "stages:\n"
+        "  - stage_id: 0\n"
+        "    engine_args:\n"
+        f"{engine_args}"
+        "      extras:\n"
+        f"        {EXTRAS_KEY}:\n"
+        f"{extras}"
+    )
+
+
+def diffusion_stage_from_deploy_config(tmp_path: Path, yaml_text: str) -> OmniDiffusionConfig:
+    """What a diffusion worker receives for stage 0: vLLM-Omni's resolver and stage builder, no engine."""
+    register_single_stage_pipeline()
+    model = tmp_path / "model"
+    model.mkdir()
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(yaml_text)
+    inputs = prepare_stage_config_inputs(str(model), {"deploy_config": str(deploy)}, trust_remote_code=None)
+    resolution = resolve_omni_config(
+        inputs.model,
+        trust_remote_code=inputs.trust_remote_code,
+        deploy_config_path=inputs.deploy_config_path,
+        cli_overrides=inputs.kwargs,
+        stage_overrides=inputs.stage_overrides,
+        strategy_config_path=inputs.strategy_config_path,
+    )
+    assert resolution.config_path == str(deploy)  # the YAML was the deploy config used, not a default
+    (stage_cfg,) = resolution.stage_configs
+    metadata = (  # as the engine's stage runtime projects each stage
+        stage_init_utils.extract_stage_metadata_from_omni_stage_config(stage_cfg)
+        if isinstance(stage_cfg, BaseVllmOmniStageConfig)
+        else stage_init_utils.extract_legacy_stage_metadata(stage_cfg)
+    )
+    return stage_init_utils.build_diffusion_config(inputs.model, stage_cfg, metadata)
+
+
+STAGE_ENGINE_ARGS = f"      {ENABLE.name}: true\n      {MAX_SIZE.name}: 5\n      dtype: float32\n"
+
+
+def test_deploy_config_extras_resolve_in_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deploy-config stage skips the kwargs builder: its fields, its extras and the env resolve in the worker."""
+    monkeypatch.setenv(VERIFY.env, "off")
+    od_config = diffusion_stage_from_deploy_config(
+        tmp_path,
+        deploy_yaml(
+            f"          {MAX_BYTES.name}: 1KiB\n          {BACKEND.name}: vllm-omni\n",
+            engine_args=STAGE_ENGINE_ARGS,
+        ),
+    )
+    settings = stage_settings(od_config)
+    assert (settings.enabled, settings.max_size, settings.max_bytes) == (True, 5, 1024)
+    assert (settings.verify, settings.backend) == (False, "vllm-omni")
+    assert settings.sources == {
+        **{name: f"{STAGE_SOURCE} {name}" for name in (ENABLE.name, MAX_SIZE.name, MAX_BYTES.name, BACKEND.name)},
+        VERIFY.name: f"environment variable {VERIFY.env}",
+        ROW_LAYOUTS.name: "default",
+    }
+
+
+def test_deploy_config_extras_reach_the_cache_the_real_load_model_installs(tmp_path: Path) -> None:
+    """The YAML's extras arrive in the cache a worker installs: resolver, stage builder, runner, all real."""
+    od_config = diffusion_stage_from_deploy_config(
+        tmp_path, deploy_yaml(f"          {MAX_BYTES.name}: 1KiB\n", engine_args=STAGE_ENGINE_ARGS)
+    )
+    runner = load_with_real_runner(od_config, TinyPipeline)
+    cache = runner.prompt_embed_cache
+    assert isinstance(cache, PromptEmbedCache)
+    assert (cache.max_size, cache.max_bytes) == (5, 1024)
+    for _ in range(2):
+        runner.pipeline.encode_prompt("a red fox at dusk")
+    assert (runner.pipeline.encoder_runs, cache.stats()["hits"]) == (1, 1)
+
+
+def test_a_typo_in_deploy_config_extras_names_the_key_and_the_allowed_names(tmp_path: Path) -> None:
+    """vLLM-Omni carries unknown extras silently; ours must not take a misspelt setting for no setting."""
+    od_config = diffusion_stage_from_deploy_config(
+        tmp_path, deploy_yaml("          prompt_embed_cache_max_byte: 1KiB\n", engine_args=STAGE_ENGINE_ARGS)
+    )
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"unknown prompt-embed cache setting\(s\)") as raised:
+        stage_settings(od_config)
+    message = str(raised.value)
+    assert "['prompt_embed_cache_max_byte']" in message
+    assert message.endswith(f"expected {', '.join(setting.name for setting in SETTINGS)}")
+
+
+def test_enabling_in_deploy_config_extras_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """vLLM-Omni's own checks (data-parallel safety) read the stage's field, so extras must not enable the cache."""
+    od_config = diffusion_stage_from_deploy_config(tmp_path, deploy_yaml(f"          {ENABLE.name}: true\n"))
+    assert od_config.enable_prompt_embed_cache is False  # what vLLM-Omni itself sees for this stage
+    with pytest.raises(PromptEmbedCacheConfigError, match="set them as the stage's own engine_args") as raised:
+        stage_settings(od_config)
+    assert f"['{ENABLE.name}'] under extras.{EXTRAS_KEY}" in str(raised.value)
