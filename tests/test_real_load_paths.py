@@ -244,14 +244,19 @@ def deploy_yaml(extras: str, engine_args: str = "") -> str:
     )
 
 
-def diffusion_stage_from_deploy_config(tmp_path: Path, yaml_text: str) -> OmniDiffusionConfig:
+def diffusion_stage_from_deploy_config(tmp_path: Path, yaml_text: str, **kwargs: Any) -> OmniDiffusionConfig:
     """What a diffusion worker receives for stage 0: vLLM-Omni's resolver and stage builder, no engine."""
     register_single_stage_pipeline()
     model = tmp_path / "model"
     model.mkdir()
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text(yaml_text)
-    inputs = prepare_stage_config_inputs(str(model), {"deploy_config": str(deploy)}, trust_remote_code=None)
+    return diffusion_stage_of(model, deploy_config=str(deploy), **kwargs)
+
+
+def diffusion_stage_of(model: Path, **kwargs: Any) -> OmniDiffusionConfig:
+    """The diffusion stage ``AsyncOmni(model=model, **kwargs)`` would build (resolved in this process)."""
+    inputs = prepare_stage_config_inputs(str(model), dict(kwargs), trust_remote_code=None)
     resolution = resolve_omni_config(
         inputs.model,
         trust_remote_code=inputs.trust_remote_code,
@@ -260,7 +265,8 @@ def diffusion_stage_from_deploy_config(tmp_path: Path, yaml_text: str) -> OmniDi
         stage_overrides=inputs.stage_overrides,
         strategy_config_path=inputs.strategy_config_path,
     )
-    assert resolution.config_path == str(deploy)  # the YAML was the deploy config used, not a default
+    if "deploy_config" in kwargs:  # the YAML was the deploy config used, not a default
+        assert resolution.config_path == kwargs["deploy_config"]
     (stage_cfg,) = resolution.stage_configs
     metadata = (  # as the engine's stage runtime projects each stage
         stage_init_utils.extract_stage_metadata_from_omni_stage_config(stage_cfg)
@@ -326,3 +332,81 @@ def test_enabling_in_deploy_config_extras_is_refused_with_the_reason(tmp_path: P
     with pytest.raises(PromptEmbedCacheConfigError, match="set them as the stage's own engine_args") as raised:
         stage_settings(od_config)
     assert f"['{ENABLE.name}'] under extras.{EXTRAS_KEY}" in str(raised.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# C. The switches reach pipelines vLLM-Omni builds from a registered pipeline (Wan2.2's WanPipeline).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def wan_model(tmp_path: Path) -> Path:
+    """A model directory vLLM-Omni matches to its registered ``wan2_2_ti2v`` pipeline (by model_index.json)."""
+    model = tmp_path / "Wan2.2-tiny"
+    model.mkdir()
+    (model / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    return model
+
+
+def test_a_registered_pipeline_is_built_by_the_deploy_path(wan_model: Path) -> None:
+    from vllm_omni.config.config_factory import StageConfigFactory
+
+    assert StageConfigFactory.get_pipeline_config(model=str(wan_model), trust_remote_code=False) is not None
+
+
+def test_the_documented_kwargs_turn_the_cache_on_for_a_registered_pipeline(wan_model: Path) -> None:
+    """Before this hook, vLLM-Omni dropped the two kwargs here silently and refused our others."""
+    assert diffusion_stage_of(wan_model).enable_prompt_embed_cache is False  # off unless asked
+    od_config = diffusion_stage_of(
+        wan_model, enable_prompt_embed_cache=True, prompt_embed_cache_size=64, prompt_embed_cache_max_bytes="1KiB"
+    )
+    assert (od_config.enable_prompt_embed_cache, od_config.prompt_embed_cache_size) == (True, 64)
+    settings = stage_settings(od_config)
+    assert (settings.enabled, settings.max_size, settings.max_bytes) == (True, 64, 1024)
+
+
+def test_a_stage_scoped_value_wins_and_the_caller_wins_over_the_deploy_yaml(tmp_path: Path) -> None:
+    yaml_text = deploy_yaml(
+        f"          {MAX_BYTES.name}: 2KiB\n          {VERIFY.name}: off\n", engine_args=STAGE_ENGINE_ARGS
+    )
+    od_config = diffusion_stage_from_deploy_config(
+        tmp_path, yaml_text, prompt_embed_cache_size=64, stage_0_prompt_embed_cache_size=8, **{MAX_BYTES.name: "1KiB"}
+    )
+    settings = stage_settings(od_config)
+    assert (settings.max_size, settings.max_bytes) == (8, 1024)  # stage-scoped kwarg > kwarg > YAML
+    assert settings.verify is False  # the YAML's own extra setting is kept
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"prompt_embed_cache_size": 0}, "prompt_embed_cache_size"),
+        ({"enable_prompt_embed_cache": True, MAX_BYTES.name: "lots"}, MAX_BYTES.name),
+        ({"stage_0_prompt_embed_cache_verify": "maybe"}, VERIFY.name),
+    ],
+)
+def test_a_bad_value_fails_when_the_engine_is_constructed(wan_model: Path, kwargs: dict, named: str) -> None:
+    with pytest.raises(PromptEmbedCacheConfigError, match="AsyncOmni/Omni keyword argument for diffusion stage 0") as e:
+        diffusion_stage_of(wan_model, **kwargs)
+    assert named in str(e.value)
+
+
+def test_cache_settings_for_a_pipeline_without_a_diffusion_stage_are_refused() -> None:
+    """Asking an LLM-only pipeline for the cache is an error, not a silent no-op."""
+    from vllm_omni_prompt_cache.vllm_omni.settings import scope_to_diffusion_stages
+
+    llm_only = PipelineConfig(
+        model_type="llm_only",
+        model_arch="AnyLLM",
+        stages=(
+            StagePipelineConfig(
+                stage_id=0, model_stage="thinker", execution_type=StageExecutionType.LLM_AR, final_output=True
+            ),
+        ),
+    )
+    assert scope_to_diffusion_stages(llm_only, {"enable_prompt_embed_cache": False}) == {}  # nothing asked for
+    refused = r"not a diffusion stage of 'llm_only' \(diffusion stages: \[\]\)"
+    with pytest.raises(PromptEmbedCacheConfigError, match=refused):
+        scope_to_diffusion_stages(llm_only, {"enable_prompt_embed_cache": True})
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"\['stage_0_prompt_embed_cache_size'\]"):
+        scope_to_diffusion_stages(llm_only, {"stage_0_prompt_embed_cache_size": 4})

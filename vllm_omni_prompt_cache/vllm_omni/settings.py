@@ -1,11 +1,22 @@
 """How the cache's settings travel from ``AsyncOmni`` / ``Omni`` kwargs and serve flags to the worker.
 
-vLLM-Omni 0.30 builds a diffusion stage's config from a fixed list of keyword arguments and
-drops the rest. The hook below resolves every cache setting once, in the caller's process (so a
-bad kwarg or env var fails when the engine is constructed), and puts the one resolved
-:class:`PromptEmbedCacheSettings` into the stage config's ``extras`` under :data:`RESOLVED_KEY`.
-The worker reads it back with :func:`stage_settings`. A deploy-config YAML may name our extra
-settings itself, under :data:`EXTRAS_KEY`.
+vLLM-Omni 0.30 builds a diffusion stage in one of two ways, and both lose our kwargs:
+
+* a model with no registered pipeline (Qwen-Image, FLUX, SD3, ...) goes through the generic
+  diffusion builder, which keeps a fixed list of keyword arguments and refuses the rest. Its hook
+  resolves every cache setting once, in the caller's process (so a bad kwarg or env var fails
+  when the engine is constructed), and puts the resolved :class:`PromptEmbedCacheSettings` into
+  the stage config's ``extras`` under :data:`RESOLVED_KEY`;
+* a model with a registered pipeline and deploy config (Wan2.2 ``WanPipeline``, HunyuanVideo-1.5,
+  GLM-Image, ...) goes through ``VllmOmniConfig.from_pipeline_config``, which keeps a top-level
+  kwarg only if it is an engine argument: ``enable_prompt_embed_cache`` and
+  ``prompt_embed_cache_size`` were dropped silently and our other settings refused. Its hook
+  scopes them to every diffusion stage (``stage_N_...``, so a stage-scoped value still wins, and a
+  caller's value wins over the deploy YAML's as vLLM-Omni's own precedence has it), after
+  checking them in the caller; our other settings ride in ``extras`` under :data:`EXTRAS_KEY`.
+
+The worker reads either back with :func:`stage_settings`. A deploy-config YAML may name our
+extra settings itself, under :data:`EXTRAS_KEY`.
 """
 
 from __future__ import annotations
@@ -37,8 +48,9 @@ _UPSTREAM_SETTINGS = (ENABLE.name, MAX_SIZE.name)
 
 
 def patch_stage_config_factory(module: ModuleType) -> None:
-    """Make vLLM-Omni's default diffusion stage builder resolve and carry our settings."""
+    """Make both of vLLM-Omni's diffusion stage builders carry our settings (see the module docstring)."""
     replace_once(module.StageConfigFactory, "_normalize_default_diffusion", _carrying_our_settings)
+    replace_once(module.VllmOmniConfig, "from_pipeline_config", _scoping_our_settings_to_diffusion_stages)
 
 
 def _carrying_our_settings(original: classmethod) -> classmethod:
@@ -57,6 +69,74 @@ def _carrying_our_settings(original: classmethod) -> classmethod:
         return (engine_args, *rest)
 
     return classmethod(normalize_default_diffusion)
+
+
+def _scoping_our_settings_to_diffusion_stages(original: classmethod) -> classmethod:
+    original_function = original.__func__
+
+    @functools.wraps(original_function)
+    def from_pipeline_config(cls: type, pipeline_cfg: Any, *args: Any, **kwargs: Any) -> Any:
+        overrides = kwargs.get("cli_overrides")
+        if overrides:
+            kwargs["cli_overrides"] = scope_to_diffusion_stages(pipeline_cfg, overrides)
+        return original_function(cls, pipeline_cfg, *args, **kwargs)
+
+    return classmethod(from_pipeline_config)
+
+
+def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Return ``overrides`` with our settings scoped to each diffusion stage of ``pipeline_cfg``.
+
+    Per stage, ``stage_N_<setting>`` wins over the top-level ``<setting>``. The two settings
+    vLLM-Omni knows become ``stage_N_`` fields; ours go to ``stage_N_extras[EXTRAS_KEY]``, which
+    vLLM-Omni merges over the deploy YAML's extras. A stage whose extras already hold the resolved
+    settings (the generic builder ran first) is left alone.
+    """
+    names = [setting.name for setting in SETTINGS]
+    top_level = {name: overrides[name] for name in names if overrides.get(name) is not None}
+    scoped = {f"stage_{index}_{name}" for index in range(_MAX_STAGES) for name in names}
+    if not top_level and not scoped & set(overrides):
+        return dict(overrides)
+    result = {key: value for key, value in overrides.items() if key not in top_level}
+    diffusion_stages = [stage.stage_id for stage in pipeline_cfg.stages if _is_diffusion(stage)]
+    for stage_id in diffusion_stages:
+        prefix = f"stage_{stage_id}_"
+        extras = dict(result.get(f"{prefix}extras") or {})
+        if RESOLVED_KEY in extras:
+            continue
+        given = {name: result.pop(f"{prefix}{name}", None) for name in names}
+        given = {name: top_level.get(name) if value is None else value for name, value in given.items()}
+        where = f"{KWARG_SOURCE} for diffusion stage {stage_id}"
+        settings = resolve_settings(given, source=where)  # a bad value fails here, at construction
+        resolve_declared_layouts(settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, where))
+        for name in _UPSTREAM_SETTINGS:
+            if given[name] is not None:
+                result[f"{prefix}{name}"] = given[name]
+        ours = {name: value for name, value in given.items() if value is not None and name not in _UPSTREAM_SETTINGS}
+        if ours:
+            result[f"{prefix}extras"] = {**extras, EXTRAS_KEY: {**(extras.get(EXTRAS_KEY) or {}), **ours}}
+    ours_scoped = {f"stage_{index}_{name}" for index in diffusion_stages for name in names}
+    stray = sorted(key for key in result if key in scoped - ours_scoped)
+    if stray or (top_level and not diffusion_stages and _asks_for_a_cache(top_level)):
+        raise PromptEmbedCacheConfigError(
+            f"prompt-embed cache settings {stray or sorted(top_level)} for a stage that is not a diffusion stage "
+            f"of {getattr(pipeline_cfg, 'model_type', 'this pipeline')!r} (diffusion stages: {diffusion_stages}): "
+            "the cache only wraps a diffusion pipeline's encode_prompt"
+        )
+    return result
+
+
+#: Stage-scoped keys are looked for up to this stage id (vLLM-Omni pipelines have at most a handful).
+_MAX_STAGES = 16
+
+
+def _is_diffusion(stage: Any) -> bool:
+    return getattr(getattr(stage, "execution_type", None), "value", None) == "diffusion"
+
+
+def _asks_for_a_cache(given: Mapping[str, Any]) -> bool:
+    """Whether top-level settings ask for something (an explicit ``enable=False`` alone does not)."""
+    return any(name != ENABLE.name for name in given) or bool(given.get(ENABLE.name))
 
 
 def stage_settings(od_config: Any) -> PromptEmbedCacheSettings:
