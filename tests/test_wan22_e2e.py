@@ -1,0 +1,165 @@
+"""verl-omni's Wan2.2 DanceGRPO adapter (stand-in) through the real AsyncOmni engine on CPU.
+
+3 prompts x 4 siblings (own seeds), CFG with the empty negative prompt, sent as verl-omni's
+rollout sends them: ``{"prompt_token_ids": [...], "negative_prompt_ids": []}``. One request per
+forward, two ``encode_prompt`` calls each: 24 calls. The adapter turns the empty negative into
+zeros *shaped like the prompt's ids*, so there is one distinct negative per distinct prompt
+length: the prompts are picked with two lengths between them, and 3 + 2 = 5 calls are distinct.
+Two engines, cache on and cache off, same seeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from engine_support import GROUP_SIZE, run
+
+from vllm_omni_prompt_cache.demo.rollout import open_engine, worker_value
+from vllm_omni_prompt_cache.tiny.qwen_image import SAMPLE_PROMPTS
+from vllm_omni_prompt_cache.tiny.wan22 import TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, ensure_tiny_wan22
+from vllm_omni_prompt_cache.tiny.wan22_adapter import WAN22_DANCE_GRPO_PIPELINE
+from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
+
+pytestmark = pytest.mark.engine
+
+#: Token lengths 35, 36, 36 with the tiny tokenizer: two distinct zero-id negatives.
+PROMPTS = (SAMPLE_PROMPTS[0], SAMPLE_PROMPTS[5], SAMPLE_PROMPTS[6])
+CACHE_SIZE = 64
+STEPS = 2
+GUIDANCE_SCALE = 5.0  # > 1: CFG on, so every request encodes its negative too
+BASE_SEED = 1234
+
+
+@dataclass
+class WanRollout:
+    """What one engine returned and counted for the rollout (the engine's warm-up excluded)."""
+
+    videos: dict[int, np.ndarray]
+    latents: dict[int, torch.Tensor]
+    errors: dict[int, Any]
+    encoder_runs_at_start: int
+    stats_at_start: dict[str, Any] | None
+    encoder_runs: int
+    stats: dict[str, Any] | None
+    seconds: float
+
+
+def engine_kwargs(cache: bool) -> dict[str, Any]:
+    """Return the ``AsyncOmni`` kwargs: the tiny Wan2.2, the adapter, our counters, fp32, cache on or off."""
+    kwargs: dict[str, Any] = {
+        "model": str(ensure_tiny_wan22()),
+        "custom_pipeline_args": {"pipeline_class": WAN22_DANCE_GRPO_PIPELINE},
+        "worker_extension_cls": WORKER_EXTENSION,
+        "dtype": "float32",
+        "log_stats": False,
+    }
+    # The documented switches. vLLM-Omni builds WanPipeline from its registered pipeline, a path that
+    # drops these two silently on its own; the plugin carries them to the stage.
+    kwargs["enable_prompt_embed_cache"] = cache
+    kwargs["prompt_embed_cache_size"] = CACHE_SIZE
+    return kwargs
+
+
+def requests(prompt_ids: list[list[int]]) -> list[tuple[int, dict[str, Any], int]]:
+    """Return ``(index, request dict, seed)``: one sibling of every prompt, then the next round."""
+    order = [prompt for _ in range(GROUP_SIZE) for prompt in range(len(prompt_ids))]
+    return [
+        (index, {"prompt_token_ids": list(prompt_ids[prompt]), "negative_prompt_ids": []}, BASE_SEED + index)
+        for index, prompt in enumerate(order)
+    ]
+
+
+def token_ids() -> list[list[int]]:
+    """Return each prompt's ids as verl-omni's agent loop sends them: unpadded, with the eos token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_wan22() / "tokenizer")
+    return [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+
+
+async def send_rollout(cache: bool) -> WanRollout:
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    started = time.perf_counter()
+    async with open_engine(engine_kwargs(cache)) as engine:
+        runs_at_start = (await worker_value(engine, "text_encoder_counters"))["encoder_runs"]
+        stats_at_start = await worker_value(engine, "get_prompt_embed_cache_stats")
+
+        async def one(index: int, request: dict[str, Any], seed: int) -> tuple[int, Any]:
+            params = OmniDiffusionSamplingParams(
+                height=TINY_HEIGHT,
+                width=TINY_WIDTH,
+                num_frames=TINY_FRAMES,
+                num_inference_steps=STEPS,
+                guidance_scale=GUIDANCE_SCALE,
+                seed=seed,
+                output_type="np",  # as verl-omni's rollout; "image" breaks vLLM-Omni's Wan post-processing
+                return_trajectory_latents=True,
+            )
+            final = None
+            async for output in engine.generate(request, params, request_id=f"wan-{index}"):
+                final = output
+            return index, final
+
+        finished = await asyncio.gather(*(one(*request) for request in requests(token_ids())))
+        runs = (await worker_value(engine, "text_encoder_counters"))["encoder_runs"]
+        stats = await worker_value(engine, "get_prompt_embed_cache_stats")
+    return WanRollout(
+        videos={index: np.asarray(output.images[0]) for index, output in finished if output.images},
+        latents={index: output.trajectory_latents for index, output in finished},
+        errors={index: output.error for index, output in finished if output.error},
+        encoder_runs_at_start=runs_at_start,
+        stats_at_start=stats_at_start,
+        encoder_runs=runs - runs_at_start,
+        stats=stats,
+        seconds=time.perf_counter() - started,
+    )
+
+
+@pytest.fixture(scope="module")
+def cached() -> WanRollout:
+    return run(send_rollout(cache=True))
+
+
+@pytest.fixture(scope="module")
+def uncached() -> WanRollout:
+    return run(send_rollout(cache=False))
+
+
+def test_every_request_returns_a_video_of_the_requested_size(cached, uncached) -> None:
+    for rollout in (cached, uncached):
+        assert rollout.errors == {}
+        assert len(rollout.videos) == len(PROMPTS) * GROUP_SIZE
+        for index, video in rollout.videos.items():
+            assert video.shape == (1, TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, 3), index
+
+
+def test_each_distinct_prompt_and_zero_id_negative_is_encoded_once(cached, uncached) -> None:
+    lengths = {len(ids) for ids in token_ids()}
+    assert len(lengths) == 2, f"the prompts must tokenize to two lengths, got {lengths}"
+    distinct = len(PROMPTS) + len(lengths)  # each prompt, and one zero-id negative per prompt length
+    calls = 2 * len(PROMPTS) * GROUP_SIZE
+    # The engine's warm-up request ("dummy run") returns before encoding: nothing to subtract.
+    assert cached.encoder_runs_at_start == 0 and uncached.encoder_runs_at_start == 0
+    stats = cached.stats
+    assert cached.encoder_runs == distinct, f"{cached.encoder_runs} encoder runs for {distinct} distinct calls: {stats}"
+    assert stats is not None and stats["enabled"] and cached.stats_at_start["misses"] == 0, stats
+    assert (stats["misses"], stats["hits"], stats["bypassed"]) == (distinct, calls - distinct, 0), stats
+    # Cache off: no cache installed, and every call reaches the text encoder.
+    assert uncached.stats is None
+    assert uncached.encoder_runs == calls
+
+
+def test_cached_outputs_are_bit_identical_to_uncached(cached, uncached) -> None:
+    assert cached.latents.keys() == uncached.latents.keys() == cached.videos.keys()
+    for index in cached.latents:
+        assert torch.equal(cached.latents[index], uncached.latents[index]), index
+        assert np.array_equal(cached.videos[index], uncached.videos[index]), index
+    # Siblings of one prompt differ (their own seeds), so the equalities above compare real outputs.
+    assert not torch.equal(cached.latents[0], cached.latents[len(PROMPTS)])

@@ -1,0 +1,151 @@
+"""What a coverage case is, and how one is judged against the pipeline's own uncached calls.
+
+A :class:`Case` builds a vLLM-Omni pipeline object whose real ``encode_prompt`` runs on a tiny
+random-weight text stack and says how that pipeline's forward calls it. :func:`judge` runs the
+same calls on two fresh builds, one cached and one not:
+
+1. prompt A, twice: the second call must be a whole-call hit, equal to the uncached call;
+2. prompts [A, B]: the first batched call (a row layout is checked here, served uncached);
+3. prompts [B, A]: served from rows when the pipeline has a proven layout, compared with the
+   uncached [B, A] call (the gap is the largest per-row relative difference, as the layout check
+   measures it).
+
+Nothing is mocked: when a step cannot run, the verdict says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.proofs import class_path, compare_outputs, refuted_layouts
+
+COVERED = "covered"
+COVERED_WITHOUT_ROWS = "covered without rows"
+NOT_COVERED = "not covered"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One pipeline class, built tiny, and how its forward calls ``encode_prompt``."""
+
+    pipeline: str  # the vLLM-Omni class name, as its registry names it
+    build: Callable[[], Any]  # a fresh pipeline with the same (seeded) weights every time
+    encode: Callable[[Any, Sequence[Any]], Any]  # pipeline.encode_prompt(...) for these prompts, as forward calls it
+    prompts: tuple[Any, Any]  # two distinct prompts, in the form ``encode`` takes
+    inputs: str = "text"  # what the prompts are: "text", "token ids", "text + image", ...
+    note: str = ""  # anything the table should say about how the case was built
+
+
+@dataclasses.dataclass(frozen=True)
+class NotBuilt:
+    """A pipeline class the matrix lists without running it, and why."""
+
+    pipeline: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    pipeline: str
+    verdict: str  # COVERED, COVERED_WITHOUT_ROWS or NOT_COVERED
+    inputs: str = ""
+    whole_call_hit: bool = False
+    rows: bool = False
+    gap: float | None = None  # the largest relative difference from the uncached calls (0.0: bit-identical)
+    reason: str = ""  # why rows, or anything, are missing
+    note: str = ""
+
+
+def judge(case: Case) -> Verdict:
+    """Run ``case``'s calls cached and uncached; return what the cache did and how close it was.
+
+    Under ``torch.no_grad()``, as vLLM-Omni's runner calls a pipeline's forward.
+    """
+    with torch.no_grad():
+        return _judge(case)
+
+
+def _judge(case: Case) -> Verdict:
+    first, second = case.prompts
+    try:
+        reference = case.build()
+        expected = {
+            "A": case.encode(reference, [first]),
+            "AB": case.encode(reference, [first, second]),
+            "BA": case.encode(reference, [second, first]),
+        }
+        pipeline = case.build()
+        cache = install_prompt_embed_cache(pipeline, max_size=64)
+    except Exception as error:  # a builder that no longer fits vLLM-Omni: the table says so
+        why = _failure("building or the uncached calls", error)
+        return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=why)
+    if cache is None:
+        return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason="install_prompt_embed_cache installed nothing")
+    try:
+        served = [case.encode(pipeline, [first]), case.encode(pipeline, [first])]
+        after_single = cache.snapshot()
+        served_batch = case.encode(pipeline, [first, second])
+        before_rows = cache.snapshot()
+        served_rows = case.encode(pipeline, [second, first])
+        after_rows = cache.snapshot()
+    except Exception as error:  # the cached path must never fail where the uncached one worked
+        return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=_failure("a cached call", error))
+
+    bypassed = dict(after_single.bypass_reasons)
+    if bypassed:
+        return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=f"bypassed: {', '.join(bypassed)}")
+    gaps = []
+    for got, want, what in (
+        (served[0], expected["A"], "A"),
+        (served[1], expected["A"], "A (hit)"),
+        (served_batch, expected["AB"], "[A, B]"),
+        (served_rows, expected["BA"], "[B, A]"),
+    ):
+        why, gap = compare_outputs(got, want)
+        if why is not None:
+            return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=f"{what} differs from uncached: {why}")
+        gaps.append(gap)
+    whole_hit = after_single.hits >= 1
+    encoded_again = after_rows.rows_encoded - before_rows.rows_encoded
+    rows_served = encoded_again == 0 and after_rows.row_hits >= before_rows.row_hits + 2
+    gap = max(gaps)
+    if whole_hit and rows_served:
+        return Verdict(case.pipeline, COVERED, case.inputs, True, True, gap, note=case.note)
+    return Verdict(
+        case.pipeline,
+        COVERED_WITHOUT_ROWS if whole_hit else NOT_COVERED,
+        case.inputs,
+        whole_hit,
+        False,
+        gap,
+        reason=_why_no_rows(pipeline, after_rows) if whole_hit else "the repeated call was not a hit",
+        note=case.note,
+    )
+
+
+def _why_no_rows(pipeline: Any, stats: Any) -> str:
+    proof = pipeline._prompt_embed_cache_layout
+    refuted = refuted_layouts(class_path(type(pipeline)))
+    if refuted:
+        return "layout refuted: " + "; ".join(refuted.values())
+    if stats.whole_call_reasons:
+        return "calls keyed whole: " + ", ".join(stats.whole_call_reasons)
+    return f"no row layout ({proof.source})"
+
+
+def _failure(where: str, error: BaseException) -> str:
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    at = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+    return f"{where} raised {type(error).__name__}: {str(error)[:160]} ({at})"
+
+
+def seeded(seed: int) -> torch.Generator:
+    """Seed torch's global generator (weights of ``from_config`` modules) and return a generator."""
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
