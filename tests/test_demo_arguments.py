@@ -42,6 +42,9 @@ from vllm_omni_prompt_cache.store import CacheStats
         (["--replicas", "2", "--lb-policy", "fastest"], "unknown policy(ies) ['fastest']"),
         (["--replicas", "2", "--lb-policy", "random,random"], "policy listed twice in 'random,random'"),
         (["--arrival", "bursty"], "argument --arrival: invalid choice: 'bursty'"),
+        (["--model", "flux"], "argument --model: expected one of qwen-image, wan2.2 or a model directory path"),
+        (["--model", "wan2.2", "--size", "48"], "argument --size: Wan2.2 needs a multiple of 32 pixels, got 48"),
+        (["--model", "wan2.2", "--max-num-seqs", "1,8"], "serves one request per forward; got 1,8"),
     ],
 )
 def test_bad_arguments_get_a_clear_error_not_a_traceback(arguments, message, capsys) -> None:
@@ -171,6 +174,13 @@ def test_replicas_default_to_our_cache_under_every_policy_at_max_num_seqs_1() ->
     assert replicated.lb_policy == ("random", "round-robin", "least-queue-length", "prompt-affinity")
     chosen = _parsed("--replicas", "4", "--lb-policy", "prompt-affinity", "--modes", "off,ours", "--max-num-seqs", "8")
     assert (chosen.modes, chosen.max_num_seqs, chosen.lb_policy) == (("off", "ours"), (8,), ("prompt-affinity",))
+
+
+def test_each_model_gets_its_own_size_and_batching_defaults() -> None:
+    qwen, wan = _parsed(), _parsed("--model", "wan2.2")
+    assert (qwen.model, qwen.size, qwen.max_num_seqs) == ("qwen-image", 64, (1, 8))
+    assert (wan.model, wan.size, wan.max_num_seqs) == ("wan2.2", 32, (1,))
+    assert command.model_name(argparse.Namespace(model=command._model("./saved-qwen-image"))) == "qwen-image"
 
 
 @pytest.mark.parametrize("arrival", ["interleaved", "grouped", "shuffled"])

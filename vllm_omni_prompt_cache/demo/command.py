@@ -17,7 +17,7 @@ from typing import TextIO
 from vllm_omni_prompt_cache.config import MAX_BYTES, MAX_SIZE
 from vllm_omni_prompt_cache.demo import machine, report
 from vllm_omni_prompt_cache.demo.replicas import LB_POLICIES
-from vllm_omni_prompt_cache.demo.rollout import ARRIVALS, DEFAULT_PROMPTS, MODES, RolloutResult, RolloutSpec
+from vllm_omni_prompt_cache.demo.rollout import ARRIVALS, DEFAULT_PROMPTS, MODELS, MODES, RolloutResult, RolloutSpec
 from vllm_omni_prompt_cache.tiny.qwen_image import TinyQwenImageSpec
 from vllm_omni_prompt_cache.vllm_omni.cli_args import setting_type
 
@@ -83,6 +83,25 @@ def _max_num_seqs(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def _model(text: str) -> str | Path:
+    """A model name of MODELS, or the path of a saved Qwen-Image pipeline (anything with a separator or a dot)."""
+    if text in MODELS:
+        return text
+    if "/" in text or text.startswith("."):
+        return Path(text)
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(MODELS)} or a model directory path, got {text!r}")
+
+
+#: The size each model's pixels must be a multiple of (its VAE's downsampling times its patch size).
+SIZE_MULTIPLE = {"qwen-image": 16, "wan2.2": 32}
+DEFAULT_SIZE = {"qwen-image": 64, "wan2.2": 32}
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The architecture ``--model`` names: a directory given by path is a Qwen-Image one."""
+    return args.model if isinstance(args.model, str) else "qwen-image"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
     parser.add_argument(
@@ -102,7 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each prompt's siblings back to back (grouped, as verl lays a batch out), or shuffled",
     )
     parser.add_argument("--steps", type=_positive_int, default=4, help="denoising steps per request (default 4)")
-    parser.add_argument("--size", type=_positive_int, default=64, help="image height and width in pixels (default 64)")
+    parser.add_argument(
+        "--size",
+        type=_positive_int,
+        default=None,
+        help="image or video height and width in pixels (default 64 for qwen-image, 32 for wan2.2)",
+    )
     parser.add_argument(
         "--modes",
         type=_modes,
@@ -151,9 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        type=Path,
-        default=None,
-        help="a saved Qwen-Image diffusers pipeline directory (default: a small one built on first use and cached)",
+        type=_model,
+        default="qwen-image",
+        help="qwen-image (the default) or wan2.2: a small random-weight model of that architecture, built on "
+        "first use and cached; or the path of a saved Qwen-Image diffusers pipeline directory",
     )
     parser.add_argument("--out", type=Path, default=None, help="write report.md, results.json and time.png here")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the first request; request i uses seed + i")
@@ -169,15 +194,25 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.lb_policy = LB_POLICIES
     if args.modes is None:
         args.modes = ("ours",) if replicated else MODES
+    one_per_forward = model_name(args) == "wan2.2"  # verl-omni's Wan2.2 adapter serves one request per forward
     if args.max_num_seqs is None:
-        args.max_num_seqs = (1,) if replicated else (1, 8)
+        args.max_num_seqs = (1,) if replicated or one_per_forward else (1, 8)
+    if one_per_forward and args.max_num_seqs != (1,):
+        parser.error(
+            "argument --max-num-seqs: wan2.2 runs verl-omni's DanceGRPO adapter, which serves one request per "
+            f"forward; got {','.join(map(str, args.max_num_seqs))}"
+        )
     if args.prompts > len(DEFAULT_PROMPTS):
         parser.error(
             f"argument --prompts: at most {len(DEFAULT_PROMPTS)} distinct prompts are built in, got {args.prompts}"
         )
-    if args.size % 16:
-        parser.error(f"argument --size: Qwen-Image needs a multiple of 16 pixels, got {args.size}")
-    if args.model is not None:
+    name = model_name(args)
+    if args.size is None:
+        args.size = DEFAULT_SIZE[name]
+    if args.size % SIZE_MULTIPLE[name]:
+        label = {"qwen-image": "Qwen-Image", "wan2.2": "Wan2.2"}[name]
+        parser.error(f"argument --size: {label} needs a multiple of {SIZE_MULTIPLE[name]} pixels, got {args.size}")
+    if isinstance(args.model, Path):
         from vllm_omni_prompt_cache.tiny.qwen_image import check_model_dir
 
         try:
@@ -237,11 +272,17 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
     from vllm_omni_prompt_cache.demo.rollout import run_mode
     from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 
-    if args.model is None:
-        print("Preparing the demo model (built once, then cached) ...", file=out)
-        model_dir = ensure_tiny_qwen_image(DEMO_MODEL)
-    else:
+    name = model_name(args)
+    if isinstance(args.model, Path):
         model_dir = args.model
+    else:
+        print(f"Preparing the demo's {name} model (built once, then cached) ...", file=out)
+        if name == "wan2.2":
+            from vllm_omni_prompt_cache.tiny.wan22 import ensure_tiny_wan22
+
+            model_dir = ensure_tiny_wan22()
+        else:
+            model_dir = ensure_tiny_qwen_image(DEMO_MODEL)
     spec = RolloutSpec(
         model_dir=model_dir,
         prompts=DEFAULT_PROMPTS[: args.prompts],
@@ -253,13 +294,16 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
         step_execution=args.step_execution,
         replicas=args.replicas,
         arrival=args.arrival,
+        model=name,
     )
     requests = len(spec.requests())
     policies = ", ".join(args.lb_policy or ())
     environment = environment_summary(on_cpu)  # before any engine: if it fails, nothing is lost
     print(
         f"Rollout: {args.prompts} prompts x {args.group_size} siblings = {requests} requests per mode, "
-        f"{args.steps} steps at {args.size}x{args.size}, CFG with a shared negative prompt, sent {args.arrival}; "
+        f"{name}, {args.steps} steps at {args.size}x{args.size}"
+        f"{f' x {spec.frames} frames' if name == 'wan2.2' else ''}, CFG with a shared negative prompt, "
+        f"sent {args.arrival}; "
         f"modes: {', '.join(args.modes)}; max_num_seqs: {', '.join(map(str, args.max_num_seqs))}"
         f"{'; step execution' if args.step_execution else ''}"
         f"{f'; {args.replicas} replicas, lb policies: {policies}' if args.lb_policy else ''}"

@@ -42,6 +42,10 @@ ARRIVALS = ("interleaved", "grouped", "shuffled")
 TOKEN_ID_PIPELINE = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
 DEFAULT_PROMPTS = SAMPLE_PROMPTS
 NEGATIVE_PROMPT = SAMPLE_NEGATIVE_PROMPT
+#: The models a rollout can run: Qwen-Image (FlowGRPO-shaped token-ID pipeline, images) and Wan2.2
+#: (verl-omni's DanceGRPO adapter's shape, videos; vLLM-Omni builds it from a registered pipeline).
+MODELS = ("qwen-image", "wan2.2")
+WAN22_PIPELINE = "vllm_omni_prompt_cache.tiny.wan22_adapter.DanceGrpoWan22Pipeline"
 
 
 @dataclass(frozen=True)
@@ -62,10 +66,14 @@ class RolloutSpec:
     replicas: int = 1  # replicas of the diffusion stage, each with its own cache
     lb_policy: str | None = None  # how requests are spread over them (None: one replica)
     arrival: str = "interleaved"  # the order requests are sent in: one of ARRIVALS
+    model: str = "qwen-image"  # one of MODELS: which pipeline model_dir holds
+    frames: int = 5  # video frames per request (Wan2.2)
 
     def __post_init__(self) -> None:
         if self.arrival not in ARRIVALS:
             raise ValueError(f"unknown arrival {self.arrival!r}: expected one of {', '.join(ARRIVALS)}")
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}: expected one of {', '.join(MODELS)}")
 
     def requests(self) -> list[tuple[int, int, int]]:
         """Return ``(request_index, prompt_index, seed)`` for every request, in the order they are sent."""
@@ -124,7 +132,7 @@ def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str 
         raise ValueError(f"unknown cache mode {mode!r}: expected one of {', '.join(MODES)}")
     kwargs: dict[str, Any] = {
         "model": str(spec.model_dir),
-        "custom_pipeline_args": {"pipeline_class": TOKEN_ID_PIPELINE},
+        "custom_pipeline_args": {"pipeline_class": WAN22_PIPELINE if spec.model == "wan2.2" else TOKEN_ID_PIPELINE},
         "worker_extension_cls": WORKER_EXTENSION,
         "enable_prompt_embed_cache": mode != "off",
         "prompt_embed_cache_size": cache_size,
@@ -195,20 +203,36 @@ async def send_rollout(
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     tokenizer = load_tokenizer(spec.model_dir)
-    prompt_ids = [prompt_token_ids(tokenizer, prompt) for prompt in spec.prompts]
-    negative_ids = None if spec.negative_prompt is None else prompt_token_ids(tokenizer, spec.negative_prompt)
+    if spec.model == "wan2.2":  # verl-omni's DanceGRPO sends the plain ids, end-of-sequence token included
+
+        def token_ids(text: str) -> list[int]:
+            return tokenizer(text)["input_ids"]
+
+    else:
+
+        def token_ids(text: str) -> list[int]:
+            return prompt_token_ids(tokenizer, text)
+
+    prompt_ids = [token_ids(prompt) for prompt in spec.prompts]
+    negative_ids = None if spec.negative_prompt is None else token_ids(spec.negative_prompt)
 
     async def one(index: int, prompt_index: int, seed: int) -> tuple[int, Any]:
         request: dict[str, Any] = {"prompt_token_ids": list(prompt_ids[prompt_index])}  # verl-omni's key
         if negative_ids is not None:
             request["negative_prompt_ids"] = list(negative_ids)
+        by_model: dict[str, Any] = (
+            # Wan2.2: guidance_scale is its CFG scale; "np" output, as verl-omni's rollout asks for it.
+            {"num_frames": spec.frames, "guidance_scale": spec.true_cfg_scale, "output_type": "np"}
+            if spec.model == "wan2.2"
+            else {"true_cfg_scale": spec.true_cfg_scale}
+        )
         params = OmniDiffusionSamplingParams(
             height=spec.height,
             width=spec.width,
             num_inference_steps=spec.steps,
             seed=seed,
-            true_cfg_scale=spec.true_cfg_scale,
             return_trajectory_latents=True,
+            **by_model,
         )
         final = None
         async for output in engine.generate(request, params, request_id=f"rollout-{index}"):
@@ -222,9 +246,15 @@ async def send_rollout(
     finished = await asyncio.gather(*(one(*request) for request in spec.requests()))
     return SentRollout(
         latents={index: output.trajectory_latents for index, output in finished},
-        image_sizes={image.size for _, output in finished for image in output.images},
+        image_sizes={_size(image) for _, output in finished for image in output.images},
         replica_by_request={index: getattr(output, "replica_id", None) for index, output in finished},
     )
+
+
+def _size(image: Any) -> tuple[int, int]:
+    """Width and height of a PIL image, or of a video array ``(1, frames, height, width, 3)``."""
+    shape = getattr(image, "shape", None)
+    return image.size if shape is None else (int(shape[-2]), int(shape[-3]))
 
 
 async def run_mode(
