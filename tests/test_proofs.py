@@ -87,6 +87,16 @@ def test_another_rows_values_are_a_mismatch_naming_the_row() -> None:
     assert why is not None and why.startswith("output 0: row 1 differs by") and gap > 0.1
 
 
+def test_dict_outputs_are_compared_by_key() -> None:
+    """Anima's encode_prompt returns a dict: compared value by value, never by a tensor's truth value."""
+    embeds = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    expected = {"embeds": embeds, "mask": torch.ones(2, 4, dtype=torch.long)}
+    assert compare_outputs({k: v.clone() for k, v in expected.items()}, expected) == (None, 0.0)
+    why, _ = compare_outputs({"embeds": embeds.flip(0), "mask": expected["mask"]}, expected)
+    assert why is not None and why.startswith("output 'embeds': row 0 differs by")
+    assert "other keys" in compare_outputs({"embeds": embeds}, expected)[0]
+
+
 def test_masks_and_shapes_must_be_equal() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert compare_outputs(mask.flip(0), mask)[0] == "values differ"

@@ -53,6 +53,16 @@ def compare_outputs(assembled: Any, expected: Any) -> tuple[str | None, float]:
                 return f"output {position}: {why}", measured
             gap = max(gap, measured)
         return None, gap
+    if isinstance(expected, Mapping):  # e.g. Anima's encode_prompt returns a dict of tensors
+        if not isinstance(assembled, Mapping) or set(assembled) != set(expected):
+            return "the uncached call returned a dict, the rows assembled to another form or other keys", 0.0
+        gap = 0.0
+        for name, theirs in expected.items():
+            why, measured = compare_outputs(assembled[name], theirs)
+            if why is not None:
+                return f"output {name!r}: {why}", measured
+            gap = max(gap, measured)
+        return None, gap
     if isinstance(expected, torch.Tensor):
         if not isinstance(assembled, torch.Tensor):
             return f"expected a tensor, assembled a {type(assembled).__qualname__}", 0.0
