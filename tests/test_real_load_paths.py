@@ -375,6 +375,16 @@ def test_a_stage_scoped_value_wins_and_the_caller_wins_over_the_deploy_yaml(tmp_
     settings = stage_settings(od_config)
     assert (settings.max_size, settings.max_bytes) == (8, 1024)  # stage-scoped kwarg > kwarg > YAML
     assert settings.verify is False  # the YAML's own extra setting is kept
+    (tmp_path / "again").mkdir()
+    top_level_only = diffusion_stage_from_deploy_config(tmp_path / "again", yaml_text, prompt_embed_cache_size=64)
+    assert stage_settings(top_level_only).max_size == 64  # a top-level kwarg beats the YAML's 5
+
+
+def test_an_explicit_none_is_not_given(wan_model: Path) -> None:
+    """A framework forwarding every setting, unset ones as None, builds as if it had passed none."""
+    od_config = diffusion_stage_of(wan_model, enable_prompt_embed_cache=True, **{MAX_BYTES.name: None})
+    settings = stage_settings(od_config)
+    assert (settings.enabled, settings.max_bytes) == (True, None)
 
 
 @pytest.mark.parametrize(
@@ -404,9 +414,14 @@ def test_cache_settings_for_a_pipeline_without_a_diffusion_stage_are_refused() -
             ),
         ),
     )
-    assert scope_to_diffusion_stages(llm_only, {"enable_prompt_embed_cache": False}) == {}  # nothing asked for
+    # Nothing asked for: one kwargs set passed for every model keeps working (vLLM-Omni ignores these here).
+    unasked = {"enable_prompt_embed_cache": False, "prompt_embed_cache_size": 32}
+    assert scope_to_diffusion_stages(llm_only, unasked) == {}
+    assert scope_to_diffusion_stages(llm_only, {"stage_0_prompt_embed_cache_max_bytes": None}) == {}
     refused = r"not a diffusion stage of 'llm_only' \(diffusion stages: \[\]\)"
     with pytest.raises(PromptEmbedCacheConfigError, match=refused):
         scope_to_diffusion_stages(llm_only, {"enable_prompt_embed_cache": True})
     with pytest.raises(PromptEmbedCacheConfigError, match=r"\['stage_0_prompt_embed_cache_size'\]"):
         scope_to_diffusion_stages(llm_only, {"stage_0_prompt_embed_cache_size": 4})
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"\['stage_20_prompt_embed_cache_max_bytes'\]"):
+        scope_to_diffusion_stages(llm_only, {"stage_20_prompt_embed_cache_max_bytes": "1KiB"})  # any stage id

@@ -22,6 +22,7 @@ extra settings itself, under :data:`EXTRAS_KEY`.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
@@ -93,11 +94,10 @@ def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -
     settings (the generic builder ran first) is left alone.
     """
     names = [setting.name for setting in SETTINGS]
-    top_level = {name: overrides[name] for name in names if overrides.get(name) is not None}
-    scoped = {f"stage_{index}_{name}" for index in range(_MAX_STAGES) for name in names}
-    if not top_level and not scoped & set(overrides):
+    if not any(key in names or _STAGE_SCOPED.match(key) for key in overrides):
         return dict(overrides)
-    result = {key: value for key, value in overrides.items() if key not in top_level}
+    top_level = {name: overrides[name] for name in names if overrides.get(name) is not None}
+    result = {key: value for key, value in overrides.items() if key not in names}  # None means not given
     diffusion_stages = [stage.stage_id for stage in pipeline_cfg.stages if _is_diffusion(stage)]
     for stage_id in diffusion_stages:
         prefix = f"stage_{stage_id}_"
@@ -115,28 +115,27 @@ def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -
         ours = {name: value for name, value in given.items() if value is not None and name not in _UPSTREAM_SETTINGS}
         if ours:
             result[f"{prefix}extras"] = {**extras, EXTRAS_KEY: {**(extras.get(EXTRAS_KEY) or {}), **ours}}
-    ours_scoped = {f"stage_{index}_{name}" for index in diffusion_stages for name in names}
-    stray = sorted(key for key in result if key in scoped - ours_scoped)
-    if stray or (top_level and not diffusion_stages and _asks_for_a_cache(top_level)):
+    stray = []
+    for key in [key for key in result if _STAGE_SCOPED.match(key)]:
+        if int(_STAGE_SCOPED.match(key)[1]) in diffusion_stages:
+            continue  # a stage the generic builder already resolved
+        if result.pop(key) is not None:
+            stray.append(key)
+    if stray or (not diffusion_stages and top_level.get(ENABLE.name)):
         raise PromptEmbedCacheConfigError(
-            f"prompt-embed cache settings {stray or sorted(top_level)} for a stage that is not a diffusion stage "
-            f"of {getattr(pipeline_cfg, 'model_type', 'this pipeline')!r} (diffusion stages: {diffusion_stages}): "
-            "the cache only wraps a diffusion pipeline's encode_prompt"
+            f"prompt-embed cache settings {sorted(stray) or sorted(top_level)} for a stage that is not a diffusion "
+            f"stage of {getattr(pipeline_cfg, 'model_type', 'this pipeline')!r} (diffusion stages: "
+            f"{diffusion_stages}): the cache only wraps a diffusion pipeline's encode_prompt"
         )
     return result
 
 
-#: Stage-scoped keys are looked for up to this stage id (vLLM-Omni pipelines have at most a handful).
-_MAX_STAGES = 16
+#: ``stage_<id>_<setting>`` for any of our settings.
+_STAGE_SCOPED = re.compile(r"^stage_(\d+)_(" + "|".join(re.escape(setting.name) for setting in SETTINGS) + r")$")
 
 
 def _is_diffusion(stage: Any) -> bool:
     return getattr(getattr(stage, "execution_type", None), "value", None) == "diffusion"
-
-
-def _asks_for_a_cache(given: Mapping[str, Any]) -> bool:
-    """Whether top-level settings ask for something (an explicit ``enable=False`` alone does not)."""
-    return any(name != ENABLE.name for name in given) or bool(given.get(ENABLE.name))
 
 
 def stage_settings(od_config: Any) -> PromptEmbedCacheSettings:
