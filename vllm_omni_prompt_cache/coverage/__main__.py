@@ -1,9 +1,15 @@
-"""``python -m vllm_omni_prompt_cache.coverage [--write docs/coverage.md]``: run every case, print the table."""
+"""``python -m vllm_omni_prompt_cache.coverage [--write docs/coverage.md | --json]``: run every case, print the table.
+
+Run it in a process of its own: some text stacks (vLLM's tensor-parallel layers) set up a one-rank
+process group that stays for the life of the process.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import pkgutil
 import sys
 from pathlib import Path
@@ -24,8 +30,19 @@ def all_cases() -> list[Case | NotBuilt]:
     return sorted(cases, key=lambda case: case.pipeline)
 
 
+def summary(verdicts: list[Verdict]) -> str:
+    """One line of counts by verdict, as the table below it holds them."""
+    counts = {kind: sum(v.verdict == kind for v in verdicts) for kind in VERDICTS}
+    return f"{len(verdicts)} classes: " + ", ".join(f"{count} {kind}" for kind, count in counts.items()) + "."
+
+
+VERDICTS = ("covered", "covered without rows", "not covered", "not built")
+
+
 def table(verdicts: list[Verdict], paths: dict[str, str]) -> str:
     lines = [
+        summary(verdicts),
+        "",
         "| pipeline | verdict | inputs | whole-call hit | rows | vs uncached | built by / switch | why, or how |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -45,6 +62,7 @@ def table(verdicts: list[Verdict], paths: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_omni_prompt_cache.coverage")
     parser.add_argument("--write", type=Path, help="replace the table between the coverage marks of this file")
+    parser.add_argument("--json", action="store_true", help="print the verdicts and build paths as JSON instead")
     args = parser.parse_args(argv)
     verdicts, paths = [], {}
     for case in all_cases():
@@ -54,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(judge(case))
         paths[case.pipeline] = build_path(case.pipeline)
         print(f"{verdicts[-1].pipeline}: {verdicts[-1].verdict} {verdicts[-1].reason}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"verdicts": [dataclasses.asdict(v) for v in verdicts], "paths": paths}))
+        return 0
     rendered = table(verdicts, paths)
     print(rendered)
     if args.write is not None:

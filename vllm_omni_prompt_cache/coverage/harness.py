@@ -97,7 +97,7 @@ def _judge(case: Case) -> Verdict:
     except Exception as error:  # the cached path must never fail where the uncached one worked
         return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=_failure("a cached call", error))
 
-    bypassed = dict(after_single.bypass_reasons)
+    bypassed = dict(after_rows.bypass_reasons)
     if bypassed:
         return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=f"bypassed: {', '.join(bypassed)}")
     gaps = []
@@ -123,7 +123,7 @@ def _judge(case: Case) -> Verdict:
         case.inputs,
         whole_hit,
         False,
-        gap,
+        gap if whole_hit else None,
         reason=_why_no_rows(pipeline, after_rows) if whole_hit else "the repeated call was not a hit",
         note=case.note,
     )

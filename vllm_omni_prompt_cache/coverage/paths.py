@@ -79,9 +79,6 @@ def _diffusion_stages(model: Path) -> list[Any]:
             if isinstance(stage_cfg, BaseVllmOmniStageConfig)
             else stage_init_utils.extract_legacy_stage_metadata(stage_cfg)
         )
-        if getattr(metadata, "stage_type", None) in ("diffusion", getattr(metadata, "stage_type", None)):
-            try:
-                stages.append(stage_init_utils.build_diffusion_config(inputs.model, stage_cfg, metadata))
-            except Exception:  # not a diffusion stage (an LLM stage of a multi-stage pipeline)
-                continue
+        if getattr(metadata, "stage_type", None) == "diffusion":
+            stages.append(stage_init_utils.build_diffusion_config(inputs.model, stage_cfg, metadata))
     return stages

@@ -87,7 +87,7 @@ def _model(text: str) -> str | Path:
     """A model name of MODELS, or the path of a saved Qwen-Image pipeline (anything with a separator or a dot)."""
     if text in MODELS:
         return text
-    if "/" in text or text.startswith("."):
+    if "/" in text or text.startswith(".") or Path(text).is_dir():
         return Path(text)
     raise argparse.ArgumentTypeError(f"expected one of {', '.join(MODELS)} or a model directory path, got {text!r}")
 
@@ -197,6 +197,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     one_per_forward = model_name(args) == "wan2.2"  # verl-omni's Wan2.2 adapter serves one request per forward
     if args.max_num_seqs is None:
         args.max_num_seqs = (1,) if replicated or one_per_forward else (1, 8)
+    if one_per_forward and args.step_execution:
+        parser.error("argument --step-execution: verl-omni's Wan2.2 adapter has no step-execution path")
     if one_per_forward and args.max_num_seqs != (1,):
         parser.error(
             "argument --max-num-seqs: wan2.2 runs verl-omni's DanceGRPO adapter, which serves one request per "

@@ -17,9 +17,9 @@ Mirrored, from verl-project/verl-omni (main at a1139ba, August 2026),
   right-padded with zeros to exactly ``max_sequence_length``, the rows are copied
   ``num_videos_per_prompt`` times each, and the returned mask is all ones ``[B*n,
   max_sequence_length]`` (long): the padding is not masked out.
-* ``forward`` (lines 322-517): one request per forward (more is an error); the engine's warm-up
-  request (``{"prompt": "dummy run"}``) returns an empty output without encoding anything. It
-  reads ``prompt_token_ids``, ``prompt_mask``, ``negative_prompt_ids`` and
+* ``forward`` (lines 322-681; its encode calls end at 517): one request per forward (more is an
+  error); the engine's warm-up request (``{"prompt": "dummy run"}``) returns an empty output
+  without encoding anything. It reads ``prompt_token_ids``, ``prompt_mask``, ``negative_prompt_ids`` and
   ``negative_prompt_mask`` from the request dict, turns id lists into 1-D int64 tensors on the
   pipeline's device, and turns an *empty* negative into zeros shaped like the prompt's ids with an
   all-False bool mask (so its key depends on the prompt's length). Guidance is 5.0 unless the
