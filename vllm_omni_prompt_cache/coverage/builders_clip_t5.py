@@ -28,15 +28,13 @@ recipe decides it, and its negative prompt).
 from __future__ import annotations
 
 import functools
-import os
 import string
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, seeded
+from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, one_rank_process_group, seeded
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 CPU = torch.device("cpu")
@@ -207,18 +205,7 @@ def _t5() -> Any:
     return T5EncoderModel(_t5_config()).to(DTYPE).eval()
 
 
-@functools.cache
-def _one_rank_group() -> None:
-    """vLLM's parallel layers need a TP group: one process, one rank, gloo (kept for the process)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return
-    rendezvous = os.path.join(tempfile.mkdtemp(prefix="clip-t5-gloo-"), "rendezvous")
-    with set_current_vllm_config(VllmConfig()):
-        parallel_state.init_distributed_environment(1, 0, f"file://{rendezvous}", 0, "gloo")
-        parallel_state.initialize_model_parallel(1, 1)
+_one_rank_group = one_rank_process_group  # vLLM's parallel layers need a TP group
 
 
 @functools.cache

@@ -29,14 +29,12 @@ import copy
 import functools
 import json
 import string
-import tempfile
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, seeded
+from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, one_rank_process_group, seeded
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 #: GLM-Image encodes only the quoted text of a prompt (the glyphs to render).
@@ -548,18 +546,7 @@ def _krea2_call(pipeline: Any, prompts: Sequence[str]) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _tensor_parallel_group() -> None:
-    """Start a one-process gloo TP group (once per process), as vLLM's worker does before it builds layers."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return
-    store = Path(tempfile.mkdtemp(prefix="coverage-gloo-")) / "rendezvous"
-    with set_current_vllm_config(VllmConfig()):
-        parallel_state.init_distributed_environment(1, 0, f"file://{store}", 0, "gloo")
-        parallel_state.initialize_model_parallel(1, 1)
+_tensor_parallel_group = one_rank_process_group  # vLLM's parallel layers need a TP group
 
 
 def _silu_and_mul(result: torch.Tensor, gate_up: torch.Tensor) -> None:

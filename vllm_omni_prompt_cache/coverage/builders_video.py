@@ -27,12 +27,11 @@ import json
 import string
 import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, seeded
+from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, one_rank_process_group, seeded
 
 PROMPTS = ("a red fox runs through the snow at dawn", "a lighthouse stands above a stormy sea")
 #: HunyuanVideo-1.5 sends quoted text through its ByT5 glyph encoder: the first prompt quotes, the second does not.
@@ -236,18 +235,7 @@ def _mrope_section(head_dim: int) -> list[int]:
 # --- HunyuanVideo-1.5 ---------------------------------------------------------------------------------
 
 
-@functools.cache
-def _vllm_single_rank() -> None:
-    """Join a one-rank gloo group: the vLLM T5's tensor-parallel layers read its size and rank."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return
-    rendezvous = Path(tempfile.mkdtemp(prefix="coverage-gloo-")) / "rendezvous"
-    with set_current_vllm_config(VllmConfig()):
-        parallel_state.init_distributed_environment(1, 0, f"file://{rendezvous}", 0, "gloo")
-        parallel_state.initialize_model_parallel(1, 1)
+_vllm_single_rank = one_rank_process_group  # vLLM's parallel layers need a TP group
 
 
 @functools.cache

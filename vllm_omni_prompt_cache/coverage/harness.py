@@ -16,8 +16,11 @@ Nothing is mocked: when a step cannot run, the verdict says why.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -149,3 +152,20 @@ def seeded(seed: int) -> torch.Generator:
     """Seed torch's global generator (weights of ``from_config`` modules) and return a generator."""
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
+
+
+@functools.cache
+def one_rank_process_group() -> None:
+    """Join a one-rank gloo group (once per process): vLLM's parallel layers read its size and rank.
+
+    It stays for the life of the process, which is why the matrix runs in a process of its own.
+    """
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    rendezvous = Path(tempfile.mkdtemp(prefix="coverage-gloo-")) / "rendezvous"
+    with set_current_vllm_config(VllmConfig()):
+        parallel_state.init_distributed_environment(1, 0, f"file://{rendezvous}", 0, "gloo")
+        parallel_state.initialize_model_parallel(1, 1)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,13 +112,17 @@ def ensure_tiny_qwen_image(spec: TinyQwenImageSpec | None = None, cache_dir: Pat
     """Return the directory of the tiny checkpoint for ``spec``, building it on first use."""
     spec = spec or TinyQwenImageSpec()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / "models" / f"tiny-qwen-image-{spec.digest()}"
+    return build_once(root / "models" / f"tiny-qwen-image-{spec.digest()}", lambda out: _build(spec, out))
+
+
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Return ``target``, a model directory ``build`` writes into a staging folder renamed into place."""
     if (target / "model_index.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        _build(spec, staging)
+        build(staging)
         try:
             staging.rename(target)  # atomic: concurrent builders race, one wins, all see a whole model
         except OSError:

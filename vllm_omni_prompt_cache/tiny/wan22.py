@@ -14,15 +14,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import shutil
 import string
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_omni_prompt_cache.tiny.qwen_image import (
     SAMPLE_NEGATIVE_PROMPT,
     SAMPLE_PROMPTS,
+    build_once,
     default_cache_dir,
     native_dtype,
 )
@@ -79,21 +78,7 @@ def ensure_tiny_wan22(spec: TinyWan22Spec | None = None, cache_dir: Path | None 
     """Return the directory of the tiny Wan2.2 checkpoint for ``spec``, building it on first use."""
     spec = spec or TinyWan22Spec()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / "models" / f"tiny-wan22-{spec.digest()}"
-    if (target / "model_index.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    try:
-        _build(spec, staging)
-        try:
-            staging.rename(target)  # atomic: concurrent builders race, one wins, all see a whole model
-        except OSError:
-            if not (target / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_once(root / "models" / f"tiny-wan22-{spec.digest()}", lambda out: _build(spec, out))
 
 
 def _build(spec: TinyWan22Spec, out: Path) -> None:
