@@ -14,7 +14,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, Verdict, judge
+from vllm_omni_prompt_cache.coverage.harness import NOT_BUILT, VERDICTS, Case, NotBuilt, Verdict, judge
 from vllm_omni_prompt_cache.coverage.paths import build_path
 
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
@@ -36,9 +36,6 @@ def summary(verdicts: list[Verdict]) -> str:
     return f"{len(verdicts)} classes: " + ", ".join(f"{count} {kind}" for kind, count in counts.items()) + "."
 
 
-VERDICTS = ("covered", "covered without rows", "not covered", "not built")
-
-
 def table(verdicts: list[Verdict], paths: dict[str, str]) -> str:
     lines = [
         summary(verdicts),
@@ -52,8 +49,8 @@ def table(verdicts: list[Verdict], paths: dict[str, str]) -> str:
         why = "; ".join(part for part in (verdict.reason, verdict.note) if part)
         lines.append(
             f"| `{verdict.pipeline}` | {verdict.verdict} | {verdict.inputs} | "
-            f"{yes[verdict.whole_call_hit] if verdict.verdict != 'not built' else ''} | "
-            f"{yes[verdict.rows] if verdict.verdict != 'not built' else ''} | {gap} | "
+            f"{yes[verdict.whole_call_hit] if verdict.verdict != NOT_BUILT else ''} | "
+            f"{yes[verdict.rows] if verdict.verdict != NOT_BUILT else ''} | {gap} | "
             f"{paths.get(verdict.pipeline, '')} | {why.replace('|', '/')} |"
         )
     return "\n".join(lines)
@@ -67,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts, paths = [], {}
     for case in all_cases():
         if isinstance(case, NotBuilt):
-            verdicts.append(Verdict(case.pipeline, "not built", reason=case.reason))
+            verdicts.append(Verdict(case.pipeline, NOT_BUILT, reason=case.reason))
         else:
             verdicts.append(judge(case))
         paths[case.pipeline] = build_path(case.pipeline)

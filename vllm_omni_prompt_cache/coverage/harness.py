@@ -31,6 +31,9 @@ from vllm_omni_prompt_cache.proofs import class_path, compare_outputs, refuted_l
 COVERED = "covered"
 COVERED_WITHOUT_ROWS = "covered without rows"
 NOT_COVERED = "not covered"
+NOT_BUILT = "not built"
+#: Every verdict, in the order the summary counts them.
+VERDICTS = (COVERED, COVERED_WITHOUT_ROWS, NOT_COVERED, NOT_BUILT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,7 @@ class NotBuilt:
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     pipeline: str
-    verdict: str  # COVERED, COVERED_WITHOUT_ROWS or NOT_COVERED
+    verdict: str  # one of VERDICTS
     inputs: str = ""
     whole_call_hit: bool = False
     rows: bool = False
