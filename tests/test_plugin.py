@@ -1,4 +1,4 @@
-"""The plugin against the real installed vLLM-Omni 0.30: entry points, bindings, version gate, switch."""
+"""The plugin against the real installed vLLM-Omni 0.30: entry points, bindings, hook-point gate, switch."""
 
 from __future__ import annotations
 
@@ -53,10 +53,12 @@ def test_the_early_registration_hooks_every_module_and_offers_no_platform() -> N
         [
             "vllm_omni.config.config_factory",
             "vllm_omni.diffusion.cache.prompt_embed_cache",
+            "vllm_omni.diffusion.diffusion_engine",
             "vllm_omni.diffusion.lora.manager",
             "vllm_omni.diffusion.worker.diffusion_model_runner",
             "vllm_omni.diffusion.worker.diffusion_worker",
             "vllm_omni.engine.omni_engine_base",
+            "vllm_omni.engine.orchestrator",
             "vllm_omni.engine.stage_pool",
             "vllm_omni.engine.stage_runtime",
             "vllm_omni.entrypoints.cli.serve",
@@ -159,7 +161,7 @@ RUNNER_FIRST = f"""
 """
 
 STOCK_KEPT = f"""
-    import importlib.metadata, logging
+    import importlib.metadata, logging, pathlib
     logging.basicConfig(level=logging.INFO)
     {{prelude}}
     import {RUNNER} as runner_module
@@ -169,23 +171,70 @@ STOCK_KEPT = f"""
     assert not hasattr(runner_module.DiffusionModelRunner.load_model, "__wrapped__")
     print("stock kept")
 """
+HOOKED = f"""
+    import importlib.metadata, logging, pathlib
+    logging.basicConfig(level=logging.INFO)
+    {{prelude}}
+    import {RUNNER} as runner_module
+    from vllm_omni.engine.orchestrator import OrchestratorBase
+    from vllm_omni_prompt_cache.vllm_omni import runner
+    assert runner_module.install_prompt_embed_cache is runner._installed_after_load_model
+    print("metrics hooked" if hasattr(OrchestratorBase._absorb_diffusion_metrics, "__wrapped__") else "metrics stock")
+    print("hooked")
+"""
 FAKE_NEWER_VERSION = (
     "real_version = importlib.metadata.version; "
     'importlib.metadata.version = lambda name: "0.31.0" if name == "vllm-omni" else real_version(name)'
 )
 
 
-def test_rebinds_a_runner_module_imported_before_the_plugin_loaded() -> None:
-    result = run_python(RUNNER_FIRST)
+def sources_lacking(tmp_path, module: str, definition: str):
+    """Copy the installed vLLM-Omni modules the plugin hooks to ``tmp_path``, ``definition`` renamed in ``module``."""
+    from vllm_omni_prompt_cache.vllm_omni.hook_points import HOOK_POINTS, _module_file, vllm_omni_source_root
+
+    real_root, root = vllm_omni_source_root(), tmp_path / "vllm_omni"
+    for name in {point.module for point in HOOK_POINTS}:
+        source = _module_file(real_root, name)
+        copy = root / source.relative_to(real_root)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        text = source.read_text()
+        if name == module:
+            assert definition in text
+            text = text.replace(definition, definition.replace("def ", "def renamed_"))
+        copy.write_text(text)
+    return root
+
+
+def with_sources(root) -> str:
+    return (
+        f"{FAKE_NEWER_VERSION}; import vllm_omni_prompt_cache.vllm_omni.hook_points as hook_points; "
+        f"hook_points.vllm_omni_source_root = lambda: pathlib.Path({str(root)!r})"
+    )
+
+
+def test_another_version_with_every_hook_point_is_hooked_and_says_so_once() -> None:
+    result = run_python(HOOKED.format(prelude=FAKE_NEWER_VERSION))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "rebound" in result.stdout
+    assert "hooked" in result.stdout and "metrics hooked" in result.stdout
+    assert result.stderr.count("built for vLLM-Omni 0.30.x; found 0.31.0, which has all") == 1
 
 
-def test_unsupported_version_warns_once_and_keeps_stock_behaviour() -> None:
-    result = run_python(STOCK_KEPT.format(prelude=FAKE_NEWER_VERSION))
+def test_a_version_lacking_a_cache_hook_point_stays_inert_and_names_it(tmp_path) -> None:
+    root = sources_lacking(tmp_path, "vllm_omni.diffusion.worker.diffusion_worker", "def sleep(")
+    result = run_python(STOCK_KEPT.format(prelude=with_sources(root)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stock kept" in result.stdout
-    assert result.stderr.count("supports vLLM-Omni 0.30.x, found 0.31.0") == 1
+    said = "found 0.31.0, which lacks hook points the cache needs: vllm_omni.diffusion.worker.diffusion_worker."
+    assert result.stderr.count(said + "DiffusionWorker.sleep. Staying inert") == 1
+
+
+def test_a_version_lacking_a_feature_hook_point_turns_only_that_feature_off(tmp_path) -> None:
+    root = sources_lacking(tmp_path, "vllm_omni.engine.orchestrator", "def _absorb_diffusion_metrics(")
+    result = run_python(HOOKED.format(prelude=with_sources(root)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hooked" in result.stdout and "metrics stock" in result.stdout
+    said = "The cache is active; the /metrics families stay off, for want of: vllm_omni.engine.orchestrator."
+    assert result.stderr.count(said + "OrchestratorBase._absorb_diffusion_metrics.") == 1
 
 
 def test_switched_off_by_environment_keeps_stock_behaviour() -> None:

@@ -8,8 +8,12 @@ general plugin runs, while platforms are detected as soon as vLLM is imported. A
 and cheap: they only arrange for hooks to run when the vLLM-Omni modules concerned are imported,
 so a process that never imports them (plain vLLM serving a language model) is untouched.
 
-Set ``VLLM_OMNI_PROMPT_CACHE_PLUGIN=0`` to keep stock behaviour. On a vLLM-Omni version other
-than 0.30.x the plugin logs one warning and changes nothing.
+Set ``VLLM_OMNI_PROMPT_CACHE_PLUGIN=0`` to keep stock behaviour. Whether the installed vLLM-Omni
+can be hooked is decided by looking for every hook point (:mod:`.hook_points`), not by its
+version: on the series we build and test against (:data:`BUILT_FOR`) nothing is said; on another
+version the plugin says once that every hook point was found, or names the version and the missing
+hook points and stays inert (or, where only a feature's hook points are missing, turns that
+feature off).
 """
 
 from __future__ import annotations
@@ -25,26 +29,55 @@ from vllm_omni_prompt_cache.config import env_flag
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
 PLUGIN_ENV = "VLLM_OMNI_PROMPT_CACHE_PLUGIN"
-SUPPORTED_SERIES = "0.30."
+#: The vLLM-Omni release series this package is built and tested against (``make test``).
+BUILT_FOR = "0.30."
 
 _registered = False
 
 
-def supported_vllm_omni_version() -> str | None:
-    """Return the installed vLLM-Omni version if we support it; warn once and return None if not."""
+def installed_vllm_omni_version() -> str | None:
+    """Return the installed vLLM-Omni version, or None when it is not installed."""
     try:
-        version = importlib.metadata.version("vllm-omni")
+        return importlib.metadata.version("vllm-omni")
     except importlib.metadata.PackageNotFoundError:
         return None
-    if version.startswith(SUPPORTED_SERIES):
-        return version
-    logger.warning(
-        "vllm-omni-prompt-cache supports vLLM-Omni %sx, found %s: leaving vLLM-Omni's own prompt-embed "
-        "cache in place (token-ID tensor calls will bypass it).",
-        SUPPORTED_SERIES,
-        version,
+
+
+def hookable_features(version: str) -> set[str]:
+    """Return the features the installed vLLM-Omni has every hook point for; say once what is missing.
+
+    An empty set means the cache itself cannot be hooked, and the plugin must stay inert.
+    """
+    from vllm_omni_prompt_cache.vllm_omni.hook_points import (
+        CACHE,
+        FEATURES,
+        HOOK_POINTS,
+        missing_hook_points,
+        vllm_omni_source_root,
     )
-    return None
+
+    root = vllm_omni_source_root()
+    missing = missing_hook_points(root) if root is not None else list(HOOK_POINTS)
+    built_for = f"vllm-omni-prompt-cache is built for vLLM-Omni {BUILT_FOR}x; found {version}"
+    if any(point.feature == CACHE for point in missing):
+        logger.warning(
+            "%s, which lacks hook points the cache needs: %s. Staying inert: vLLM-Omni's own prompt-embed "
+            "cache applies (token-ID tensor calls bypass it).",
+            built_for,
+            ", ".join(str(point) for point in missing if point.feature == CACHE),
+        )
+        return set()
+    features_off = {point.feature for point in missing}
+    if features_off:
+        logger.warning(
+            "%s. The cache is active; %s stay off, for want of: %s.",
+            built_for,
+            " and ".join(feature for feature in FEATURES if feature in features_off),
+            ", ".join(str(point) for point in missing),
+        )
+    elif not version.startswith(BUILT_FOR):
+        logger.warning("%s, which has all %d hook points the plugin uses: active.", built_for, len(HOOK_POINTS))
+    return set(FEATURES) - features_off
 
 
 def register() -> None:
@@ -56,10 +89,14 @@ def register() -> None:
     if not env_flag(PLUGIN_ENV, default=True):
         logger.info("vllm-omni-prompt-cache: %s=0, vLLM-Omni keeps its own prompt-embed cache.", PLUGIN_ENV)
         return
-    if supported_vllm_omni_version() is None:
+    version = installed_vllm_omni_version()
+    if version is None:
+        return
+    features = hookable_features(version)
+    if not features:
         return
 
-    from vllm_omni_prompt_cache.vllm_omni import bindings, cli_args, lifecycle, runner, settings
+    from vllm_omni_prompt_cache.vllm_omni import bindings, cli_args, hook_points, lifecycle, metrics, runner, settings
     from vllm_omni_prompt_cache.vllm_omni.imports import when_imported
 
     def balancer_hook(name: str) -> Any:  # balancer imports vLLM-Omni: only once vLLM-Omni is importing
@@ -71,13 +108,19 @@ def register() -> None:
 
     when_imported(bindings.CACHE_MODULE, bindings.patch_cache_module)
     when_imported(runner.RUNNER_MODULE, runner.patch_runner_module)
-    when_imported("vllm_omni.diffusion.worker.diffusion_worker", lifecycle.patch_worker)
+    when_imported(hook_points.WORKER, lifecycle.patch_worker)
     when_imported("vllm_omni.diffusion.lora.manager", lifecycle.patch_lora_manager)
     when_imported("vllm_omni.config.config_factory", settings.patch_stage_config_factory)
-    when_imported("vllm_omni.entrypoints.cli.serve", cli_args.patch_serve_command)
-    when_imported("vllm_omni.engine.stage_runtime", balancer_hook("patch_stage_runtime"))
-    when_imported("vllm_omni.engine.stage_pool", balancer_hook("patch_stage_pool"))
-    when_imported("vllm_omni.engine.omni_engine_base", balancer_hook("patch_engine_base"))
+    if hook_points.SERVE_FLAGS in features:
+        when_imported("vllm_omni.entrypoints.cli.serve", cli_args.patch_serve_command)
+    if hook_points.ROUTING in features:
+        when_imported("vllm_omni.engine.stage_runtime", balancer_hook("patch_stage_runtime"))
+        when_imported("vllm_omni.engine.stage_pool", balancer_hook("patch_stage_pool"))
+        when_imported("vllm_omni.engine.omni_engine_base", balancer_hook("patch_engine_base"))
+    if hook_points.METRICS in features:
+        when_imported(hook_points.WORKER, metrics.patch_worker)
+        when_imported("vllm_omni.diffusion.diffusion_engine", metrics.patch_diffusion_engine)
+        when_imported("vllm_omni.engine.orchestrator", metrics.patch_orchestrator)
 
 
 def register_vllm() -> None:

@@ -1,0 +1,92 @@
+"""The hook-point survey: against the installed vLLM-Omni 0.30 sources, and against small written sources."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from vllm_omni_prompt_cache.vllm_omni.hook_points import (
+    CACHE,
+    FEATURES,
+    HOOK_POINTS,
+    HookPoint,
+    missing_hook_points,
+    vllm_omni_source_root,
+)
+
+
+def test_the_installed_vllm_omni_has_every_hook_point_and_was_not_imported_to_find_out() -> None:
+    pytest.importorskip("vllm_omni", reason="needs the vllm-omni extra")
+    root = vllm_omni_source_root()
+    assert root is not None and (root / "__init__.py").is_file()
+    assert missing_hook_points(root) == []
+    assert {point.feature for point in HOOK_POINTS} == set(FEATURES)
+
+
+def test_the_survey_imports_nothing_of_vllm_omni(tmp_path) -> None:
+    import subprocess
+
+    code = (
+        "import sys; from vllm_omni_prompt_cache.vllm_omni.hook_points import missing_hook_points, "
+        "vllm_omni_source_root; root = vllm_omni_source_root(); "
+        "print(root is None or missing_hook_points(root) == [], "
+        "sorted(name for name in sys.modules if name.split('.')[0] in ('vllm', 'vllm_omni')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "[]"]
+
+
+def write_module(root, dotted: str, source: str) -> None:
+    path = root.joinpath(*dotted.split(".")[1:]).with_suffix(".py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(source))
+
+
+def test_names_are_found_where_python_binds_them(tmp_path) -> None:
+    root = tmp_path / "vllm_omni"
+    write_module(
+        root,
+        "vllm_omni.worker",
+        """
+        import os.path
+        from elsewhere import imported as renamed
+        try:
+            from fast import maybe
+        except ImportError:
+            maybe = None
+        if os.path:
+            LIMIT: int = 3
+        class Worker:
+            value = 1
+            async def run(self): ...
+            @classmethod
+            def build(cls): ...
+            def helper(self):
+                def nested(): ...
+        def nested_elsewhere(): ...
+        """,
+    )
+    found = [HookPoint(CACHE, "vllm_omni.worker", None, name) for name in ("os", "renamed", "maybe", "LIMIT")]
+    found += [HookPoint(CACHE, "vllm_omni.worker", "Worker", name) for name in ("value", "run", "build", "helper")]
+    lacking = [
+        HookPoint(CACHE, "vllm_omni.worker", None, "imported"),  # bound under its alias only
+        HookPoint(CACHE, "vllm_omni.worker", None, "run"),  # a method, not a module-level name
+        HookPoint(CACHE, "vllm_omni.worker", "Worker", "nested"),  # inside a method, not the class body
+        HookPoint(CACHE, "vllm_omni.worker", "Missing", "run"),
+        HookPoint(CACHE, "vllm_omni.absent", None, "anything"),  # no such file
+    ]
+    assert missing_hook_points(root, [*found, *lacking]) == lacking
+
+
+def test_a_package_module_and_an_unparsable_one(tmp_path) -> None:
+    root = tmp_path / "vllm_omni"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("def hook(): ...\n")
+    (root / "broken.py").write_text("def hook(:\n")
+    in_package = HookPoint(CACHE, "vllm_omni.pkg", None, "hook")
+    in_broken = HookPoint(CACHE, "vllm_omni.broken", None, "hook")
+    assert missing_hook_points(root, [in_package, in_broken]) == [in_broken]
+    assert str(in_package) == "vllm_omni.pkg.hook"
