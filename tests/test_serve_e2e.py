@@ -1,35 +1,36 @@
-"""`vllm serve MODEL --omni` with the cache flags: a real server on loopback, on the CPU platform.
+"""`vllm serve MODEL --omni` with the cache flags, as an operator sees it: HTTP in, ``/metrics`` out.
 
-Three identical text-to-image requests through the stock Qwen-Image pipeline: the first encodes,
-the next two hit. Statistics come from vLLM's dev-mode ``/collective_rpc`` route, calling the
-``get_prompt_embed_cache_stats`` method the plugin adds to the diffusion worker.
+Real servers on loopback, on the CPU platform, serving the stock Qwen-Image pipeline through
+vLLM-Omni's image API. The cache's counts are read where an operator reads them: the Prometheus
+text on ``GET /metrics`` (no dev-mode route). One server with one replica; one with two replicas
+behind ``--omni-lb-policy prompt-affinity`` (vLLM-Omni's distributed runtime, started by the same
+command); and a bad flag, refused before anything starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 from engine_support import tiny_spec
+from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_omni_prompt_cache.demo.replicas import free_port
 from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype
 
 pytestmark = pytest.mark.engine
-STARTUP_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+STARTUP_TIMEOUT_S = 300
+VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
+CACHE = "vllm_omni:prompt_embed_cache_"
 
 
 def post(url: str, payload: dict, timeout: float = 120) -> dict:
@@ -40,20 +41,49 @@ def post(url: str, payload: dict, timeout: float = 120) -> dict:
         return json.loads(response.read())
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+def generate(base: str, prompt: str, seed: int) -> None:
+    image = post(
+        f"{base}/v1/images/generations", {"prompt": prompt, "size": "64x64", "num_inference_steps": 2, "seed": seed}
+    )
+    assert image["data"][0]["b64_json"]
+
+
+def scrape(base: str) -> dict[tuple[str, tuple], float]:
+    """Return ``/metrics`` as ``{(sample name, sorted labels): value}``."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def total(scraped: dict, name: str, **labels: str) -> float:
+    """Sum a sample over every series whose labels include ``labels``."""
+    return sum(
+        value
+        for (sample, series), value in scraped.items()
+        if sample == name and labels.items() <= dict(series).items()
+    )
+
+
+def series(scraped: dict, name: str) -> list[dict[str, str]]:
+    return [dict(labels) for sample, labels in scraped if sample == name]
+
+
+@contextlib.contextmanager
+def served(log_path, *flags: str) -> Iterator[str]:
+    """Run ``vllm serve TINY --omni FLAGS`` until the block ends; yield its base URL once healthy."""
     model_dir = tiny_spec().model_dir
+    port = free_port()
     command = [
-        vllm, "serve", str(model_dir), "--omni", "--host", "127.0.0.1", "--port", str(port),
+        VLLM, "serve", str(model_dir), "--omni", "--host", "127.0.0.1", "--port", str(port),
         "--dtype", checkpoint_dtype(model_dir),  # vLLM-Omni builds the denoiser in bf16 unless told
-        "--enable-prompt-embed-cache", "--prompt-embed-cache-size", "8", "--prompt-embed-cache-max-bytes", "64MiB",
+        *flags,
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -77,22 +107,71 @@ def server(tmp_path_factory):
             process.wait(timeout=30)
 
 
-def worker_stats(base: str) -> dict:
-    (stage_results,) = post(f"{base}/collective_rpc", {"method": "get_prompt_embed_cache_stats"})["results"]
-    (stats,) = stage_results
-    return stats
+CACHE_FLAGS = (
+    "--enable-prompt-embed-cache", "--prompt-embed-cache-size", "8", "--prompt-embed-cache-max-bytes", "64MiB",
+)  # fmt: skip
 
 
-def test_serve_flags_configure_the_cache_and_repeated_prompts_hit(server) -> None:
-    before = worker_stats(server)
-    assert (before["max_size"], before["max_bytes"], before["verify"]) == (8, 64 * 2**20, True)
-    for _ in range(3):
-        image = post(
-            f"{server}/v1/images/generations",
-            {"prompt": "a red fox in the snow", "size": "64x64", "num_inference_steps": 2, "seed": 7},
+def test_metrics_show_the_hits_and_budgets_of_repeated_prompts(tmp_path) -> None:
+    with served(tmp_path / "server.log", *CACHE_FLAGS) as base:
+        # The first output brings counts from before serving too: vLLM-Omni's start-up warm-up
+        # encodes a dummy prompt. Measure from the group's first request on.
+        generate(base, "a red fox in the snow", seed=7)
+        before = scrape(base)
+        for seed in (8, 9):  # the group's siblings
+            generate(base, "a red fox in the snow", seed)
+        siblings = scrape(base)
+        generate(base, "a lighthouse at dusk", seed=7)  # the next group
+        after = scrape(base)
+    print(
+        "\n".join(
+            f"{name}{{{','.join(f'{k}={v!r}' for k, v in labels)}}} {value:g}"
+            for (name, labels), value in sorted(after.items())
+            if name.startswith(CACHE) and not name.endswith("_created")
         )
-        assert image["data"][0]["b64_json"]
-    after = worker_stats(server)
-    assert after["misses"] - before["misses"] == 1
-    assert after["hits"] - before["hits"] == 2
-    assert after["bypassed"] == before["bypassed"]
+    )  # the scrape, for the record (pytest -s)
+
+    def grew(name: str, since: dict, until: dict) -> float:
+        return total(until, CACHE + name) - total(since, CACHE + name)
+
+    assert [grew(name, before, siblings) for name in ("hits_total", "misses_total", "queries_total")] == [2, 0, 2]
+    assert [grew(name, siblings, after) for name in ("hits_total", "misses_total", "rows_encoded_total")] == [0, 1, 1]
+    assert grew("entries", before, after) == 1 and total(after, CACHE + "bytes") > total(before, CACHE + "bytes")
+    assert total(after, CACHE + "bypassed_total") == 0 and total(after, CACHE + "verification_failures_total") == 0
+    assert (total(after, CACHE + "max_entries"), total(after, CACHE + "max_bytes")) == (8, 64 * 2**20)
+    model_dir = str(tiny_spec().model_dir)
+    assert series(after, CACHE + "hits_total") == [{"model_name": model_dir, "stage": "0", "replica": "0"}]
+    # Labelled as vLLM-Omni's own diffusion families are.
+    assert {"model_name": model_dir, "stage": "0", "replica": "0"} in series(after, "vllm_omni:diffusion_exec_s_count")
+
+
+def test_two_replicas_behind_prompt_affinity_encode_each_prompt_once(tmp_path) -> None:
+    prompts = ("a red fox in the snow", "a lighthouse at dusk", "three pears on a plate")
+    distributed = (
+        "--omni-lb-policy", "prompt-affinity", "--stage-id", "0", "--omni-master-address", "127.0.0.1",
+        "--omni-master-port", str(free_port()), "--omni-dp-size-local", "2",
+    )  # fmt: skip
+    with served(tmp_path / "server.log", *CACHE_FLAGS, *distributed) as base:
+        for seed in range(3):  # sibling-major, as an RL rollout sends a batch
+            for prompt in prompts:
+                generate(base, prompt, seed)
+        scraped = scrape(base)
+    replicas = {labels["replica"] for labels in series(scraped, CACHE + "entries")}
+    assert replicas <= {"0", "1"} and replicas
+    # Each replica's warm-up encoded one dummy prompt; every real prompt was encoded once, on one replica.
+    warm_ups = len(replicas)
+    assert total(scraped, CACHE + "misses_total") == len(prompts) + warm_ups
+    assert total(scraped, CACHE + "hits_total") == 2 * len(prompts)
+    assert total(scraped, CACHE + "entries") == len(prompts) + warm_ups  # no prompt held twice
+
+
+def test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values() -> None:
+    result = subprocess.run(
+        [VLLM, "serve", str(tiny_spec().model_dir), "--omni", "--prompt-embed-cache-size", "0"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]  # argparse's usage error: nothing started
+    assert "argument --prompt-embed-cache-size" in result.stderr
+    assert "command-line flag --prompt-embed-cache-size" in result.stderr and "an integer >= 1" in result.stderr

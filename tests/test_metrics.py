@@ -1,0 +1,162 @@
+"""The cache's Prometheus families: the snapshot's trip through a metrics dict, and the counting at the far end.
+
+The whole path through real processes (worker, stage process, API server) is in
+``test_serve_e2e.py``, which scrapes ``/metrics``; here each piece runs on its own, on a real cache
+and real prometheus_client registries.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from vllm_omni_prompt_cache.keys import CallKeyBuilder
+from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache
+from vllm_omni_prompt_cache.vllm_omni.metrics import (
+    KEY_PREFIX,
+    OUTPUT_ATTRIBUTE,
+    PromptEmbedCacheMetrics,
+    attach_snapshot,
+    cache_snapshot,
+    pop_snapshot,
+)
+
+LABELS = {"model_name": "tiny-model", "stage": "0", "replica": "0"}
+
+
+def _signature(prompt_ids):
+    pass
+
+
+BUILDER = CallKeyBuilder(inspect.signature(_signature), "tiny")
+
+
+def key(token: int, length: int = 4):
+    return BUILDER.build((torch.full((1, length), token),), {})
+
+
+def embedding(token: int) -> torch.Tensor:
+    return torch.full((1, 8), float(token))
+
+
+def busy_cache() -> PromptEmbedCache:
+    """A cache that has seen a miss, two hits, a bypass, rows, a whole call and an eviction."""
+    cache = PromptEmbedCache(max_size=2, max_bytes=2**20)
+    cache.get_or_compute(key(1), lambda: embedding(1))
+    cache.get_or_compute(key(1), lambda: pytest.fail("cached"))
+    cache.get_or_compute(key(1), lambda: pytest.fail("cached"))
+    cache.record_bypass("argument 'prompt_embeds': precomputed")
+    cache.get_or_compute_rows([key(2), key(3), key(2)], lambda row: embedding(row))  # evicts key(1)
+    cache.record_whole_call("no row layout inferred: one row")
+    return cache
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(f"vllm_omni:prompt_embed_cache_{name}", {**LABELS, **labels})
+
+
+def test_the_snapshot_rides_a_metrics_dict_as_floats_and_comes_back_whole() -> None:
+    cache = busy_cache()
+    stats = cache.snapshot()
+    metrics = {"preprocess_time_ms": 1.5, **cache_snapshot(cache)}
+    assert all(type(value) is float for value in metrics.values())  # what vLLM-Omni's accumulators sum
+    snapshot = pop_snapshot(metrics)
+    assert metrics == {"preprocess_time_ms": 1.5}  # ours gone, theirs kept
+    assert snapshot.counts["hits"] == stats.hits == 2
+    assert snapshot.counts["misses"] == stats.misses == 2  # the row call encoded too
+    assert snapshot.counts["row_misses"] == stats.row_misses == 2 and snapshot.counts["row_hits"] == 1
+    assert snapshot.counts["evictions"] == stats.evictions == 1
+    assert snapshot.reasons["bypass_reasons"] == {"argument 'prompt_embeds': precomputed": 1}
+    assert snapshot.reasons["whole_call_reasons"] == {"no row layout inferred: one row": 1}
+    assert snapshot.levels == {"size": 2.0, "bytes": float(stats.bytes), "max_size": 2.0, "max_bytes": 2.0**20}
+    assert pop_snapshot({"preprocess_time_ms": 1.5}) is None
+    assert cache_snapshot(None) is None
+
+
+def test_counters_advance_by_what_happened_since_the_replicas_last_snapshot() -> None:
+    registry = CollectorRegistry()
+    families = PromptEmbedCacheMetrics(registry)
+    cache = PromptEmbedCache(max_size=8)
+    cache.get_or_compute(key(1), lambda: embedding(1))
+    labels = tuple(LABELS.values())
+    first = cache_snapshot(cache)
+    families.record(labels, pop_snapshot(dict(first)))
+    families.record(labels, pop_snapshot(dict(first)))  # every output of a batch carries the same snapshot
+    assert (sample(registry, "misses_total"), sample(registry, "queries_total")) == (1.0, 1.0)
+    assert sample(registry, "hits_total") is None  # no series before the first event
+    cache.get_or_compute(key(1), lambda: pytest.fail("cached"))
+    cache.get_or_compute(key(1), lambda: pytest.fail("cached"))
+    families.record(labels, pop_snapshot(cache_snapshot(cache)))
+    assert (sample(registry, "hits_total"), sample(registry, "queries_total")) == (2.0, 3.0)
+    assert (sample(registry, "entries"), sample(registry, "max_entries")) == (1.0, 8.0)
+    assert sample(registry, "max_bytes") is None  # unbounded: no series
+    # Another replica counts on its own series; a rebuilt cache (new epoch) counts from zero.
+    families.record(("tiny-model", "0", "1"), pop_snapshot(cache_snapshot(cache)))
+    assert sample(registry, "hits_total", replica="1") == 2.0 and sample(registry, "hits_total") == 2.0
+    rebuilt = PromptEmbedCache(max_size=8)
+    rebuilt.get_or_compute(key(1), lambda: embedding(1))
+    families.record(labels, pop_snapshot(cache_snapshot(rebuilt)))
+    assert (sample(registry, "misses_total"), sample(registry, "hits_total")) == (2.0, 2.0)
+    assert sample(registry, "entries") == 1.0
+
+
+def test_rows_bypasses_and_whole_calls_are_counted_by_reason() -> None:
+    registry = CollectorRegistry()
+    PromptEmbedCacheMetrics(registry).record(tuple(LABELS.values()), pop_snapshot(cache_snapshot(busy_cache())))
+    assert sample(registry, "bypassed_total", reason="argument 'prompt_embeds': precomputed") == 1.0
+    assert sample(registry, "whole_calls_total", reason="no row layout inferred: one row") == 1.0
+    assert (sample(registry, "row_hits_total"), sample(registry, "row_misses_total")) == (1.0, 2.0)
+    assert sample(registry, "rows_encoded_total") == 2.0
+    assert sample(registry, "queries_total") == 5.0  # 3 get_or_compute + 1 bypass + 1 row call
+    assert sample(registry, "evictions_total") == 1.0
+
+
+def test_failed_exactness_checks_are_verification_failures() -> None:
+    weak = CallKeyBuilder(inspect.signature(_signature), "tiny", digest=lambda buffer: b"x")  # every key collides
+    cache = PromptEmbedCache()
+    cache.get_or_compute(weak.build((torch.tensor([1]),), {}), lambda: embedding(1))
+    cache.get_or_compute(weak.build((torch.tensor([2]),), {}), lambda: embedding(2))
+    cache.record_layout_check(rows=2, gap=None)  # a row layout that did not match the uncached call
+    registry = CollectorRegistry()
+    PromptEmbedCacheMetrics(registry).record(tuple(LABELS.values()), pop_snapshot(cache_snapshot(cache)))
+    assert sample(registry, "verification_failures_total", check="key") == 1.0
+    assert sample(registry, "verification_failures_total", check="row_layout") == 1.0
+    assert sample(registry, "bypassed_total", reason=COLLISION_REASON) == 1.0
+
+
+def test_vllm_omnis_own_cache_is_counted_too_its_bypasses_without_reasons() -> None:
+    pytest.importorskip("vllm_omni", reason="needs the vllm-omni extra")
+    from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
+
+    upstream = upstream_cache_module().PromptEmbedCache(max_size=4)
+    upstream.hits, upstream.misses, upstream.bypassed = 3, 1, 2
+    registry = CollectorRegistry()
+    PromptEmbedCacheMetrics(registry).record(tuple(LABELS.values()), pop_snapshot(cache_snapshot(upstream)))
+    assert (sample(registry, "hits_total"), sample(registry, "queries_total")) == (3.0, 6.0)
+    assert sample(registry, "bypassed_total", reason=UNSPECIFIED_REASON) == 2.0
+
+
+def test_every_diffusion_output_of_a_worker_result_carries_the_snapshot_through_pickle() -> None:
+    pytest.importorskip("vllm_omni", reason="needs the vllm-omni extra")
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.worker.utils import BatchRunnerOutput, RunnerOutput
+
+    snapshot = cache_snapshot(busy_cache())
+    single, in_dict = DiffusionOutput(), DiffusionOutput()
+    batch = BatchRunnerOutput.from_list(
+        [
+            RunnerOutput(request_id="a", finished=True, result=DiffusionOutput()),
+            RunnerOutput(request_id="b", finished=False, result=None),  # a step of a request still denoising
+        ]
+    )
+    for result in (single, {"dp_rank": 0, "output": in_dict}, batch):
+        attach_snapshot(result, snapshot)
+    for output in (single, in_dict, batch["a"].result):
+        shipped = pickle.loads(pickle.dumps(output))  # as the worker's result queue sends it
+        assert getattr(shipped, OUTPUT_ATTRIBUTE) == snapshot
+    assert batch["b"].result is None
+    assert all(key.startswith(KEY_PREFIX) for key in snapshot)
