@@ -22,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
         "own cache and this package's, side by side, and check that the latents are identical.",
     )
     demo_command.add_arguments(demo)
+    subcommands.add_parser(
+        "check",
+        help="say whether engines in this environment will use the cache, and why not (imports no vLLM)",
+        description="Say what the plugin will do in this environment: versions, entry points, vLLM-Omni's "
+        "hook points, the plugin switch and the cache's environment variables. Exit code 0 if active, 1 if not.",
+    )
     return parser
 
 
@@ -34,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         demo_command.validate(parser, args)
         return demo_command.run(args)
+    if args.command == "check":
+        from vllm_omni_prompt_cache.vllm_omni.check import check
+
+        return check()
     parser.error(f"unknown command {args.command!r}")
     return 2
 
