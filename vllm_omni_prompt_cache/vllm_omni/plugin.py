@@ -80,12 +80,30 @@ def hookable_features(version: str) -> set[str]:
     return set(FEATURES) - features_off
 
 
+def show_logs_as_vllm_does() -> None:
+    """Print this package's log records with vLLM's handler, where nothing else would show them.
+
+    vLLM's logger does not propagate, and a served process has no root handler: our install line,
+    statistics and warnings would reach no one (Python's last resort shows warnings only, bare).
+    Where the root logger has a handler (an application's own logging, pytest), records go there
+    as before.
+    """
+    ours, vllm_logger = logging.getLogger("vllm_omni_prompt_cache"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(vllm_logger.getEffectiveLevel())
+
+
 def register() -> None:
     """``vllm_omni.general_plugins`` entry point: hook the cache into vLLM-Omni (once per process)."""
     global _registered
     if _registered:
         return
     _registered = True
+    show_logs_as_vllm_does()
     if not env_flag(PLUGIN_ENV, default=True):
         logger.info("vllm-omni-prompt-cache: %s=0, vLLM-Omni keeps its own prompt-embed cache.", PLUGIN_ENV)
         return
