@@ -10,10 +10,13 @@ supplies it. A request hits if an earlier sibling went to the same replica (one 
 large enough for the rollout).
 
 Policies: vLLM-Omni 0.30's ``RandomBalancer``, ``RoundRobinBalancer`` and
-``LeastQueueLengthBalancer``; our ``PromptAffinityBalancer``; and verl-omni-style uid affinity
-(each group's uid hashed to a replica, no load bound). For reference, a greedy oracle under
-prompt-affinity's bound: it knows where every prompt is warm and joins the least-loaded warm replica
-with room, else the least-loaded one.
+``LeastQueueLengthBalancer``; our ``PromptAffinityBalancer``; and verl's sticky routing as
+verl-omni uses it with its prompt-embed cache's routing affinity on: a group's first request goes to
+the replica with the fewest requests in flight (ties to the first replica), and every later request
+with the same group uid goes where the first went, whatever its load (verl's
+``GlobalRequestLoadBalancer.acquire_server``, routing id = the group's uid). For reference, a greedy
+oracle under prompt-affinity's bound: it knows where every prompt is warm and joins the least-loaded
+warm replica with room, else the least-loaded one.
 
     python benchmarks/routing_simulation.py                 # R = 2..64, P = 64, K = 16, 5 seeds
     python benchmarks/routing_simulation.py --replicas 2 8 --seeds 1
@@ -28,7 +31,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import xxhash
 from vllm_omni.distributed.omni_coordinator.load_balancer import (
     LeastQueueLengthBalancer,
     LoadBalancer,
@@ -44,12 +46,26 @@ from vllm_omni_prompt_cache.vllm_omni.balancer import PromptAffinityBalancer
 ORDERS = ("interleaved", "grouped", "shuffled")
 
 
-class UidAffinityBalancer(LoadBalancer):
-    """verl-omni's workaround, modelled: a request's group uid hashed onto the replicas, no load bound."""
+class StickyLeastLoaded(LoadBalancer):
+    """verl's sticky routing, modelled: a uid's first request to the fewest in flight, its siblings after it.
+
+    verl counts in-flight requests per server itself (acquire / release); here nothing finishes
+    during the rollout, so that count is the replica's ``queue_length``. Its mapping is an LRU of
+    10,000 routing ids, far more than a rollout's groups, so nothing is forgotten here.
+    """
+
+    def __init__(self) -> None:
+        self._server_of: dict[str, str] = {}
 
     def select(self, task: Task, replicas: list[ReplicaInfo]) -> int:
         uid = task["engine_inputs"]["uid"]
-        return xxhash.xxh3_64_intdigest(uid.encode()) % len(replicas)
+        addresses = [replica.input_addr for replica in replicas]
+        server = self._server_of.get(uid)
+        if server in addresses:
+            return addresses.index(server)
+        index = min(range(len(replicas)), key=lambda each: replicas[each].queue_length)  # first of the least loaded
+        self._server_of[uid] = addresses[index]
+        return index
 
 
 class GreedyUnderTheBound(LoadBalancer):
@@ -74,7 +90,7 @@ POLICIES: dict[str, Callable[[], LoadBalancer]] = {
     "random": RandomBalancer,
     "round-robin": RoundRobinBalancer,
     "least-queue-length": LeastQueueLengthBalancer,
-    "uid affinity (verl-omni)": UidAffinityBalancer,
+    "sticky least-loaded (verl-omni)": StickyLeastLoaded,
     "prompt-affinity": PromptAffinityBalancer,
     "(reference: greedy oracle under the bound)": GreedyUnderTheBound,
 }
