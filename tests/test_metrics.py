@@ -160,3 +160,24 @@ def test_every_diffusion_output_of_a_worker_result_carries_the_snapshot_through_
         assert getattr(shipped, OUTPUT_ATTRIBUTE) == snapshot
     assert batch["b"].result is None
     assert all(key.startswith(KEY_PREFIX) for key in snapshot)
+
+
+def test_the_orchestrator_pops_the_snapshot_and_counts_it_only_with_log_stats() -> None:
+    pytest.importorskip("vllm_omni", reason="needs the vllm-omni extra")
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+    from vllm_omni.engine.orchestrator import OrchestratorBase
+
+    assert hasattr(OrchestratorBase._absorb_diffusion_metrics, "__wrapped__")  # the plugin's hook, in this process
+    orchestrator = object.__new__(OrchestratorBase)  # only the attributes the absorb path reads
+    orchestrator._prom_metrics = SimpleNamespace(_model_name="orchestrator-test")
+    labels = {"model_name": "orchestrator-test", "stage": "3", "replica": "1"}
+    snapshot = cache_snapshot(busy_cache())
+    for log_stats in (False, True):
+        orchestrator.log_stats = log_stats
+        output = SimpleNamespace(request_id="req-1", metrics={"preprocess_time_ms": 2.0, **snapshot})
+        assert orchestrator._absorb_diffusion_metrics(3, 1, output) is False  # a real output, routed on
+        assert output.metrics == {"preprocess_time_ms": 2.0}
+        hits = REGISTRY.get_sample_value("vllm_omni:prompt_embed_cache_hits_total", labels)
+        assert hits == (2.0 if log_stats else None)

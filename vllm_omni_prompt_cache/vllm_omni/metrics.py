@@ -309,7 +309,7 @@ def _counting_snapshots(absorb: Any) -> Any:
         if isinstance(metrics, dict):
             try:
                 snapshot = pop_snapshot(metrics)
-                if snapshot is not None and self.log_stats:
+                if snapshot is not None and getattr(self, "log_stats", False):
                     labels = (_model_name(self), str(stage_id), str(replica_id))
                     prompt_embed_cache_metrics().record(labels, snapshot)
             except Exception:  # metrics must never break output routing
