@@ -90,3 +90,65 @@ def test_a_package_module_and_an_unparsable_one(tmp_path) -> None:
     in_broken = HookPoint(CACHE, "vllm_omni.broken", None, "hook")
     assert missing_hook_points(root, [in_package, in_broken]) == [in_broken]
     assert str(in_package) == "vllm_omni.pkg.hook"
+
+
+def test_conditional_and_unpacked_names_are_read_as_python_binds_them(tmp_path) -> None:
+    root = tmp_path / "vllm_omni"
+    write_module(
+        root,
+        "vllm_omni.typed",
+        """
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from heavy import OnlyForTypes
+        first, (second, *rest) = 1, (2, 3)
+        with open(__file__):
+            OPENED = True
+        """,
+    )
+    write_module(root, "vllm_omni.star", "from elsewhere import *\n")
+    point = lambda module, name: HookPoint(CACHE, module, None, name)  # noqa: E731
+    bound = [point("vllm_omni.typed", name) for name in ("first", "second", "rest", "OPENED", "TYPE_CHECKING")]
+    only_for_types = point("vllm_omni.typed", "OnlyForTypes")  # never bound at run time
+    from_star = point("vllm_omni.star", "anything")  # a star import may bind it: not reported missing
+    assert missing_hook_points(root, [*bound, only_for_types, from_star]) == [only_for_types]
+
+
+RECORD_HOOKS = """
+import importlib, json, sys, types
+from vllm_omni_prompt_cache.vllm_omni import imports
+from vllm_omni_prompt_cache.vllm_omni.hook_points import HOOK_POINTS
+
+replaced, real = [], imports.replace_once
+
+def recording(owner, name, wrap):
+    if isinstance(owner, types.ModuleType):
+        replaced.append([owner.__name__, None, name])
+    elif isinstance(owner, type):
+        replaced.append([owner.__module__, owner.__qualname__, name])
+    return real(owner, name, wrap)
+
+imports.replace_once = recording  # before the hook modules bind it
+for module in sorted({point.module for point in HOOK_POINTS}):
+    importlib.import_module(module)  # the first import of vLLM registers the plugin; each import runs its hooks
+from vllm_omni_prompt_cache.vllm_omni import balancer, cli_args, lifecycle, metrics, runner, settings  # noqa
+print(json.dumps(replaced))
+"""
+
+
+def test_every_name_the_hooks_replace_is_a_listed_hook_point() -> None:
+    """Run the real hooks on the installed vLLM-Omni, recording what they replace."""
+    import json
+    import os
+    import subprocess
+
+    pytest.importorskip("vllm_omni", reason="needs the vllm-omni extra")
+    environment = {**os.environ, "VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", RECORD_HOOKS], capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    replaced = {tuple(each) for each in json.loads(result.stdout.strip().splitlines()[-1])}
+    listed = {(point.module, point.owner, point.name) for point in HOOK_POINTS}
+    assert len(replaced) >= 15  # the worker, runner, LoRA, settings, serve, routing and metrics hooks all ran
+    assert replaced - listed == set()

@@ -12,14 +12,18 @@ import pickle
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
-from vllm_omni_prompt_cache.keys import CallKeyBuilder
-from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache
-from vllm_omni_prompt_cache.vllm_omni.metrics import (
+prometheus_client = pytest.importorskip("prometheus_client", reason="the metrics need prometheus_client (vLLM's)")
+CollectorRegistry = prometheus_client.CollectorRegistry
+
+from vllm_omni_prompt_cache.keys import CallKeyBuilder  # noqa: E402
+from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache  # noqa: E402
+from vllm_omni_prompt_cache.vllm_omni.metrics import (  # noqa: E402  (after the skip)
     KEY_PREFIX,
     OUTPUT_ATTRIBUTE,
     PromptEmbedCacheMetrics,
+    _attaching_snapshot,
+    _copying_snapshot,
     attach_snapshot,
     cache_snapshot,
     pop_snapshot,
@@ -66,13 +70,11 @@ def test_the_snapshot_rides_a_metrics_dict_as_floats_and_comes_back_whole() -> N
     assert all(type(value) is float for value in metrics.values())  # what vLLM-Omni's accumulators sum
     snapshot = pop_snapshot(metrics)
     assert metrics == {"preprocess_time_ms": 1.5}  # ours gone, theirs kept
-    assert snapshot.counts["hits"] == stats.hits == 2
-    assert snapshot.counts["misses"] == stats.misses == 2  # the row call encoded too
-    assert snapshot.counts["row_misses"] == stats.row_misses == 2 and snapshot.counts["row_hits"] == 1
-    assert snapshot.counts["evictions"] == stats.evictions == 1
-    assert snapshot.reasons["bypass_reasons"] == {"argument 'prompt_embeds': precomputed": 1}
-    assert snapshot.reasons["whole_call_reasons"] == {"no row layout inferred: one row": 1}
+    assert snapshot.stats == stats  # every counter, reason and level
     assert snapshot.levels == {"size": 2.0, "bytes": float(stats.bytes), "max_size": 2.0, "max_bytes": 2.0**20}
+    later = pop_snapshot(cache_snapshot(cache))
+    assert later.epoch == snapshot.epoch and later.sequence == snapshot.sequence + 1
+    assert pop_snapshot(cache_snapshot(PromptEmbedCache())).epoch != snapshot.epoch
     assert pop_snapshot({"preprocess_time_ms": 1.5}) is None
     assert cache_snapshot(None) is None
 
@@ -87,7 +89,7 @@ def test_counters_advance_by_what_happened_since_the_replicas_last_snapshot() ->
     families.record(labels, pop_snapshot(dict(first)))
     families.record(labels, pop_snapshot(dict(first)))  # every output of a batch carries the same snapshot
     assert (sample(registry, "misses_total"), sample(registry, "queries_total")) == (1.0, 1.0)
-    assert sample(registry, "hits_total") is None  # no series before the first event
+    assert sample(registry, "hits_total") == 0.0  # every series exists from the replica's first output on
     cache.get_or_compute(key(1), lambda: pytest.fail("cached"))
     cache.get_or_compute(key(1), lambda: pytest.fail("cached"))
     families.record(labels, pop_snapshot(cache_snapshot(cache)))
@@ -102,6 +104,35 @@ def test_counters_advance_by_what_happened_since_the_replicas_last_snapshot() ->
     families.record(labels, pop_snapshot(cache_snapshot(rebuilt)))
     assert (sample(registry, "misses_total"), sample(registry, "hits_total")) == (2.0, 2.0)
     assert sample(registry, "entries") == 1.0
+
+
+def test_a_snapshot_overtaken_by_a_later_one_counts_nothing() -> None:
+    """Outputs of one replica may reach the orchestrator out of order (each request is its own task)."""
+    registry = CollectorRegistry()
+    families = PromptEmbedCacheMetrics(registry)
+    cache = PromptEmbedCache(max_size=8)
+    snapshots = []
+    for token in (1, 2, 3):
+        cache.get_or_compute(key(token), lambda token=token: embedding(token))
+        snapshots.append(cache_snapshot(cache))
+    labels = tuple(LABELS.values())
+    for index in (1, 0, 2):  # the second forward's output arrives first
+        families.record(labels, pop_snapshot(dict(snapshots[index])))
+    assert sample(registry, "misses_total") == 3.0
+    assert sample(registry, "entries") == 3.0  # the stale one did not set the levels back
+
+
+def test_several_caches_behind_one_replica_label_add_up() -> None:
+    """Data-parallel ranks of one replica each return outputs, each rank with its own cache."""
+    registry = CollectorRegistry()
+    families = PromptEmbedCacheMetrics(registry)
+    ranks = [PromptEmbedCache(max_size=8), PromptEmbedCache(max_size=8)]
+    labels = tuple(LABELS.values())
+    for token in range(5):
+        for cache in ranks:
+            cache.get_or_compute(key(token), lambda token=token: embedding(token))
+            families.record(labels, pop_snapshot(cache_snapshot(cache)))
+    assert sample(registry, "misses_total") == 10.0
 
 
 def test_rows_bypasses_and_whole_calls_are_counted_by_reason() -> None:
@@ -181,3 +212,23 @@ def test_the_orchestrator_pops_the_snapshot_and_counts_it_only_with_log_stats() 
         assert output.metrics == {"preprocess_time_ms": 2.0}
         hits = REGISTRY.get_sample_value("vllm_omni:prompt_embed_cache_hits_total", labels)
         assert hits == (2.0 if log_stats else None)
+
+
+def test_the_worker_and_engine_wrappers_pass_the_snapshot_on_and_never_fail_the_call() -> None:
+    pytest.importorskip("vllm_omni", reason="needs the vllm-omni extra")
+    from types import SimpleNamespace
+
+    from vllm_omni.diffusion.data import DiffusionOutput
+
+    cache = busy_cache()
+    worker = SimpleNamespace(model_runner=SimpleNamespace(prompt_embed_cache=cache))
+    execute = _attaching_snapshot(lambda self, request: DiffusionOutput())
+    output = execute(worker, "request")
+    assert pop_snapshot(dict(getattr(output, OUTPUT_ATTRIBUTE))).stats == cache.snapshot()
+    broken = SimpleNamespace(model_runner=SimpleNamespace(prompt_embed_cache=object()))  # no stats(): logged
+    assert not hasattr(execute(broken, "request"), OUTPUT_ATTRIBUTE)
+    request_outputs = [SimpleNamespace(metrics={"postprocess_time_ms": 1.0}), SimpleNamespace(metrics=None)]
+    postprocess = _copying_snapshot(lambda self, request, output: request_outputs)
+    assert postprocess(None, "request", output) is request_outputs
+    assert pop_snapshot(request_outputs[0].metrics).stats == cache.snapshot()
+    assert request_outputs[0].metrics == {"postprocess_time_ms": 1.0}

@@ -212,6 +212,12 @@ def with_sources(root) -> str:
     )
 
 
+def test_rebinds_a_runner_module_imported_before_the_plugin_loaded() -> None:
+    result = run_python(RUNNER_FIRST)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rebound" in result.stdout
+
+
 def test_another_version_with_every_hook_point_is_hooked_and_says_so_once() -> None:
     result = run_python(HOOKED.format(prelude=FAKE_NEWER_VERSION))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -252,3 +258,23 @@ def test_register_vllm_is_inert_without_vllm_omni(monkeypatch) -> None:
     monkeypatch.setattr(plugin.importlib.util, "find_spec", lambda name: None)
     plugin.register_vllm()
     assert plugin._registered is False
+
+
+SERVED_PROCESS_LOGGING = """
+    import logging
+    import vllm  # platform detection registers the plugin; nothing configured the root logger
+    ours, vllm_logger = logging.getLogger("vllm_omni_prompt_cache"), logging.getLogger("vllm")
+    assert ours.handlers == vllm_logger.handlers and vllm_logger.handlers and not ours.propagate
+    ours.info("prompt-cache marker line")
+    logging.basicConfig()  # an application configuring logging later must not get the line twice
+    ours.info("prompt-cache second marker")
+"""
+
+
+def test_our_log_lines_show_with_vllms_handler_in_a_served_process() -> None:
+    result = run_python(SERVED_PROCESS_LOGGING)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    (line,) = [each for each in output.splitlines() if "prompt-cache marker line" in each]
+    assert line.startswith("INFO ") and "[<string>:" in line  # vLLM's format: level, time, [file:line]
+    assert output.count("prompt-cache second marker") == 1

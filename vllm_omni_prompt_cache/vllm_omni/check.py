@@ -68,7 +68,7 @@ def check(say: Callable[[str], None] = print) -> int:
             say(f"  {feature}: {len(points) - len(lacking)} of {len(points)} hook points found: {state}")
         if any(point.feature == hook_points.CACHE for point in missing):
             problems.append(f"vLLM-Omni {versions['vllm-omni']} lacks hook points the cache needs")
-        elif not versions["vllm-omni"].startswith(BUILT_FOR):
+        elif not missing and not versions["vllm-omni"].startswith(BUILT_FOR):
             say(f"note: built and tested for vLLM-Omni {BUILT_FOR}x; {versions['vllm-omni']} has every hook point")
     try:
         settings = resolve_prompt_embed_cache_settings()

@@ -99,18 +99,21 @@ def add_policy_choice(parser: argparse.ArgumentParser) -> None:
         action.help = f"{action.help} {POLICY_HELP}" if action.help else POLICY_HELP
 
 
-def patch_serve_command(module: ModuleType) -> None:
-    """Make vLLM-Omni's serve subcommand carry our flags and accept our load-balancing policy."""
-    replace_once(module.OmniServeCommand, "subparser_init", _adding_our_flags)
-    replace_once(module.OmniServeCommand, "validate", _accepting_our_policy)
+def patch_serve_command(module: ModuleType, *, with_policy: bool = True) -> None:
+    """Make vLLM-Omni's serve subcommand carry our flags, and accept our load-balancing policy when
+    ``with_policy`` (False where the routing hooks are missing: the policy would not be applied)."""
+    replace_once(module.OmniServeCommand, "subparser_init", lambda original: _adding_our_flags(original, with_policy))
+    if with_policy:
+        replace_once(module.OmniServeCommand, "validate", _accepting_our_policy)
 
 
-def _adding_our_flags(original: Any) -> Any:
+def _adding_our_flags(original: Any, with_policy: bool) -> Any:
     @functools.wraps(original)
     def subparser_init(self: Any, subparsers: Any) -> Any:
         parser = original(self, subparsers)
         add_prompt_cache_arguments(parser)
-        add_policy_choice(parser)
+        if with_policy:
+            add_policy_choice(parser)
         return parser
 
     return subparser_init

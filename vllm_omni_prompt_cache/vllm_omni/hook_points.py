@@ -43,7 +43,9 @@ def _points(feature: str, module: str, owner: str | None, *names: str) -> tuple[
 
 
 WORKER = "vllm_omni.diffusion.worker.diffusion_worker"
-#: What each hook in :mod:`.plugin` touches, by feature.
+#: What the hooks in :mod:`.plugin` replace, call or import, by feature. Instance attributes a hook
+#: reads (``StagePool._lb``, ``OrchestratorBase._prom_metrics``) cannot be found in the sources;
+#: the hooks check those where they read them.
 HOOK_POINTS: tuple[HookPoint, ...] = (
     *_points(
         CACHE,
@@ -73,7 +75,25 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     *_points(CACHE, "vllm_omni.config.omni_config", "VllmOmniConfig", "from_pipeline_config"),
     *_points(SERVE_FLAGS, "vllm_omni.entrypoints.cli.serve", "OmniServeCommand", "subparser_init", "validate"),
     *_points(ROUTING, "vllm_omni.engine.stage_runtime", None, "_build_load_balancer_factory"),
-    *_points(ROUTING, "vllm_omni.engine.stage_pool", "StagePool", "submit_initial"),
+    *_points(ROUTING, "vllm_omni.engine.stage_pool", None, "StageUnavailableError"),
+    *_points(
+        ROUTING,
+        "vllm_omni.engine.stage_pool",
+        "StagePool",
+        "submit_initial",
+        "attach_load_balancer",
+        "get_bound_replica_id",
+        "bind",
+        "live_replica_ids",
+        "live_num_replicas",
+        "is_replica_available",
+        "is_distributed",
+        "_collect_serviceable_replicas",
+        "DISPATCH_WAIT_TIMEOUT_S",
+        "DISPATCH_RETRY_INTERVAL_S",
+    ),
+    *_points(ROUTING, "vllm_omni.distributed.omni_coordinator.load_balancer", None, "LoadBalancer", "Task"),
+    *_points(ROUTING, "vllm_omni.distributed.omni_coordinator.messages", None, "ReplicaInfo", "ReplicaStatus"),
     *_points(ROUTING, "vllm_omni.engine.omni_engine_base", "OmniEngineBase", "_initialize_stages"),
     *_points(METRICS, WORKER, "DiffusionWorker", "execute_model", "execute_model_batch", "execute_stepwise"),
     *_points(METRICS, "vllm_omni.diffusion.diffusion_engine", "DiffusionEngine", "postprocess_output"),
@@ -91,7 +111,16 @@ def vllm_omni_source_root() -> Path | None:
 
 def missing_hook_points(root: Path, points: Iterable[HookPoint] = HOOK_POINTS) -> list[HookPoint]:
     """Return the hook points the vLLM-Omni sources under ``root`` lack, in the order given."""
-    return [point for point in points if point.name not in _defined_names(root, point.module, point.owner)]
+    missing = []
+    for point in points:
+        names = _module_names(_module_file(root, point.module)).get(point.owner, frozenset())
+        if point.name not in names and _ANY not in names:
+            missing.append(point)
+    return missing
+
+
+#: Stands for every name, where a ``from x import *`` binds names the survey cannot list.
+_ANY = "*"
 
 
 def _module_file(root: Path, module: str) -> Path:
@@ -101,36 +130,41 @@ def _module_file(root: Path, module: str) -> Path:
 
 
 @functools.cache
-def _parsed(path: Path) -> ast.Module | None:
+def _module_names(path: Path) -> dict[str | None, frozenset[str]]:
+    """Names bound at the top of a module (key None) and in each top-level class's body (key: its name).
+
+    Only these sets are kept, not the syntax tree (the hooked modules' trees take tens of MiB).
+    """
     try:
-        return ast.parse(path.read_bytes(), filename=str(path))
+        tree = ast.parse(path.read_bytes(), filename=str(path))
     except (OSError, SyntaxError, ValueError):
-        return None
-
-
-def _defined_names(root: Path, module: str, owner: str | None) -> frozenset[str]:
-    """Names bound at the top of ``module`` (defs, classes, assignments, imports), or in class ``owner``'s body."""
-    tree = _parsed(_module_file(root, module))
-    if tree is None:
-        return frozenset()
-    if owner is None:
-        return frozenset(_bound_names(tree.body))
+        return {}
+    names: dict[str | None, frozenset[str]] = {None: frozenset(_bound_names(tree.body))}
     for node in _top_level(tree.body):
-        if isinstance(node, ast.ClassDef) and node.name == owner:
-            return frozenset(_bound_names(node.body))
-    return frozenset()
+        if isinstance(node, ast.ClassDef):
+            names.setdefault(node.name, frozenset(_bound_names(node.body)))
+    return names
 
 
 def _top_level(body: list[ast.stmt]) -> Iterable[ast.stmt]:
-    """Statements at the top of a body, looking into ``if`` and ``try`` blocks (conditional imports)."""
+    """Statements that run with the body: into ``if`` (not ``if TYPE_CHECKING``), ``try`` and ``with`` blocks."""
     for node in body:
         yield node
         if isinstance(node, ast.If):
-            yield from _top_level(node.body)
+            if not _is_type_checking(node.test):
+                yield from _top_level(node.body)
             yield from _top_level(node.orelse)
         elif isinstance(node, ast.Try):
             for block in (node.body, node.orelse, node.finalbody, *(handler.body for handler in node.handlers)):
                 yield from _top_level(block)
+        elif isinstance(node, ast.With):
+            yield from _top_level(node.body)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _bound_names(body: list[ast.stmt]) -> Iterable[str]:
@@ -139,10 +173,19 @@ def _bound_names(body: list[ast.stmt]) -> Iterable[str]:
             yield node.name
         elif isinstance(node, ast.Assign):
             for target in node.targets:
-                if isinstance(target, ast.Name):
-                    yield target.id
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            yield node.target.id
+                yield from _target_names(target)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            yield from _target_names(node.target)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
-                yield alias.asname or alias.name.split(".")[0]
+                yield _ANY if alias.name == "*" else alias.asname or alias.name.split(".")[0]
+
+
+def _target_names(target: ast.expr) -> Iterable[str]:
+    if isinstance(target, ast.Name):
+        yield target.id
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for element in target.elts:
+            yield from _target_names(element)
+    elif isinstance(target, ast.Starred):
+        yield from _target_names(target.value)

@@ -52,16 +52,18 @@ def patch_worker(module: ModuleType) -> None:
     worker_cls = module.DiffusionWorker
     replace_once(worker_cls, "sleep", _clearing_before_sleep)
 
+    # They read the runner's cache themselves (the attribute our install sets), not the runner's
+    # methods of the same names, which another vLLM-Omni release may not have.
     def get_prompt_embed_cache_stats(self: Any) -> dict | None:
         """Return this worker's prompt-embed cache statistics (None without a cache)."""
-        runner = getattr(self, "model_runner", None)
-        return None if runner is None else runner.get_prompt_embed_cache_stats()
+        cache = getattr(getattr(self, "model_runner", None), "prompt_embed_cache", None)
+        return None if cache is None else cache.stats()
 
     def clear_prompt_embed_cache(self: Any) -> None:
         """Drop this worker's cached embeddings."""
-        runner = getattr(self, "model_runner", None)
-        if runner is not None:
-            runner.clear_prompt_embed_cache()
+        cache = getattr(getattr(self, "model_runner", None), "prompt_embed_cache", None)
+        if cache is not None:
+            cache.clear()
 
     for method in (get_prompt_embed_cache_stats, clear_prompt_embed_cache):
         if not hasattr(worker_cls, method.__name__):

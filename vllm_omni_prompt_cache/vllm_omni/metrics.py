@@ -11,10 +11,12 @@ dict (vLLM-Omni sends its scheduler's queue depth the same way). The counts ride
    them into each request output's ``metrics`` as flat float keys (``prompt_embed_cache:*``), so
    any code that sums that dict still sees numbers;
 3. API server (:func:`patch_orchestrator`): ``_absorb_diffusion_metrics`` pops those keys for the
-   output's ``(stage, replica)`` and advances the counters by the difference from that replica's
-   last snapshot. Snapshots are cumulative, so the same one seen twice (every output of a batch
-   carries it) counts once, and an output lost on an error path loses nothing. A new cache (the
-   pipeline was rebuilt, the replica restarted) has a new epoch and counts from zero.
+   output's ``(stage, replica)`` and advances the counters by the difference from that cache's
+   last snapshot. Snapshots are cumulative and numbered: the same one seen twice (every output of
+   a batch carries it) counts once, one overtaken on the way by a later one is ignored, and an
+   output lost on an error path loses nothing. Each cache object has its own epoch, so a new cache
+   (the pipeline was rebuilt, the replica restarted) counts from zero, and several caches behind
+   one replica label (data-parallel ranks) add up.
 
 Families follow vLLM's style: counters for events (``vllm:prefix_cache_queries`` / ``_hits``
 there), rates left to PromQL, gauges only for levels; labels as vLLM-Omni's own diffusion
@@ -23,117 +25,128 @@ families (``model_name``, ``stage``, ``replica``), recorded only when the engine
 multiprocess mode counters are summed across processes (one orchestrator increments each series)
 and gauges keep the most recent value, as vLLM's own gauges do. With tensor or sequence
 parallelism only the first rank returns outputs, so the series describe its cache (every rank
-takes the same decisions: see ``docs/design.md``).
+takes the same decisions: see ``docs/design.md``); with data-parallel ranks each returns its own
+outputs, and the gauges show the cache that reported last.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import random
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, CacheStats, PromptEmbedCache
+from vllm_omni_prompt_cache.store import (
+    COLLISION_REASON,
+    COUNTER_FIELDS,
+    UNSPECIFIED_REASON,
+    CacheStats,
+    PromptEmbedCache,
+)
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
 #: Attribute of a ``DiffusionOutput`` that carries the worker's snapshot to the stage process.
 OUTPUT_ATTRIBUTE = "prompt_embed_cache_metrics"
-#: Prefix of the keys in a request output's ``metrics`` dict; a mapping's keys follow a second colon.
+#: Prefix of the keys in a request output's ``metrics`` dict; a per-reason count's reason follows a second colon.
 KEY_PREFIX = "prompt_embed_cache:"
 EPOCH_KEY = f"{KEY_PREFIX}epoch"
+SEQUENCE_KEY = f"{KEY_PREFIX}sequence"
 METRIC_PREFIX = "vllm_omni:prompt_embed_cache_"
 LABELS = ("model_name", "stage", "replica")
-
-#: Counted events of a :class:`~vllm_omni_prompt_cache.store.CacheStats`, by field.
-_SCALAR_COUNTS = ("hits", "misses", "evictions", "oversize_rejections", "row_hits", "row_misses", "rows_encoded")
-_REASON_COUNTS = ("bypass_reasons", "row_bypass_reasons", "whole_call_reasons")
-_LAYOUT_MISMATCHES = "layout_mismatches"
-#: Levels: what the cache holds and may hold now.
-_LEVELS = ("size", "bytes", "max_size", "max_bytes")
-
-
-def encode_snapshot(stats: CacheStats, epoch: int) -> dict[str, float]:
-    """Return ``stats`` as the flat ``{key: float}`` a request output's ``metrics`` dict carries."""
-    flat = {EPOCH_KEY: float(epoch)}
-    for name in (*_SCALAR_COUNTS, _LAYOUT_MISMATCHES):
-        flat[f"{KEY_PREFIX}{name}"] = float(getattr(stats, name))
-    reasons = dict(stats.bypass_reasons)
-    unexplained = stats.bypassed - sum(reasons.values())  # upstream's cache counts bypasses without reasons
-    if unexplained > 0:
-        reasons[UNSPECIFIED_REASON] = reasons.get(UNSPECIFIED_REASON, 0) + unexplained
-    for name, mapping in (
-        ("bypass_reasons", reasons),
-        ("row_bypass_reasons", stats.row_bypass_reasons),
-        ("whole_call_reasons", stats.whole_call_reasons),
-    ):
-        for reason, count in mapping.items():
-            flat[f"{KEY_PREFIX}{name}:{reason}"] = float(count)
-    for name in _LEVELS:
-        value = getattr(stats, name)
-        if value is not None:
-            flat[f"{KEY_PREFIX}{name}"] = float(value)
-    return flat
+#: Levels of a snapshot: what the cache holds and may hold when it was taken.
+LEVELS = ("size", "bytes", "max_size", "max_bytes")
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A worker's cumulative counts as the orchestrator reads them back from a ``metrics`` dict."""
+    """One cache's cumulative counts, as the orchestrator reads them back from a ``metrics`` dict.
+
+    ``epoch`` names the cache object (random, 52 bits); ``sequence`` orders its snapshots, so one
+    that arrives after a later one is recognised as stale. ``levels`` holds only the levels the
+    cache knows (vLLM-Omni's own cache does not count bytes).
+    """
 
     epoch: int
-    counts: Mapping[str, int]  # scalar counts by field name
-    reasons: Mapping[str, Mapping[str, int]]  # per-reason counts by field name
+    sequence: int
+    stats: CacheStats
     levels: Mapping[str, float]
+
+
+def encode_snapshot(
+    stats: CacheStats, epoch: int, sequence: int, *, levels: tuple[str, ...] = LEVELS
+) -> dict[str, float]:
+    """Return ``stats`` as the flat ``{key: float}`` a request output's ``metrics`` dict carries."""
+    flat = {EPOCH_KEY: float(epoch), SEQUENCE_KEY: float(sequence)}
+    reasons = dict(stats.bypass_reasons)
+    unexplained = stats.bypassed - sum(reasons.values())  # vLLM-Omni's own cache counts bypasses without reasons
+    if unexplained > 0:
+        reasons[UNSPECIFIED_REASON] = reasons.get(UNSPECIFIED_REASON, 0) + unexplained
+    for name in COUNTER_FIELDS:
+        value = reasons if name == "bypass_reasons" else getattr(stats, name)
+        if isinstance(value, Mapping):
+            flat.update({f"{KEY_PREFIX}{name}:{reason}": float(count) for reason, count in value.items()})
+        else:
+            flat[f"{KEY_PREFIX}{name}"] = float(value)
+    for name in levels:
+        if (value := getattr(stats, name)) is not None:
+            flat[f"{KEY_PREFIX}{name}"] = float(value)
+    return flat
 
 
 def pop_snapshot(metrics: dict[str, Any]) -> Snapshot | None:
     """Remove our keys from a request output's ``metrics`` dict; return what they said (None if absent)."""
-    if EPOCH_KEY not in metrics:
-        return None
     ours = {key: metrics.pop(key) for key in [key for key in metrics if key.startswith(KEY_PREFIX)]}
-    epoch = int(ours.pop(EPOCH_KEY))
-    counts: dict[str, int] = {}
-    reasons: dict[str, dict[str, int]] = {name: {} for name in _REASON_COUNTS}
+    if EPOCH_KEY not in ours:
+        return None
+    epoch, sequence = int(ours.pop(EPOCH_KEY)), int(ours.pop(SEQUENCE_KEY, 0))
+    counts: dict[str, Any] = {}
     levels: dict[str, float] = {}
     for key, value in ours.items():
         name, _, reason = key[len(KEY_PREFIX) :].partition(":")
-        if name in reasons and reason:
-            reasons[name][reason] = int(value)
-        elif name in _LEVELS:
+        if reason:
+            counts.setdefault(name, {})[reason] = int(value)
+        elif name in LEVELS:
             levels[name] = float(value)
         else:
             counts[name] = int(value)
-    return Snapshot(epoch, counts, reasons, levels)
+    known = {name: value for name, value in counts.items() if name in COUNTER_FIELDS}
+    bypassed = sum(known.get("bypass_reasons", {}).values())
+    stats = CacheStats(**known, bypassed=bypassed, **{name: int(value) for name, value in levels.items()})
+    return Snapshot(epoch, sequence, stats, levels)
 
 
 # --- worker: attach the snapshot -------------------------------------------------------------
 
-_epochs: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-_epochs_lock = threading.Lock()
+_numbering: weakref.WeakKeyDictionary[Any, tuple[int, Iterator[int]]] = weakref.WeakKeyDictionary()
+_numbering_lock = threading.Lock()
 
 
-def cache_epoch(cache: Any) -> int:
-    """Return a number naming this cache object for its lifetime (exact as a float: 52 bits)."""
-    with _epochs_lock:
-        epoch = _epochs.get(cache)
-        if epoch is None:
-            epoch = _epochs[cache] = random.getrandbits(52)
-        return epoch
+def next_snapshot_number(cache: Any) -> tuple[int, int]:
+    """Return the cache object's epoch (the same for its lifetime; exact as a float) and its next sequence."""
+    with _numbering_lock:
+        numbering = _numbering.get(cache)
+        if numbering is None:
+            numbering = _numbering[cache] = (random.getrandbits(52), itertools.count(1))
+        return numbering[0], next(numbering[1])
 
 
 def cache_snapshot(cache: Any) -> dict[str, float] | None:
     """Return the flat snapshot of a runner's cache, ours or vLLM-Omni's own; None without one."""
     if cache is None:
         return None
-    # vLLM-Omni's own cache (backend "vllm-omni") has only its five stats() keys.
-    stats = cache.snapshot() if isinstance(cache, PromptEmbedCache) else CacheStats.from_dict(cache.stats())
-    return encode_snapshot(stats, cache_epoch(cache))
+    epoch, sequence = next_snapshot_number(cache)
+    if isinstance(cache, PromptEmbedCache):
+        return encode_snapshot(cache.snapshot(), epoch, sequence)
+    # vLLM-Omni's own cache (backend "vllm-omni"): its five stats() keys, no bytes.
+    return encode_snapshot(CacheStats.from_dict(cache.stats()), epoch, sequence, levels=("size", "max_size"))
 
 
 def attach_snapshot(result: Any, snapshot: dict[str, float]) -> None:
@@ -182,14 +195,17 @@ def patch_diffusion_engine(module: ModuleType) -> None:
 
 def _copying_snapshot(postprocess_output: Any) -> Any:
     @functools.wraps(postprocess_output)
-    def postprocess_then_copy(self: Any, request: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
-        request_outputs = postprocess_output(self, request, output, *args, **kwargs)
-        snapshot = getattr(output, OUTPUT_ATTRIBUTE, None)
-        if snapshot:
-            for request_output in request_outputs or ():
+    def postprocess_then_copy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        request_outputs = postprocess_output(self, *args, **kwargs)
+        try:
+            output = args[1] if len(args) > 1 else kwargs.get("output")  # (request, output), as in 0.30
+            snapshot = getattr(output, OUTPUT_ATTRIBUTE, None)
+            for request_output in (request_outputs or ()) if snapshot else ():
                 metrics = getattr(request_output, "metrics", None)
                 if isinstance(metrics, dict):
                     metrics.update(snapshot)
+        except Exception:  # metrics must never fail a request
+            logger.exception("vllm-omni-prompt-cache: could not copy the cache's counters into an output")
         return request_outputs
 
     return postprocess_then_copy
@@ -199,7 +215,7 @@ def _copying_snapshot(postprocess_output: Any) -> Any:
 
 
 class PromptEmbedCacheMetrics:
-    """Our Prometheus families, and each replica's last snapshot to take differences from."""
+    """Our Prometheus families, and each cache's last snapshot to take differences from."""
 
     def __init__(self, registry: Any = None) -> None:
         """Register the families on ``registry`` (prometheus_client's default, which ``/metrics`` serves)."""
@@ -226,7 +242,9 @@ class PromptEmbedCacheMetrics:
             "bypassed", "encode_prompt calls that did not use the cache, by reason (bounded set).", "reason"
         )
         self.row_hits = counter("row_hits", "Rows of batched calls served without encoding them.")
-        self.row_misses = counter("row_misses", "Rows of batched calls encoded and offered to the cache.")
+        self.row_misses = counter(
+            "row_misses", "Rows of batched calls encoded and offered to the cache (kept unless over a budget)."
+        )
         self.row_bypassed = counter(
             "row_bypassed", "Rows of batched calls encoded without caching, by reason.", "reason"
         )
@@ -246,49 +264,78 @@ class PromptEmbedCacheMetrics:
         self.bytes = gauge("bytes", "Bytes held now: embedding tensors and the key bytes kept to verify hits.")
         self.max_entries = gauge("max_entries", "Entry budget.")
         self.max_bytes = gauge("max_bytes", "Byte budget (no series when unbounded).")
-        self._last: dict[tuple[str, str, str], Snapshot] = {}
+        self._last: dict[tuple[tuple[str, str, str], int], Snapshot] = {}  # by (labels, epoch)
+        self._labelled: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()
 
     def record(self, labels: tuple[str, str, str], now: Snapshot) -> None:
-        """Advance the counters of ``labels`` by what happened since its last snapshot; set the levels."""
+        """Advance the counters of ``labels`` by what ``now``'s cache did since its last snapshot; set the levels.
+
+        Each cache (epoch) is counted against its own last snapshot, so several caches behind one
+        label set (data-parallel ranks of one replica) add up, and a snapshot older than one
+        already counted changes nothing.
+        """
         with self._lock:
-            before = self._last.get(labels)
-            self._last[labels] = now
-            counts, reasons = _difference(now, before if before is not None and before.epoch == now.epoch else None)
+            before = self._last.get((labels, now.epoch))
+            if before is not None and now.sequence <= before.sequence:
+                return  # already counted: a copy, or overtaken on the way by a later snapshot
+            self._last[(labels, now.epoch)] = now
+            if labels not in self._labelled:
+                self._labelled.add(labels)
+                self._create_series(labels)
+            delta = now.stats if before is None else now.stats.since(before.stats)
 
             def advance(family: Any, amount: int, *extra: str) -> None:
                 if amount > 0:
                     family.labels(*labels, *extra).inc(amount)
 
-            for name in _SCALAR_COUNTS:
-                advance(getattr(self, name), counts[name])
-            for field, family in zip(_REASON_COUNTS, (self.bypassed, self.row_bypassed, self.whole_calls), strict=True):
-                for reason, amount in reasons[field].items():
+            for family, amount in (
+                (self.hits, delta.hits),
+                (self.misses, delta.misses),
+                (self.queries, delta.calls),
+                (self.row_hits, delta.row_hits),
+                (self.row_misses, delta.row_misses),
+                (self.rows_encoded, delta.rows_encoded),
+                (self.evictions, delta.evictions),
+                (self.oversize_rejections, delta.oversize_rejections),
+            ):
+                advance(family, amount)
+            for family, reasons in (
+                (self.bypassed, delta.bypass_reasons),
+                (self.row_bypassed, delta.row_bypass_reasons),
+                (self.whole_calls, delta.whole_call_reasons),
+            ):
+                for reason, amount in reasons.items():
                     advance(family, amount, reason)
-            advance(self.queries, counts["hits"] + counts["misses"] + sum(reasons["bypass_reasons"].values()))
-            collisions = reasons["bypass_reasons"].get(COLLISION_REASON, 0)
-            collisions += reasons["row_bypass_reasons"].get(COLLISION_REASON, 0)
+            collisions = delta.bypass_reasons.get(COLLISION_REASON, 0) + delta.row_bypass_reasons.get(
+                COLLISION_REASON, 0
+            )
             advance(self.verification_failures, collisions, "key")
-            advance(self.verification_failures, counts[_LAYOUT_MISMATCHES], "row_layout")
-            for name, family in (("size", self.entries), ("bytes", self.bytes), ("max_size", self.max_entries)):
-                family.labels(*labels).set(now.levels.get(name, 0.0))
-            if "max_bytes" in now.levels:
-                self.max_bytes.labels(*labels).set(now.levels["max_bytes"])
+            advance(self.verification_failures, delta.layout_mismatches, "row_layout")
+            for name, family in (
+                ("size", self.entries),
+                ("bytes", self.bytes),
+                ("max_size", self.max_entries),
+                ("max_bytes", self.max_bytes),
+            ):
+                if name in now.levels:  # the most recent snapshot's cache
+                    family.labels(*labels).set(now.levels[name])
 
-
-def _difference(now: Snapshot, before: Snapshot | None) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """Return the counts since ``before`` (all of them without one); a count never goes back."""
-
-    def since(current: Mapping[str, int], earlier: Mapping[str, int], key: str) -> int:
-        return max(current.get(key, 0) - earlier.get(key, 0), 0)
-
-    earlier_counts = {} if before is None else before.counts
-    counts = {name: since(now.counts, earlier_counts, name) for name in (*_SCALAR_COUNTS, _LAYOUT_MISMATCHES)}
-    reasons = {}
-    for field in _REASON_COUNTS:
-        current, earlier = now.reasons.get(field, {}), {} if before is None else before.reasons.get(field, {})
-        reasons[field] = {reason: since(current, earlier, reason) for reason in current}
-    return counts, reasons
+    def _create_series(self, labels: tuple[str, str, str]) -> None:
+        """Create the label set's series at zero, so ``/metrics`` shows them from the first output on."""
+        for family in (
+            self.queries,
+            self.hits,
+            self.misses,
+            self.row_hits,
+            self.row_misses,
+            self.rows_encoded,
+            self.evictions,
+            self.oversize_rejections,
+        ):
+            family.labels(*labels)
+        for check in ("key", "row_layout"):
+            self.verification_failures.labels(*labels, check)
 
 
 @functools.cache
@@ -304,17 +351,17 @@ def patch_orchestrator(module: ModuleType) -> None:
 
 def _counting_snapshots(absorb: Any) -> Any:
     @functools.wraps(absorb)
-    def absorb_and_count(self: Any, stage_id: int, replica_id: int, diffusion_output: Any) -> Any:
-        metrics = getattr(diffusion_output, "metrics", None)
-        if isinstance(metrics, dict):
-            try:
-                snapshot = pop_snapshot(metrics)
-                if snapshot is not None and getattr(self, "log_stats", False):
-                    labels = (_model_name(self), str(stage_id), str(replica_id))
-                    prompt_embed_cache_metrics().record(labels, snapshot)
-            except Exception:  # metrics must never break output routing
-                logger.exception("vllm-omni-prompt-cache: could not record the cache's counters")
-        return absorb(self, stage_id, replica_id, diffusion_output)
+    def absorb_and_count(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            stage_id, replica_id, diffusion_output = args[:3]  # as in 0.30; anything else is left alone
+            metrics = getattr(diffusion_output, "metrics", None)
+            snapshot = pop_snapshot(metrics) if isinstance(metrics, dict) else None
+            if snapshot is not None and getattr(self, "log_stats", False):
+                labels = (_model_name(self), str(stage_id), str(replica_id))
+                prompt_embed_cache_metrics().record(labels, snapshot)
+        except Exception:  # metrics must never break output routing
+            logger.exception("vllm-omni-prompt-cache: could not record the cache's counters")
+        return absorb(self, *args, **kwargs)
 
     return absorb_and_count
 

@@ -93,6 +93,7 @@ def show_logs_as_vllm_does() -> None:
         return
     for handler in vllm_logger.handlers:
         ours.addHandler(handler)
+    ours.propagate = False  # as vLLM's own logger: a root handler added later must not print it twice
     if ours.level == logging.NOTSET:
         ours.setLevel(vllm_logger.getEffectiveLevel())
 
@@ -130,7 +131,12 @@ def register() -> None:
     when_imported("vllm_omni.diffusion.lora.manager", lifecycle.patch_lora_manager)
     when_imported("vllm_omni.config.config_factory", settings.patch_stage_config_factory)
     if hook_points.SERVE_FLAGS in features:
-        when_imported("vllm_omni.entrypoints.cli.serve", cli_args.patch_serve_command)
+
+        def serve_hook(module: Any) -> None:
+            cli_args.patch_serve_command(module, with_policy=hook_points.ROUTING in features)
+
+        serve_hook.__qualname__ = "cli_args.patch_serve_command"  # what a failure is logged under
+        when_imported("vllm_omni.entrypoints.cli.serve", serve_hook)
     if hook_points.ROUTING in features:
         when_imported("vllm_omni.engine.stage_runtime", balancer_hook("patch_stage_runtime"))
         when_imported("vllm_omni.engine.stage_pool", balancer_hook("patch_stage_pool"))
