@@ -272,7 +272,7 @@ SERVED_PROCESS_LOGGING = """
 
 
 def test_our_log_lines_show_with_vllms_handler_in_a_served_process() -> None:
-    result = run_python(SERVED_PROCESS_LOGGING)
+    result = run_python(SERVED_PROCESS_LOGGING, VLLM_LOGGING_LEVEL="INFO")  # the demo's in-process run sets ERROR
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     (line,) = [each for each in output.splitlines() if "prompt-cache marker line" in each]
