@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, one_rank_process_group, seeded
+from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, finish_vllm_loading, one_rank_process_group, seeded
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 CPU = torch.device("cpu")
@@ -205,9 +205,6 @@ def _t5() -> Any:
     return T5EncoderModel(_t5_config()).to(DTYPE).eval()
 
 
-_one_rank_group = one_rank_process_group  # vLLM's parallel layers need a TP group
-
-
 @functools.cache
 def _vllm_omni_t5() -> Any:
     """vLLM-Omni's ``T5EncoderModel`` (FLUX.1's ``text_encoder_2``) holding the tiny T5's weights.
@@ -220,16 +217,13 @@ def _vllm_omni_t5() -> Any:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm_omni.diffusion.models.t5_encoder import T5EncoderModel
 
-    _one_rank_group()
+    one_rank_process_group()  # vLLM's parallel layers need a TP group
     config = _t5_config()
     config.dense_act_fn = "gelu_pytorch_tanh"
     with set_current_vllm_config(VllmConfig()):
         encoder = T5EncoderModel(config, prefix="text_encoder_2")
         encoder.load_weights((f"text_encoder_2.{name}", weight) for name, weight in _t5().state_dict().items())
-        for module in encoder.modules():
-            method = getattr(module, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(module)
+        finish_vllm_loading(encoder)
     return encoder.to(DTYPE).eval()
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, one_rank_process_group, seeded
+from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, finish_vllm_loading, one_rank_process_group, seeded
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 #: GLM-Image encodes only the quoted text of a prompt (the glyphs to render).
@@ -546,9 +546,6 @@ def _krea2_call(pipeline: Any, prompts: Sequence[str]) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-_tensor_parallel_group = one_rank_process_group  # vLLM's parallel layers need a TP group
-
-
 def _silu_and_mul(result: torch.Tensor, gate_up: torch.Tensor) -> None:
     half = gate_up.shape[-1] // 2
     result.copy_(torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:])
@@ -564,7 +561,7 @@ def _vllm_layers() -> Iterator[None]:
     """
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    _tensor_parallel_group()
+    one_rank_process_group()  # vLLM's parallel layers need a TP group
     library = None
     if not hasattr(torch.ops._C, "silu_and_mul"):
         library = torch.library.Library("_C", "FRAGMENT")
@@ -585,11 +582,7 @@ def _randomize_vllm_module(module: torch.nn.Module) -> torch.nn.Module:
             torch.nn.init.ones_(parameter)  # norm scales
         else:
             torch.nn.init.normal_(parameter, std=0.02)
-    for layer in module.modules():
-        method = getattr(layer, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(layer)  # picks the CPU GEMM
-    return module.eval()
+    return finish_vllm_loading(module).eval()
 
 
 # ---------------------------------------------------------------------------------------------

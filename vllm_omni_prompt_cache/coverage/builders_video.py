@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, one_rank_process_group, seeded
+from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, finish_vllm_loading, one_rank_process_group, seeded
 
 PROMPTS = ("a red fox runs through the snow at dawn", "a lighthouse stands above a stormy sea")
 #: HunyuanVideo-1.5 sends quoted text through its ByT5 glyph encoder: the first prompt quotes, the second does not.
@@ -235,9 +235,6 @@ def _mrope_section(head_dim: int) -> list[int]:
 # --- HunyuanVideo-1.5 ---------------------------------------------------------------------------------
 
 
-_vllm_single_rank = one_rank_process_group  # vLLM's parallel layers need a TP group
-
-
 @functools.cache
 def _hunyuan_text_stack() -> tuple[Any, Any, Any, Any, int]:
     """(Qwen tokenizer, Qwen2.5-VL text model, ByT5 tokenizer, vLLM T5 encoder, template crop index)."""
@@ -279,14 +276,11 @@ def _hunyuan_text_stack() -> tuple[Any, Any, Any, Any, int]:
         is_encoder_decoder=False,
     )
     reference_t5 = transformers.T5EncoderModel(t5_config)
-    _vllm_single_rank()
+    one_rank_process_group()  # vLLM's parallel layers need a TP group
     with set_current_vllm_config(VllmConfig()):
         text_encoder_2 = T5EncoderModel(t5_config, prefix="text_encoder_2")
     text_encoder_2.load_weights(reference_t5.state_dict().items())
-    for module in text_encoder_2.modules():  # what vLLM's loader does after loading (picks the CPU GEMM)
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    finish_vllm_loading(text_encoder_2)
 
     header = tokenizer.apply_chat_template(format_text_input(["\x00"], HUNYUAN_SYSTEM_MESSAGE)[0], tokenize=False)
     crop = len(tokenizer(header[: header.index("\x00")]).input_ids)

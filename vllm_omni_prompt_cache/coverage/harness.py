@@ -157,6 +157,15 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def finish_vllm_loading(module: torch.nn.Module) -> torch.nn.Module:
+    """Post-process a vLLM module's weights as vLLM's loader does after loading (picks the CPU GEMM)."""
+    for layer in module.modules():
+        method = getattr(layer, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(layer)
+    return module
+
+
 @functools.cache
 def one_rank_process_group() -> None:
     """Join a one-rank gloo group (once per process): vLLM's parallel layers read its size and rank.
