@@ -56,19 +56,17 @@ def check(say: Callable[[str], None] = print) -> int:
             problems.append(f"{PLUGIN_ENV}=0 switches the plugin off")
     except PromptEmbedCacheConfigError as error:
         problems.append(str(error))
-    root = hook_points.vllm_omni_source_root()
-    if versions["vllm-omni"] is None or root is None:
+    if versions["vllm-omni"] is None or hook_points.vllm_omni_source_root() is None:
         problems.append("vLLM-Omni is not installed")
     else:
-        missing = hook_points.missing_hook_points(root)
-        for feature in hook_points.FEATURES:
-            points = [point for point in hook_points.HOOK_POINTS if point.feature == feature]
-            lacking = [str(point) for point in missing if point.feature == feature]
-            state = "on" if not lacking else "off, for want of " + ", ".join(lacking)
-            say(f"  {feature}: {len(points) - len(lacking)} of {len(points)} hook points found: {state}")
-        if any(point.feature == hook_points.CACHE for point in missing):
+        missing = hook_points.missing_by_feature()
+        for feature, lacking in missing.items():
+            points = sum(point.feature == feature for point in hook_points.HOOK_POINTS)
+            state = "off, for want of " + ", ".join(map(str, lacking)) if lacking else "on"
+            say(f"  {feature}: {points - len(lacking)} of {points} hook points found: {state}")
+        if missing[hook_points.CACHE]:
             problems.append(f"vLLM-Omni {versions['vllm-omni']} lacks hook points the cache needs")
-        elif not missing and not versions["vllm-omni"].startswith(BUILT_FOR):
+        elif not any(missing.values()) and not versions["vllm-omni"].startswith(BUILT_FOR):
             say(f"note: built and tested for vLLM-Omni {BUILT_FOR}x; {versions['vllm-omni']} has every hook point")
     try:
         settings = resolve_prompt_embed_cache_settings()

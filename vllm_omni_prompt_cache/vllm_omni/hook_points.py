@@ -109,6 +109,13 @@ def vllm_omni_source_root() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def missing_by_feature() -> dict[str, list[HookPoint]]:
+    """Return the installed vLLM-Omni's missing hook points for each feature (all of them without one)."""
+    root = vllm_omni_source_root()
+    missing = missing_hook_points(root) if root is not None else list(HOOK_POINTS)
+    return {feature: [point for point in missing if point.feature == feature] for feature in FEATURES}
+
+
 def missing_hook_points(root: Path, points: Iterable[HookPoint] = HOOK_POINTS) -> list[HookPoint]:
     """Return the hook points the vLLM-Omni sources under ``root`` lack, in the order given."""
     missing = []

@@ -48,36 +48,29 @@ def hookable_features(version: str) -> set[str]:
 
     An empty set means the cache itself cannot be hooked, and the plugin must stay inert.
     """
-    from vllm_omni_prompt_cache.vllm_omni.hook_points import (
-        CACHE,
-        FEATURES,
-        HOOK_POINTS,
-        missing_hook_points,
-        vllm_omni_source_root,
-    )
+    from vllm_omni_prompt_cache.vllm_omni.hook_points import CACHE, FEATURES, HOOK_POINTS, missing_by_feature
 
-    root = vllm_omni_source_root()
-    missing = missing_hook_points(root) if root is not None else list(HOOK_POINTS)
+    missing = missing_by_feature()
     built_for = f"vllm-omni-prompt-cache is built for vLLM-Omni {BUILT_FOR}x; found {version}"
-    if any(point.feature == CACHE for point in missing):
+    if missing[CACHE]:
         logger.warning(
             "%s, which lacks hook points the cache needs: %s. Staying inert: vLLM-Omni's own prompt-embed "
             "cache applies (token-ID tensor calls bypass it).",
             built_for,
-            ", ".join(str(point) for point in missing if point.feature == CACHE),
+            ", ".join(str(point) for point in missing[CACHE]),
         )
         return set()
-    features_off = {point.feature for point in missing}
+    features_off = [feature for feature in FEATURES if missing[feature]]
     if features_off:
         logger.warning(
             "%s. The cache is active; %s stay off, for want of: %s.",
             built_for,
-            " and ".join(feature for feature in FEATURES if feature in features_off),
-            ", ".join(str(point) for point in missing),
+            " and ".join(features_off),
+            ", ".join(str(point) for feature in features_off for point in missing[feature]),
         )
     elif not version.startswith(BUILT_FOR):
         logger.warning("%s, which has all %d hook points the plugin uses: active.", built_for, len(HOOK_POINTS))
-    return set(FEATURES) - features_off
+    return set(FEATURES) - set(features_off)
 
 
 def show_logs_as_vllm_does() -> None:
