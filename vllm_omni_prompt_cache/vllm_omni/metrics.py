@@ -63,6 +63,17 @@ METRIC_PREFIX = "vllm_omni:prompt_embed_cache_"
 LABELS = ("model_name", "stage", "replica")
 #: Levels of a snapshot: what the cache holds and may hold when it was taken.
 LEVELS = ("size", "bytes", "max_size", "max_bytes")
+#: Counter families with no label of their own, by the :class:`CacheStats` count they advance by.
+COUNTED = {
+    "queries": "calls",
+    "hits": "hits",
+    "misses": "misses",
+    "row_hits": "row_hits",
+    "row_misses": "row_misses",
+    "rows_encoded": "rows_encoded",
+    "evictions": "evictions",
+    "oversize_rejections": "oversize_rejections",
+}
 
 
 @dataclass(frozen=True)
@@ -289,17 +300,8 @@ class PromptEmbedCacheMetrics:
                 if amount > 0:
                     family.labels(*labels, *extra).inc(amount)
 
-            for family, amount in (
-                (self.hits, delta.hits),
-                (self.misses, delta.misses),
-                (self.queries, delta.calls),
-                (self.row_hits, delta.row_hits),
-                (self.row_misses, delta.row_misses),
-                (self.rows_encoded, delta.rows_encoded),
-                (self.evictions, delta.evictions),
-                (self.oversize_rejections, delta.oversize_rejections),
-            ):
-                advance(family, amount)
+            for family, count in COUNTED.items():
+                advance(getattr(self, family), getattr(delta, count))
             for family, reasons in (
                 (self.bypassed, delta.bypass_reasons),
                 (self.row_bypassed, delta.row_bypass_reasons),
@@ -323,17 +325,8 @@ class PromptEmbedCacheMetrics:
 
     def _create_series(self, labels: tuple[str, str, str]) -> None:
         """Create the label set's series at zero, so ``/metrics`` shows them from the first output on."""
-        for family in (
-            self.queries,
-            self.hits,
-            self.misses,
-            self.row_hits,
-            self.row_misses,
-            self.rows_encoded,
-            self.evictions,
-            self.oversize_rejections,
-        ):
-            family.labels(*labels)
+        for family in COUNTED:
+            getattr(self, family).labels(*labels)
         for check in ("key", "row_layout"):
             self.verification_failures.labels(*labels, check)
 
