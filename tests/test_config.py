@@ -6,7 +6,10 @@ import pytest
 
 from vllm_omni_prompt_cache.config import (
     BACKEND,
+    DIRECTORY,
+    DIRECTORY_BYTES,
     ENABLE,
+    HOST_BYTES,
     MAX_BYTES,
     MAX_SIZE,
     ROW_LAYOUTS,
@@ -86,6 +89,15 @@ def test_byte_budget_spellings(monkeypatch, text, expected) -> None:
         (MAX_BYTES, "0.1"),
         (BACKEND, "fast"),
         (BACKEND, ""),
+        (HOST_BYTES, "0"),
+        (HOST_BYTES, "-1"),
+        (HOST_BYTES, "abc"),
+        (HOST_BYTES, "none"),  # a host tier without a limit is not offered: host memory is shared
+        (DIRECTORY, ""),
+        (DIRECTORY, "/proc/no-such-directory"),
+        (DIRECTORY_BYTES, "0"),
+        (DIRECTORY_BYTES, "-1"),
+        (DIRECTORY_BYTES, "lots"),
     ],
 )
 def test_bad_environment_values_name_setting_source_and_allowed(monkeypatch, setting, bad) -> None:
@@ -143,9 +155,32 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         VERIFY.name: False,
         BACKEND.name: "vllm-omni",
         ROW_LAYOUTS.name: {"pkg.mod.Adapter": "token-ids"},
+        HOST_BYTES.name: None,
+        DIRECTORY.name: None,
+        DIRECTORY_BYTES.name: 16 * 2**30,
         "sources": settings.sources,
     }
     assert PromptEmbedCacheSettings.from_dict(carried, "the stage config") == settings
+
+
+def test_tier_settings_parse_and_survive_the_trip(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(DIRECTORY_BYTES.env, "none")
+    settings = resolve_prompt_embed_cache_settings(host_bytes="64MiB", directory=tmp_path / "new" / "tier")
+    assert settings.host_bytes == 64 * 2**20
+    assert settings.directory == str(tmp_path / "new" / "tier")  # made, absolute
+    assert (tmp_path / "new" / "tier").is_dir()
+    assert settings.directory_bytes is None  # no limit, from the environment
+    carried = settings.as_dict()
+    assert carried[DIRECTORY_BYTES.name] == "none"  # not None: that would read back as the 16 GiB default
+    assert PromptEmbedCacheSettings.from_dict(carried, "the stage config") == settings
+    assert HOST_BYTES.parse("off", "test") is None and DIRECTORY.parse("off", "test") is None
+
+
+def test_a_directory_that_is_a_file_is_refused_naming_the_setting(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"invalid prompt_embed_cache_dir=.* from keyword argument"):
+        resolve_prompt_embed_cache_settings(directory=str(blocker), environ={})
 
 
 def test_a_carried_value_that_went_bad_or_unknown_is_refused() -> None:

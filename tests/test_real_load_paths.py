@@ -37,7 +37,10 @@ from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni_prompt_cache import PromptEmbedCache
 from vllm_omni_prompt_cache.config import (
     BACKEND,
+    DIRECTORY,
+    DIRECTORY_BYTES,
     ENABLE,
+    HOST_BYTES,
     MAX_BYTES,
     MAX_SIZE,
     ROW_LAYOUTS,
@@ -285,17 +288,21 @@ def test_deploy_config_extras_resolve_in_the_worker(tmp_path: Path, monkeypatch:
     od_config = diffusion_stage_from_deploy_config(
         tmp_path,
         deploy_yaml(
-            f"          {MAX_BYTES.name}: 1KiB\n          {BACKEND.name}: vllm-omni\n",
+            f"          {MAX_BYTES.name}: 1KiB\n          {BACKEND.name}: vllm-omni\n"
+            f"          {HOST_BYTES.name}: 1MiB\n          {DIRECTORY.name}: {tmp_path / 'tier'}\n",
             engine_args=STAGE_ENGINE_ARGS,
         ),
     )
     settings = stage_settings(od_config)
     assert (settings.enabled, settings.max_size, settings.max_bytes) == (True, 5, 1024)
     assert (settings.verify, settings.backend) == (False, "vllm-omni")
+    assert (settings.host_bytes, settings.directory) == (2**20, str(tmp_path / "tier"))
+    named = (ENABLE.name, MAX_SIZE.name, MAX_BYTES.name, BACKEND.name, HOST_BYTES.name, DIRECTORY.name)
     assert settings.sources == {
-        **{name: f"{STAGE_SOURCE} {name}" for name in (ENABLE.name, MAX_SIZE.name, MAX_BYTES.name, BACKEND.name)},
+        **{name: f"{STAGE_SOURCE} {name}" for name in named},
         VERIFY.name: f"environment variable {VERIFY.env}",
         ROW_LAYOUTS.name: "default",
+        DIRECTORY_BYTES.name: "default",
     }
 
 

@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -70,6 +71,33 @@ def _byte_budget(value: Any) -> Any:
     return None
 
 
+_OFF = object()  # what _host_budget returns for 'off'
+
+
+def _host_budget(value: Any) -> Any:
+    """A host-memory budget: a byte count >= 1 (units as for max_bytes) or 'off'; never unlimited."""
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return _OFF
+    budget = _byte_budget(value) if value is not None else None
+    return None if budget is _NO_LIMIT else budget
+
+
+def _directory(value: Any) -> Any:
+    """A directory this process can create and write to, made absolute; 'off' for none."""
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        return None
+    if value.strip().lower() == "off":
+        return _OFF
+    path = Path(value.strip()).expanduser().absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return str(path) if path.is_dir() and os.access(path, os.W_OK | os.X_OK) else None
+
+
 #: The cache implementations a stage can run: ours, or vLLM-Omni's own (for side-by-side comparisons).
 BACKENDS = ("content-keyed", "vllm-omni")
 
@@ -122,7 +150,7 @@ class Setting:
         parsed = self.convert(value)
         if parsed is None:
             raise PromptEmbedCacheConfigError(f"invalid {self.name}={value!r} from {source}: expected {self.allowed}")
-        return None if parsed is _NO_LIMIT else parsed
+        return None if parsed is _NO_LIMIT or parsed is _OFF else parsed
 
 
 ENABLE = Setting(
@@ -189,7 +217,50 @@ ROW_LAYOUTS = Setting(
     _row_layouts,
 )
 
-SETTINGS: tuple[Setting, ...] = (ENABLE, MAX_SIZE, MAX_BYTES, VERIFY, BACKEND, ROW_LAYOUTS)
+HOST_BYTES = Setting(
+    "prompt_embed_cache_host_bytes",
+    "host_bytes",
+    "--prompt-embed-cache-host-bytes",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_HOST_BYTES",
+    None,
+    "a byte count >= 1, optionally with a unit (512MiB, 2GB, 1.5GiB), or 'off'",
+    "Host-memory tier: entries leaving device memory (evicted, or dropped at sleep) move to host memory "
+    "(pinned with CUDA) within this budget, and a device miss copies them back; default: off.",
+    _host_budget,
+)
+DIRECTORY = Setting(
+    "prompt_embed_cache_dir",
+    "directory",
+    "--prompt-embed-cache-dir",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR",
+    None,
+    "a directory path this process can create and write to (local disk or a filesystem every node mounts), or 'off'",
+    "Directory tier: every encoded entry is also written there as a safetensors file, namespaced by the "
+    "model's fingerprint; replicas, restarted engines and other nodes on that directory share them. Default: off.",
+    _directory,
+)
+DIRECTORY_BYTES = Setting(
+    "prompt_embed_cache_dir_bytes",
+    "directory_bytes",
+    "--prompt-embed-cache-dir-bytes",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_BYTES",
+    16 * 2**30,
+    "a byte count >= 1, optionally with a unit (512MiB, 2GB, 1.5GiB), or 'none' for no limit",
+    "Most bytes of files in the directory tier (least recently used files go first).",
+    _byte_budget,
+)
+
+SETTINGS: tuple[Setting, ...] = (
+    ENABLE,
+    MAX_SIZE,
+    MAX_BYTES,
+    VERIFY,
+    BACKEND,
+    ROW_LAYOUTS,
+    HOST_BYTES,
+    DIRECTORY,
+    DIRECTORY_BYTES,
+)
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
@@ -219,12 +290,15 @@ class PromptEmbedCacheSettings:
     verify: bool = VERIFY.default
     backend: str = BACKEND.default
     row_layouts: Mapping[str, str] = field(default_factory=dict)  # class path -> layout reference
+    host_bytes: int | None = HOST_BYTES.default  # None: no host tier
+    directory: str | None = DIRECTORY.default  # None: no directory tier
+    directory_bytes: int | None = DIRECTORY_BYTES.default  # None: no limit
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Return the settings as plain values keyed by setting name, plus their sources."""
         return {
-            **{setting.name: _plain(getattr(self, setting.field)) for setting in SETTINGS},
+            **{setting.name: _plain(setting, getattr(self, setting.field)) for setting in SETTINGS},
             "sources": dict(self.sources),
         }
 
@@ -245,7 +319,9 @@ class PromptEmbedCacheSettings:
         return cls(**values, sources=dict(carried.get("sources") or {}))
 
 
-def _plain(value: Any) -> Any:
+def _plain(setting: Setting, value: Any) -> Any:
+    if value is None and setting.default is not None:
+        return "none"  # no limit, where the default is one: None would read back as "not given"
     return dict(value) if isinstance(value, Mapping) else value
 
 
@@ -289,12 +365,16 @@ def resolve_prompt_embed_cache_settings(
     verify: bool | str | None = None,
     backend: str | None = None,
     row_layouts: Mapping[str, str] | str | None = None,
+    host_bytes: int | str | None = None,
+    directory: str | os.PathLike | None = None,
+    directory_bytes: int | str | None = None,
     source: str = "keyword argument",
     environ: Mapping[str, str] | None = None,
 ) -> PromptEmbedCacheSettings:
     """Return every setting resolved: env var, else the given value (None = not given), else default."""
     given = {ENABLE.name: enable, MAX_SIZE.name: max_size, MAX_BYTES.name: max_bytes, VERIFY.name: verify}
-    given.update({BACKEND.name: backend, ROW_LAYOUTS.name: row_layouts})
+    given.update({BACKEND.name: backend, ROW_LAYOUTS.name: row_layouts, HOST_BYTES.name: host_bytes})
+    given.update({DIRECTORY.name: directory, DIRECTORY_BYTES.name: directory_bytes})
     return resolve_settings(given, source=source, environ=environ)
 
 

@@ -12,7 +12,11 @@
 * rows (:meth:`PromptEmbedCache.get_or_compute_rows`): a batched call's rows are entries of their
   own, with the same verification and single-flight per row (see :mod:`.rows`);
 * statistics with a count for every bypass reason, for calls and for rows, as one
-  :class:`CacheStats` snapshot.
+  :class:`CacheStats` snapshot;
+* tiers below device memory, both optional: entries leaving it (evicted, or released at sleep)
+  move to a host-memory LRU (:mod:`.host_tier`), and every encoded entry is also written to a
+  directory other processes share (:mod:`.directory_tier`). A device miss looks there before it
+  encodes, inside the same single flight; a hit there is a hit.
 
 Every decision depends only on the order of calls, never on timing or on
 memory addresses, so ranks that see the same calls take the same decisions.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -30,6 +35,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from vllm_omni_prompt_cache.directory_tier import DirectoryTier
+from vllm_omni_prompt_cache.host_tier import HostTier, map_tensors, to_devices
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches, witness_nbytes
 
 T = TypeVar("T")
@@ -88,8 +95,22 @@ class Counters:
     layout_mismatches: int = 0  # checks that turned rows off
 
 
+#: Counts the tiers below device memory keep, by :class:`CacheStats` field: (tier, its attribute).
+TIER_COUNTERS = {
+    "host_hits": ("host", "hits"),  # device misses served from host memory
+    "host_misses": ("host", "misses"),
+    "host_demotions": ("host", "demotions"),  # entries moved to host memory from the device
+    "host_evictions": ("host", "evictions"),
+    "dir_hits": ("directory", "hits"),  # device (and host) misses served from a file
+    "dir_misses": ("directory", "misses"),
+    "dir_writes": ("directory", "writes"),
+    "dir_write_errors": ("directory", "write_errors"),
+    "dir_evictions": ("directory", "evictions"),  # files removed to stay within the directory's budget
+    "dir_rejections": ("directory", "rejections"),  # files removed on read (corrupt, foreign...), by reason
+}
+
 #: The counters, by name: what snapshots copy, ``since`` subtracts and ``merged`` adds.
-COUNTER_FIELDS = tuple(field.name for field in dataclasses.fields(Counters))
+COUNTER_FIELDS = tuple(field.name for field in dataclasses.fields(Counters)) + tuple(TIER_COUNTERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +144,26 @@ class CacheStats:
     layout_mismatches: int = 0
     #: The largest difference a passing layout check measured (relative to each row's largest value).
     layout_check_max_gap: float = 0.0
+    # The host-memory tier (counts, then levels; max None: no host tier).
+    host_hits: int = 0
+    host_misses: int = 0
+    host_demotions: int = 0
+    host_evictions: int = 0
+    host_entries: int = 0
+    host_bytes: int = 0
+    host_max_bytes: int | None = None
+    # The directory tier (counts, then levels; directory None: no directory tier).
+    dir_hits: int = 0
+    dir_misses: int = 0
+    dir_writes: int = 0
+    dir_write_errors: int = 0
+    dir_evictions: int = 0
+    dir_rejections: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    dir_files: int = 0  # under the root at this process's last rescan
+    dir_bytes: int = 0  # that rescan plus this process's writes since
+    dir_max_bytes: int | None = None
+    directory: str | None = None
+    dir_off_reason: str | None = None  # why the directory tier is not used now (None: in use)
 
     @property
     def calls(self) -> int:
@@ -158,16 +199,18 @@ class CacheStats:
             raise ValueError("no snapshots to merge")
         first = snapshots[0]
         summed: dict[str, Any] = {}
-        for name in (*COUNTER_FIELDS, "size", "max_size", "bytes", "bypassed"):
+        for name in (*COUNTER_FIELDS, "size", "max_size", "bytes", "bypassed", "host_entries", "host_bytes"):
             values = [getattr(each, name) for each in snapshots]
             if isinstance(values[0], Mapping):
                 summed[name] = _ranked(sum((Counter(value) for value in values), Counter()))
             else:
                 summed[name] = sum(values)
         budgets = [each.max_bytes for each in snapshots]
+        host_budgets = [each.host_max_bytes for each in snapshots]
         return dataclasses.replace(
-            first,
+            first,  # the directory's levels are the first replica's view of a directory they share
             max_bytes=None if None in budgets else sum(budgets),
+            host_max_bytes=None if None in host_budgets else sum(host_budgets),
             layout_check_max_gap=max(each.layout_check_max_gap for each in snapshots),
             **summed,
         )
@@ -192,11 +235,26 @@ class CacheStats:
             if self.row_hits or self.rows_encoded
             else ""
         )
+        tiers = ""
+        if self.host_max_bytes is not None:
+            tiers += (
+                f"; host: {self.host_hits} hits, {self.host_entries} entries, "
+                f"{self.host_bytes / 2**20:.1f} of {self.host_max_bytes / 2**20:.1f} MiB, "
+                f"{self.host_evictions} evictions"
+            )
+        if self.directory is not None:
+            rejected = sum(self.dir_rejections.values())
+            tiers += (
+                f"; directory: {self.dir_hits} hits, {self.dir_writes} writes, {self.dir_files} files, "
+                f"{self.dir_bytes / 2**20:.1f} MiB, {self.dir_evictions} evictions, {rejected} bad files removed, "
+                f"{self.dir_write_errors} write errors"
+                + (f" (off: {self.dir_off_reason})" if self.dir_off_reason else "")
+            )
         return (
             f"Prompt-embed cache: hit rate {self.hit_rate:.1%} "
             f"({self.hits} hits, {self.misses} misses, {self.bypassed} bypassed), {rows}"
             f"{self.size}/{self.max_size} entries, {self.bytes / 2**20:.1f} MiB of {budget}, "
-            f"{self.evictions} evictions" + (f"; top bypass reasons: {reasons}" if reasons else "")
+            f"{self.evictions} evictions" + tiers + (f"; top bypass reasons: {reasons}" if reasons else "")
         )
 
 
@@ -232,18 +290,18 @@ class _Flight:
         self.generation = generation  # the cache's clear() count when the encode started
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger("vllm_omni_prompt_cache").warning("Prompt-embed cache: %s.", message)
+
+
 def detach_value(value: Any) -> Any:
     """Return ``value`` with every tensor detached from autograd (containers rebuilt)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, tuple):
-        detached = [detach_value(item) for item in value]
-        return type(value)(*detached) if hasattr(value, "_fields") else type(value)(detached)
-    if isinstance(value, list):
-        return [detach_value(item) for item in value]
-    if isinstance(value, dict):
-        return {key: detach_value(item) for key, item in value.items()}
-    return value
+    return map_tensors(value, torch.Tensor.detach)
 
 
 def value_nbytes(value: Any) -> int:
@@ -279,7 +337,11 @@ class PromptEmbedCache:
         *,
         max_bytes: int | None = None,
         verify: bool = True,
+        host_bytes: int | None = None,
+        directory: DirectoryTier | None = None,
     ) -> None:
+        """``host_bytes``: the host-memory tier's budget (None: no host tier); ``directory``: the
+        directory tier (None: none)."""
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_size must be an integer >= 1, got {max_size!r}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
@@ -295,6 +357,8 @@ class PromptEmbedCache:
         self._counts = Counters()
         self._max_gap = 0.0
         self._generation = 0  # bumped by clear(): results computed before it are not stored
+        self.host = None if host_bytes is None else HostTier(host_bytes)
+        self.directory = directory
 
     # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
     # under ``cache._lock``): readable and assignable here too, without taking the lock.
@@ -332,7 +396,8 @@ class PromptEmbedCache:
         """Return the value cached under ``key`` (refreshing its recency), or :data:`MISS`.
 
         Upstream's contract: a hit or a miss is counted. A :class:`CallKey` is verified against
-        its witness; a collision is a miss (a later ``put`` replaces the entry).
+        its witness; a collision is a miss (a later ``put`` replaces the entry). A device miss
+        looks in the lower tiers, which hold only :class:`CallKey` entries.
         """
         identity, witness = (key.identity, key.witness) if type(key) is CallKey else (key, None)
         with self._lock:
@@ -343,8 +408,16 @@ class PromptEmbedCache:
                 self._entries.move_to_end(identity)
                 self._counts.hits += 1
                 return entry.value
-            self._counts.misses += 1
-            return MISS
+            generation = self._generation
+        found, value = (False, None) if entry is not None or witness is None else self._from_lower_tiers(key)
+        with self._lock:
+            if not found:
+                self._counts.misses += 1
+                return MISS
+            self._counts.hits += 1
+            leaving = self._store_found(key, value, generation)
+        self._demote(leaving)
+        return value
 
     def put(self, key: CallKey | Hashable, value: Any) -> None:
         """Cache ``value`` under ``key`` as given (insert or overwrite), then evict over budget.
@@ -358,22 +431,73 @@ class PromptEmbedCache:
             identity, witness = key, None
         nbytes = value_nbytes(value) + (0 if witness is None else witness_nbytes(witness))
         with self._lock:
-            self._store(identity, _Entry(value, witness, nbytes))
+            generation = self._generation
+            leaving = self._store(identity, _Entry(value, witness, nbytes))
+        self._demote(leaving)
+        if type(key) is CallKey:
+            self._write_through(identity, witness, value, generation)
 
-    def _store(self, identity: Hashable, entry: _Entry) -> None:
-        """Insert or overwrite ``identity`` and evict to the budgets; the lock is held."""
+    def _store(self, identity: Hashable, entry: _Entry) -> list[tuple[Hashable, _Entry]]:
+        """Insert or overwrite ``identity`` and evict to the budgets; the lock is held.
+
+        Returns the entries that left device memory (evicted, or too large to keep), oldest first,
+        for :meth:`_demote` to hand to the host tier once the lock is released.
+        """
         previous = self._entries.pop(identity, None)
         if previous is not None:
             self._bytes -= previous.nbytes
         if self.max_bytes is not None and entry.nbytes > self.max_bytes:
             self._counts.oversize_rejections += 1
-            return
+            return [(identity, entry)]
         self._entries[identity] = entry
         self._bytes += entry.nbytes
+        leaving = []
         while len(self._entries) > self.max_size or (self.max_bytes is not None and self._bytes > self.max_bytes):
-            _, evicted = self._entries.popitem(last=False)
-            self._bytes -= evicted.nbytes
+            evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted[1].nbytes
             self._counts.evictions += 1
+            leaving.append(evicted)
+        return leaving
+
+    def _store_found(self, key: CallKey, value: Any, generation: int) -> list[tuple[Hashable, _Entry]]:
+        """Store a value a lower tier served (unless a clear() came meanwhile); the lock is held."""
+        if generation != self._generation:
+            return []
+        witness = freeze_witness(key.witness) if self.verify else None
+        nbytes = value_nbytes(value) + (0 if witness is None else witness_nbytes(witness))
+        return self._store(key.identity, _Entry(value, witness, nbytes))
+
+    def _demote(self, leaving: list[tuple[Hashable, _Entry]]) -> None:
+        """Move entries that left device memory to the host tier (if any); the lock is not held."""
+        if self.host is None:
+            return
+        for identity, entry in leaving:
+            if type(identity) is tuple:  # only CallKey identities: lower tiers are looked up by key
+                self.host.put(identity, entry.value, entry.witness, entry.nbytes)
+
+    def _from_lower_tiers(self, key: CallKey) -> tuple[bool, Any]:
+        """Return ``(True, value)`` from the host tier or the directory for a device miss, else ``(False, None)``.
+
+        The value is on the devices the encoder's output was on. Never raises: a tier that fails
+        is a miss.
+        """
+        try:
+            if self.host is not None:
+                entry = self.host.take(key.identity, key.witness)
+                if entry is not None:
+                    return True, to_devices(entry.value, entry.devices)
+            if self.directory is not None:
+                return self.directory.load(key.identity, key.witness)
+        except Exception as error:  # e.g. no device memory left to copy into: encode instead
+            _warn_once(f"a lower tier failed a lookup ({type(error).__qualname__}: {error}); encoding instead")
+        return False, None
+
+    def _write_through(
+        self, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any, generation: int
+    ) -> None:
+        """Write an encoded entry to the directory tier, unless a clear() voided it meanwhile."""
+        if self.directory is not None and generation == self._generation:
+            self.directory.save(identity, witness, value)
 
     def _claim(self, key: CallKey) -> tuple[_Outcome, Any]:
         """Decide how ``key`` is served; the lock is held. Counts nothing: callers count calls or rows.
@@ -411,11 +535,7 @@ class PromptEmbedCache:
                     counts.hits += 1
                     counts.row_hits += row
                     return claimed
-                if outcome is _Outcome.OWN:
-                    counts.misses += 1
-                    counts.row_misses += row
-                    counts.rows_encoded += row
-                elif outcome is _Outcome.DIRECT:
+                if outcome is _Outcome.DIRECT:
                     counts.bypass_reasons[claimed] += 1
                     if row:
                         counts.row_bypass_reasons[claimed] += 1
@@ -423,7 +543,19 @@ class PromptEmbedCache:
             if outcome is _Outcome.DIRECT:
                 return compute()
             if outcome is _Outcome.OWN:
-                return self._run_flight(key, claimed, compute)
+                encoded = True  # unless a lower tier serves it
+                try:
+                    result, encoded = self._run_flight(key, claimed, compute)
+                    return result
+                finally:
+                    with self._lock:
+                        if encoded:
+                            counts.misses += 1
+                            counts.row_misses += row
+                            counts.rows_encoded += row
+                        else:
+                            counts.hits += 1
+                            counts.row_hits += row
             claimed.done.wait()
             if not claimed.failed:
                 with self._lock:
@@ -455,14 +587,18 @@ class PromptEmbedCache:
                 claims = self._claim_rows(keys, pending, values)
                 owned = [(index, flight) for index, outcome, flight in claims if outcome is _Outcome.OWN]
                 for position, (index, flight) in enumerate(owned):
-                    encoded += 1
                     try:
-                        values[index] = self._run_flight(keys[index], flight, functools.partial(compute, index))
+                        values[index], ran = self._run_flight(keys[index], flight, functools.partial(compute, index))
                     except BaseException:
+                        encoded += 1
                         self._abandon([(keys[later], unrun) for later, unrun in owned[position + 1 :]])
                         raise
+                    encoded += ran
                     with self._lock:
-                        counts.row_misses += 1
+                        if ran:
+                            counts.row_misses += 1
+                        else:
+                            counts.row_hits += 1
                 for index, outcome, _ in claims:
                     if outcome is _Outcome.DIRECT:
                         encoded += 1
@@ -550,8 +686,18 @@ class PromptEmbedCache:
         for _, flight in flights:
             flight.done.set()
 
-    def _run_flight(self, key: CallKey, flight: _Flight, compute: Callable[[], T]) -> T:
-        """Run ``compute`` for an owned flight, store its result, and wake the waiters in every case."""
+    def _run_flight(self, key: CallKey, flight: _Flight, compute: Callable[[], T]) -> tuple[T, bool]:
+        """Serve an owned flight from a lower tier, or run ``compute`` (then write the result through);
+        store the value and wake the waiters in every case. Returns the value and whether it was encoded."""
+        found, value = self._from_lower_tiers(key) if (self.host or self.directory) is not None else (False, None)
+        if found:
+            with self._lock:
+                flight.value = value
+                self._land(key.identity, flight)
+                leaving = self._store_found(key, value, flight.generation)
+            flight.done.set()
+            self._demote(leaving)
+            return value, False
         try:
             result = compute()
             value = detach_value(result)
@@ -559,14 +705,17 @@ class PromptEmbedCache:
         except BaseException:
             self._abandon([(key, flight)])  # waiters try again; nothing is stored
             raise
+        leaving = []
         with self._lock:
             flight.value = value
             self._land(key.identity, flight)
             # A clear() while encoding voids the result (weights may have changed): return it, keep nothing.
             if flight.generation == self._generation:
-                self._store(key.identity, _Entry(value, flight.witness, nbytes))
+                leaving = self._store(key.identity, _Entry(value, flight.witness, nbytes))
         flight.done.set()
-        return result
+        self._demote(leaving)
+        self._write_through(key.identity, flight.witness, value, flight.generation)
+        return result, True
 
     def _land(self, identity: Hashable, flight: _Flight) -> None:
         """Retire ``flight``; a clear() may already have replaced it with a newer one. Lock held."""
@@ -607,25 +756,60 @@ class PromptEmbedCache:
                 self._max_gap = max(self._max_gap, gap)
 
     def clear(self) -> None:
-        """Drop every entry, and any result still being computed; counters are kept.
+        """Drop every entry of every tier, and any result still being computed; counters are kept.
 
-        Callers already waiting on an encode get its result; callers arriving after the clear
-        encode again (the weights may have changed).
+        For when entries are stale (new text-encoder weights): the host tier is emptied, and the
+        directory tier fingerprints the weights again before its next use, so files of the old
+        weights are never read. Callers already waiting on an encode get its result; callers
+        arriving after the clear encode again.
         """
         with self._lock:
             self._entries.clear()
             self._flights.clear()
             self._bytes = 0
             self._generation += 1
+            if self.host is not None:
+                self.host.clear()
+            if self.directory is not None:
+                self.directory.invalidate()
+
+    def release_device_memory(self) -> int:
+        """Drop every entry from device memory (the worker goes to sleep); return how many there were.
+
+        Entries still valid move to the host tier when there is one (oldest first, so the newest
+        survive its budget); the directory tier already holds every encoded entry. Results still
+        being computed are returned to their callers but not stored.
+        """
+        with self._lock:
+            leaving = list(self._entries.items())
+            self._entries.clear()
+            self._flights.clear()
+            self._bytes = 0
+            self._generation += 1
+        self._demote(leaving)
+        return len(leaving)
 
     def snapshot(self) -> CacheStats:
         """Return the counters, sizes and settings now, as one :class:`CacheStats`."""
         with self._lock:
             counts = {
-                name: _ranked(value) if isinstance(value := getattr(self._counts, name), Counter) else value
+                name: _ranked(value) if isinstance(value := self._count(name), Counter) else value
                 for name in COUNTER_FIELDS
             }
+            host, directory = self.host, self.directory
+            levels = {}
+            if host is not None:
+                levels.update(host_entries=len(host), host_bytes=host.bytes, host_max_bytes=host.max_bytes)
+            if directory is not None:
+                levels.update(
+                    dir_files=directory.files,
+                    dir_bytes=directory.bytes,
+                    dir_max_bytes=directory.max_bytes,
+                    directory=str(directory.root),
+                    dir_off_reason=directory.off_reason,
+                )
             return CacheStats(
+                **levels,
                 size=len(self._entries),
                 max_size=self.max_size,
                 bypassed=sum(self._counts.bypass_reasons.values()),
@@ -636,6 +820,14 @@ class PromptEmbedCache:
                 layout_check_max_gap=self._max_gap,
                 **counts,
             )
+
+    def _count(self, name: str) -> Any:
+        """Return one counter: the store's own, or a lower tier's (0 without that tier)."""
+        if name not in TIER_COUNTERS:
+            return getattr(self._counts, name)
+        tier_name, attribute = TIER_COUNTERS[name]
+        tier = getattr(self, tier_name)
+        return 0 if tier is None else getattr(tier, attribute)
 
     def stats(self) -> dict[str, Any]:
         """Return upstream's keys (size, max_size, hits, misses, bypassed) and ours, as a dict."""

@@ -15,11 +15,15 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from vllm_omni_prompt_cache.config import DIRECTORY_BYTES
+from vllm_omni_prompt_cache.directory_tier import DirectoryTier
+from vllm_omni_prompt_cache.fingerprint import encoder_modules, pipeline_fingerprint
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.proofs import (
     DECLARED_BY_CLASS,
@@ -62,6 +66,9 @@ def install_prompt_embed_cache(
     report: Callable[[PromptEmbedCache], None] | None = None,
     row_layout: RowLayout | None = None,
     row_layouts: Mapping[str, RowLayout] | None = None,
+    host_bytes: int | None = None,
+    directory: str | os.PathLike | None = None,
+    directory_bytes: int | None = DIRECTORY_BYTES.default,
 ) -> PromptEmbedCache | None:
     """Wrap ``pipeline.encode_prompt`` with a content-keyed cache; return the cache or None.
 
@@ -75,6 +82,11 @@ def install_prompt_embed_cache(
     one inferred from a call (see :mod:`.proofs`). A layout given in code (``row_layout``,
     the class attribute) is its author's word; any other is checked against the uncached
     call on the first call of each kind before its rows are served.
+
+    Tiers below device memory: ``host_bytes`` bounds a host-memory tier that entries leaving
+    device memory move to; ``directory`` holds a file per encoded entry within
+    ``directory_bytes`` (None: no limit), namespaced by the pipeline's fingerprint (see
+    :mod:`.fingerprint`), shared with every process that uses the same directory.
     """
     existing = getattr(pipeline, "_prompt_embed_cache", None)
     if existing is not None:
@@ -94,8 +106,23 @@ def install_prompt_embed_cache(
         )
         return None
 
-    cache = PromptEmbedCache(max_size=max_size, enabled=enabled, max_bytes=max_bytes, verify=verify)
     tag = model_tag or type(pipeline).__name__
+    directory_tier = None
+    if directory is not None:
+        directory_tier = DirectoryTier(
+            directory,
+            directory_bytes,
+            lambda: pipeline_fingerprint(pipeline, encode_fn, tag),
+            local_device=functools.partial(_local_device, pipeline),
+        )
+    cache = PromptEmbedCache(
+        max_size=max_size,
+        enabled=enabled,
+        max_bytes=max_bytes,
+        verify=verify,
+        host_bytes=host_bytes,
+        directory=directory_tier,
+    )
     proof = _layout_proof(pipeline, signature, tag, row_layout, row_layouts)
     calls = _CachedCalls(cache, encode_fn, signature, CallKeyBuilder(signature, tag, digest=digest), proof)
 
@@ -113,12 +140,16 @@ def install_prompt_embed_cache(
     object.__setattr__(pipeline, "_prompt_embed_cache_layout", proof)
     logger.info(
         "Prompt-embed cache (content-keyed) installed on %s: max_size=%d, max_bytes=%s, verify=%s, enabled=%s, "
-        "rows: %s.",
+        "host tier: %s, directory tier: %s, rows: %s.",
         tag,
         max_size,
         "unlimited" if max_bytes is None else max_bytes,
         verify,
         enabled,
+        "off" if host_bytes is None else f"{host_bytes} bytes",
+        "off"
+        if directory is None
+        else f"{directory} ({'no limit' if directory_bytes is None else f'{directory_bytes} bytes'})",
         f"{proof.layout.name} ({proof.source})"
         if proof.layout is not None
         else "inferred from the first batched call, then checked"
@@ -126,6 +157,20 @@ def install_prompt_embed_cache(
         else "whole calls only",
     )
     return cache
+
+
+def _local_device(pipeline: Any, recorded: str) -> torch.device:
+    """Return where a file's tensor, encoded on ``recorded``, goes in this process: the CPU stays the
+    CPU; an accelerator tensor goes to this pipeline's text encoder's device of that kind."""
+    device = torch.device(recorded)
+    if device.type == "cpu":
+        return device
+    for module in encoder_modules(pipeline).values():
+        for parameter in module.parameters():
+            if parameter.device.type == device.type:
+                return parameter.device
+            break
+    return device
 
 
 def _layout_proof(

@@ -14,7 +14,19 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import BACKEND, BACKENDS, ENABLE, MAX_BYTES, MAX_SIZE, ROW_LAYOUTS, VERIFY, Setting
+from vllm_omni_prompt_cache.config import (
+    BACKEND,
+    BACKENDS,
+    DIRECTORY,
+    DIRECTORY_BYTES,
+    ENABLE,
+    HOST_BYTES,
+    MAX_BYTES,
+    MAX_SIZE,
+    ROW_LAYOUTS,
+    VERIFY,
+    Setting,
+)
 from vllm_omni_prompt_cache.routing import DEFAULT_EPSILON, EPSILON_ENV, epsilon_from_env
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
@@ -49,6 +61,10 @@ def setting_type(setting: Setting, flag: str | None = None) -> Any:
 
 
 def _describe_default(setting: Setting) -> str:
+    if setting in (HOST_BYTES, DIRECTORY):
+        return "off"
+    if setting is DIRECTORY_BYTES:
+        return f"{setting.default // 2**30}GiB"
     if setting.default is None:
         return "no limit"
     if isinstance(setting.default, bool):
@@ -74,7 +90,8 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{setting.help} Default: {_describe_default(setting)}. Env: {setting.env}.",
         )
     valued = ((MAX_SIZE, "N"), (MAX_BYTES, "BYTES"), (BACKEND, "{" + ",".join(BACKENDS) + "}"))
-    for setting, metavar in (*valued, (ROW_LAYOUTS, "CLASS=LAYOUT[,...]")):
+    tiers = ((HOST_BYTES, "BYTES"), (DIRECTORY, "DIR"), (DIRECTORY_BYTES, "BYTES"))
+    for setting, metavar in (*valued, (ROW_LAYOUTS, "CLASS=LAYOUT[,...]"), *tiers):
         if setting.flag in parser._option_string_actions:
             continue
         group.add_argument(

@@ -4,12 +4,15 @@ A cached embedding is only valid for the text-encoder weights that produced it. 
 those weights change, or their memory goes away, on these paths:
 
 * ``DiffusionWorker.sleep`` (level 1 offloads weights, level 2 discards them; also reached through
-  ``handle_sleep_task``): cleared first, before the memory pools are released;
+  ``handle_sleep_task``): device memory is released first, before the memory pools are; the
+  entries are still valid, so they move to the host tier when there is one;
 * ``pipeline.load_weights(...)`` with text-encoder weights (how RL frameworks sync new weights):
   cleared after the load;
 * LoRA: ``DiffusionLoRAManager.add_adapter`` / ``remove_adapter`` / ``set_active_adapter``
   (through ``_activate_adapter``, ``_deactivate_all_adapters``, ``_reset_lora_layers``) when the
-  manager's LoRA layers include text-encoder modules and the bound state actually changed;
+  manager's LoRA layers include text-encoder modules and the bound state actually changed (LoRA
+  weights live beside the module weights the fingerprint hashes, so the directory tier is also
+  turned off for that pipeline);
 * ``DiffusionWorker.load_model`` / ``re_init_pipeline`` build a new pipeline, which gets a new,
   empty cache.
 """
@@ -37,14 +40,26 @@ _LORA_STATE_CHANGERS = (
 )
 
 
-def clear_cache(pipeline: Any, reason: str) -> None:
-    """Empty the pipeline's prompt-embed cache, if it has one, and say why."""
+def clear_cache(pipeline: Any, reason: str) -> PromptEmbedCache | None:
+    """Empty every tier of the pipeline's prompt-embed cache, if it has one, and say why; return it."""
     cache = getattr(pipeline, "_prompt_embed_cache", None)
     if isinstance(cache, PromptEmbedCache):
-        entries = len(cache)
+        entries = len(cache) + (len(cache.host) if cache.host is not None else 0)
         cache.clear()
         if entries:
             logger.info("Prompt-embed cache cleared (%d entries): %s.", entries, reason)
+        return cache
+    return None
+
+
+def release_device_memory(pipeline: Any, reason: str) -> None:
+    """Drop the pipeline's cached entries from device memory (to the host tier, if any), and say why."""
+    cache = getattr(pipeline, "_prompt_embed_cache", None)
+    if isinstance(cache, PromptEmbedCache):
+        entries = cache.release_device_memory()
+        if entries:
+            kept = "moved to host memory" if cache.host is not None else "cleared"
+            logger.info("Prompt-embed cache: %d entries %s: %s.", entries, kept, reason)
 
 
 def patch_worker(module: ModuleType) -> None:
@@ -74,7 +89,7 @@ def _clearing_before_sleep(original_sleep: Callable) -> Callable:
     @functools.wraps(original_sleep)
     def sleep(self: Any, *args: Any, **kwargs: Any) -> Any:
         runner = getattr(self, "model_runner", None)
-        clear_cache(getattr(runner, "pipeline", None), "the diffusion worker is going to sleep")
+        release_device_memory(getattr(runner, "pipeline", None), "the diffusion worker is going to sleep")
         return original_sleep(self, *args, **kwargs)
 
     return sleep
@@ -118,7 +133,10 @@ def _clearing_on_lora_change(original: Callable, name: str) -> Callable:
         finally:
             pipeline = getattr(self, "pipeline", None)
             if _lora_state(self) != before and _touches_encoder(getattr(self, "_lora_modules", {}), pipeline):
-                clear_cache(pipeline, f"LoRA {name.strip('_').replace('_', ' ')} changed text-encoder layers")
+                why = f"LoRA {name.strip('_').replace('_', ' ')} changed text-encoder layers"
+                cache = clear_cache(pipeline, why)
+                if cache is not None and cache.directory is not None:
+                    cache.directory.disable(why)
 
     return wrapper
 

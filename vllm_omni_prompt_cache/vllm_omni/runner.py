@@ -93,6 +93,9 @@ def install_for_stage(pipeline: Any, settings: PromptEmbedCacheSettings, model_t
         row_layouts=resolve_declared_layouts(
             settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, "the stage's settings")
         ),
+        host_bytes=settings.host_bytes,
+        directory=settings.directory,
+        directory_bytes=settings.directory_bytes,
     )
     if cache is not None:
         watch_weight_loads(pipeline)

@@ -1,0 +1,339 @@
+"""Tiers below device memory: the host-memory LRU and the shared directory of safetensors files.
+
+A tiny real transformers encoder (random weights) behind a token-ID ``encode_prompt``; each
+"process" of the directory tests is its own pipeline and cache on one directory, as replicas and
+restarted engines are. Faults are made for real: files truncated, corrupted and copied between
+namespaces on disk, a full disk (a 64 KiB tmpfs when this machine lets us mount one; otherwise a
+simulated ENOSPC, said so), concurrent writers.
+"""
+
+from __future__ import annotations
+
+import errno
+import inspect
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_omni_prompt_cache import PromptEmbedCache, install_prompt_embed_cache
+from vllm_omni_prompt_cache.directory_tier import (
+    CHECKSUM,
+    FOREIGN,
+    UNREADABLE,
+    WITNESS,
+    DirectoryTier,
+)
+from vllm_omni_prompt_cache.keys import CallKeyBuilder
+from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
+from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
+from vllm_omni_prompt_cache.vllm_omni.lifecycle import release_device_memory
+
+PROMPTS = [torch.tensor([[3, 1, 4, 1, 5, i]]) for i in range(6)]
+
+
+def encode(pipeline: TokenIdTextPipeline, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = PROMPTS[index]
+    return pipeline.encode_prompt(ids.clone(), torch.ones_like(ids))
+
+
+def reference(index: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return encode(TokenIdTextPipeline(build_qwen2_encoder(seed=seed)), index)
+
+
+def same(left: tuple, right: tuple) -> bool:
+    return all(
+        a.dtype == b.dtype and a.device == b.device and torch.equal(a, b) for a, b in zip(left, right, strict=True)
+    )
+
+
+def files(root: Path) -> list[Path]:
+    return sorted(root.glob("*/*.safetensors"))
+
+
+# --- host tier ---------------------------------------------------------------------------------
+
+
+def test_an_entry_evicted_from_device_memory_is_served_from_host_memory() -> None:
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, max_size=2, host_bytes=2**20)
+    outputs = [encode(pipeline, index) for index in range(3)]  # the first is evicted to host memory
+    stats = cache.snapshot()
+    assert (stats.size, stats.evictions, stats.host_entries, stats.host_demotions) == (2, 1, 1, 1)
+    assert same(encode(pipeline, 0), outputs[0])  # from host memory: no encode
+    stats = cache.snapshot()
+    assert pipeline.encoder_runs == 3
+    assert (stats.host_hits, stats.hits, stats.misses) == (1, 1, 3)
+    assert stats.host_entries == 1  # prompt 1 went down when prompt 0 came back up
+
+
+def test_sleep_moves_every_entry_to_host_memory_and_a_clear_empties_every_tier() -> None:
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, max_size=8, host_bytes=2**20)
+    outputs = [encode(pipeline, index) for index in range(3)]
+    release_device_memory(pipeline, "a test sleeps")
+    assert (len(cache), len(cache.host), cache.snapshot().bytes) == (0, 3, 0)
+    assert all(same(encode(pipeline, index), outputs[index]) for index in range(3))
+    assert pipeline.encoder_runs == 3
+    cache.clear()  # new weights: nothing of any tier may be served
+    assert (len(cache), len(cache.host)) == (0, 0)
+    encode(pipeline, 0)
+    assert pipeline.encoder_runs == 4
+
+
+def test_the_host_budget_evicts_the_oldest_and_refuses_what_cannot_fit() -> None:
+    measured = install_prompt_embed_cache(probe := TokenIdTextPipeline(build_qwen2_encoder()), max_size=1)
+    encode(probe, 0)
+    entry_bytes = measured.snapshot().bytes  # every prompt here has the same shapes
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, max_size=1, host_bytes=2 * entry_bytes)
+    for index in range(4):  # prompts 0, 1, 2 leave device memory in turn; the host holds two
+        encode(pipeline, index)
+    stats = cache.snapshot()
+    assert (stats.host_entries, stats.host_demotions, stats.host_evictions) == (2, 3, 1)
+    assert stats.host_bytes == 2 * entry_bytes
+    encode(pipeline, 0)  # evicted from the host too: encoded again
+    encode(pipeline, 2)  # still in host memory
+    assert pipeline.encoder_runs == 5 and cache.snapshot().host_hits == 1
+
+    tight = install_prompt_embed_cache(small := TokenIdTextPipeline(build_qwen2_encoder()), max_size=1, host_bytes=1)
+    encode(small, 1)
+    encode(small, 2)  # prompt 1 leaves device memory, larger than the whole host budget
+    stats = tight.snapshot()
+    assert (stats.host_entries, stats.host_demotions, stats.host_evictions) == (0, 0, 1)
+
+
+# --- directory tier ----------------------------------------------------------------------------
+
+
+def process(root: Path, *, seed: int = 0, **kwargs) -> tuple[TokenIdTextPipeline, PromptEmbedCache]:
+    """A new "process": its own pipeline (weights from ``seed``) and cache on ``root``."""
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder(seed=seed))
+    cache = install_prompt_embed_cache(pipeline, max_size=8, directory=root, **kwargs)
+    return pipeline, cache
+
+
+def test_a_second_process_on_the_directory_encodes_nothing_and_gets_identical_bytes(tmp_path) -> None:
+    writer, _ = process(tmp_path)
+    written = [encode(writer, index) for index in range(3)]
+    assert len(files(tmp_path)) == 3
+    namespace = files(tmp_path)[0].parent
+    assert (namespace / "NAMESPACE.json").is_file()  # what produced the files, for people
+    reader, cache = process(tmp_path)
+    read = [encode(reader, index) for index in range(3)]
+    assert reader.encoder_runs == 0
+    assert all(same(a, b) for a, b in zip(read, written, strict=True))
+    stats = cache.snapshot()
+    assert (stats.dir_hits, stats.hits, stats.misses, stats.dir_writes) == (3, 3, 0, 0)
+    assert encode(reader, 0) is not None and cache.snapshot().dir_hits == 3  # now a device hit
+
+
+def test_other_weights_never_read_the_files(tmp_path) -> None:
+    writer, _ = process(tmp_path, seed=0)
+    encode(writer, 0)
+    other, cache = process(tmp_path, seed=1)  # another checkpoint of the same architecture
+    assert same(encode(other, 0), reference(0, seed=1))
+    assert other.encoder_runs == 1
+    assert cache.snapshot().dir_hits == 0
+    assert len({path.parent for path in files(tmp_path)}) == 2  # two namespaces
+
+
+def test_new_encoder_weights_move_the_process_to_another_namespace(tmp_path) -> None:
+    pipeline, cache = process(tmp_path)
+    encode(pipeline, 0)
+    with torch.no_grad():
+        pipeline.text_encoder.embed_tokens.weight.mul_(2.0)  # as a weight sync would
+    cache.clear()  # what the lifecycle hook does after an encoder weight load
+    assert same(encode(pipeline, 0), encode(TokenIdTextPipeline(pipeline.text_encoder), 0))
+    assert pipeline.encoder_runs == 2 and cache.snapshot().dir_hits == 0
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("truncate", UNREADABLE),
+        ("flip a value byte", CHECKSUM),
+        ("empty", UNREADABLE),
+    ],
+)
+def test_a_damaged_file_is_a_miss_removed_and_counted(tmp_path, damage, reason) -> None:
+    writer, _ = process(tmp_path)
+    expected = encode(writer, 0)
+    (path,) = files(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":  # a writer killed mid-write without the rename would leave no file; a disk can
+        data = data[: len(data) // 2]
+    elif damage == "flip a value byte":
+        data[-5] ^= 0x40
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    reader, cache = process(tmp_path)
+    assert same(encode(reader, 0), expected)  # encoded again, exactly
+    stats = cache.snapshot()
+    assert (reader.encoder_runs, stats.dir_hits, stats.dir_misses) == (1, 0, 1)
+    assert stats.dir_rejections == {reason: 1}
+    assert len(files(tmp_path)) == 1  # removed, then written again by the encode: it serves the next process
+    third, _ = process(tmp_path)
+    assert same(encode(third, 0), expected) and third.encoder_runs == 0
+
+
+def test_a_file_from_another_model_under_this_models_name_is_refused(tmp_path) -> None:
+    writer, _ = process(tmp_path, seed=0)
+    encode(writer, 0)
+    other, _ = process(tmp_path, seed=1)
+    encode(other, 0)
+    seed_1_file = next(
+        path
+        for path in files(tmp_path)
+        if path.parent == other._prompt_embed_cache.directory.root / other._prompt_embed_cache.directory.namespace
+    )
+    seed_0_file = next(path for path in files(tmp_path) if path != seed_1_file)
+    shutil.copyfile(seed_0_file, seed_1_file)  # the same key's name, holding the other model's file
+    reader, cache = process(tmp_path, seed=1)
+    assert same(encode(reader, 0), reference(0, seed=1))
+    stats = cache.snapshot()
+    assert (reader.encoder_runs, stats.dir_hits, stats.dir_rejections) == (1, 0, {FOREIGN: 1})
+
+
+def test_a_file_whose_witness_differs_is_never_served(tmp_path) -> None:
+    """A digest that collides on every input: one key identity for all prompts, told apart only
+    by the witness bytes kept in the file."""
+    encoder = build_qwen2_encoder()
+    writer = TokenIdTextPipeline(encoder)
+    install_prompt_embed_cache(writer, directory=tmp_path, digest=lambda data: b"same")
+    encode(writer, 0)
+    reader = TokenIdTextPipeline(encoder)
+    cache = install_prompt_embed_cache(reader, directory=tmp_path, digest=lambda data: b"same")
+    assert same(encode(reader, 1), reference(1))  # prompt 1 finds prompt 0's file under its name
+    stats = cache.snapshot()
+    assert (reader.encoder_runs, stats.dir_hits, stats.dir_rejections) == (1, 0, {WITNESS: 1})
+
+
+def mounted_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return result.returncode == 0
+
+
+def test_a_full_disk_is_counted_and_the_cache_keeps_serving(tmp_path, monkeypatch) -> None:
+    disk = tmp_path / "disk"
+    real = mounted_tmpfs(disk, "64k")  # a real full filesystem where this machine lets us (root, mount)
+    try:
+        if not real:  # simulated: the write raises what a full disk raises
+            monkeypatch.setattr(
+                DirectoryTier,
+                "_write_atomically",
+                staticmethod(lambda path, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left"))),
+            )
+        pipeline = TokenIdTextPipeline(build_qwen2_encoder(hidden_size=256, intermediate_size=256))
+        cache = install_prompt_embed_cache(pipeline, max_size=8, directory=disk, directory_bytes=None)
+        long_ids = torch.arange(200).reshape(1, -1)
+        for shift in range(4):  # 200 x 256 fp32: 200 KiB an entry, more than the disk holds
+            pipeline.encode_prompt(long_ids + shift, torch.ones_like(long_ids))
+        stats = cache.snapshot()
+        assert stats.dir_write_errors >= 3 and stats.size == 4
+        assert pipeline.encode_prompt(long_ids, torch.ones_like(long_ids)) is not None
+        assert pipeline.encoder_runs == 4  # served from memory
+        assert not list(disk.glob("*/.*.tmp"))  # no temporary file left behind
+    finally:
+        if real:
+            subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_concurrent_writers_and_readers_of_one_key_never_see_a_partial_file(tmp_path) -> None:
+    encoder = build_qwen2_encoder()
+    expected = encode(TokenIdTextPipeline(encoder), 0)
+    first = TokenIdTextPipeline(encoder)
+    install_prompt_embed_cache(first, directory=tmp_path)
+    encode(first, 0)  # a file exists; now four writers rewrite it and read it back, all at once
+    tiers = [install_prompt_embed_cache(TokenIdTextPipeline(encoder), directory=tmp_path).directory for _ in range(4)]
+    builder = CallKeyBuilder(inspect.signature(first._prompt_embed_cache_original_fn), "TokenIdTextPipeline")
+    key = builder.build((PROMPTS[0], torch.ones_like(PROMPTS[0])), {})
+    witness = tuple(part.tobytes() for part in key.witness)
+    failures: list[str] = []
+
+    def hammer(tier: DirectoryTier) -> None:
+        for _ in range(40):
+            tier.save(key.identity, witness, expected)
+            found, value = tier.load(key.identity, key.witness)
+            if not found or not same(value, expected):
+                failures.append("a writer's own read missed or differed")
+
+    threads = [threading.Thread(target=hammer, args=(tier,)) for tier in tiers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert all(sum(tier.rejections.values()) == 0 for tier in tiers)
+    assert len(files(tmp_path)) == 1 and not list(tmp_path.glob("*/.*.tmp"))
+
+
+def test_the_directory_budget_removes_the_least_recently_used_files(tmp_path) -> None:
+    writer, cache = process(tmp_path)
+    encode(writer, 0)
+    entry_bytes = files(tmp_path)[0].stat().st_size
+    writer, cache = process(tmp_path, directory_bytes=3 * entry_bytes + entry_bytes // 2)
+    for index in (1, 2):
+        encode(writer, index)
+    reader, _ = process(tmp_path)
+    encode(reader, 0)  # a hit refreshes prompt 0's file: prompt 1's is now the oldest
+    for index in (3, 4):
+        encode(writer, index)
+    stats = cache.snapshot()
+    assert stats.dir_evictions == 2 and stats.dir_files == 3
+    assert stats.dir_bytes <= stats.dir_max_bytes
+    survivor, _ = process(tmp_path)
+    for index in (0, 4):
+        encode(survivor, index)
+    assert survivor.encoder_runs == 0
+    encode(survivor, 1)
+    assert survivor.encoder_runs == 1  # evicted
+
+
+def test_a_value_no_file_can_hold_turns_the_directory_off_with_a_reason(tmp_path) -> None:
+    class Opaque:
+        pass
+
+    class OpaquePipeline(TokenIdTextPipeline):
+        def encode_prompt(self, prompt_ids, attention_mask=None):
+            return super().encode_prompt(prompt_ids, attention_mask), Opaque()
+
+    pipeline = OpaquePipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, directory=tmp_path)
+    first = pipeline.encode_prompt(PROMPTS[0], torch.ones_like(PROMPTS[0]))
+    again = pipeline.encode_prompt(PROMPTS[0], torch.ones_like(PROMPTS[0]))
+    assert pipeline.encoder_runs == 1 and again[1] is first[1]  # memory still serves it
+    stats = cache.snapshot()
+    assert "which a file cannot hold" in stats.dir_off_reason
+    assert files(tmp_path) == []
+
+
+def test_a_pipeline_without_a_text_encoder_module_does_not_use_the_directory(tmp_path) -> None:
+    class NoEncoder:
+        def encode_prompt(self, prompt: str) -> torch.Tensor:
+            return torch.zeros(2)
+
+    pipeline = NoEncoder()
+    cache = install_prompt_embed_cache(pipeline, directory=tmp_path)
+    pipeline.encode_prompt("a fox")
+    assert "no text-encoder module" in cache.snapshot().dir_off_reason
+    assert files(tmp_path) == []
+
+
+def test_rows_of_a_batched_call_are_files_of_their_own(tmp_path) -> None:
+    encoder = build_qwen2_encoder()
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    writer = QwenStyleTokenPipeline(encoder)
+    install_prompt_embed_cache(writer, directory=tmp_path, row_layout=TOKEN_IDS)
+    expected = writer.encode_prompt(ids, mask)
+    reader = QwenStyleTokenPipeline(encoder)
+    cache = install_prompt_embed_cache(reader, directory=tmp_path, row_layout=TOKEN_IDS)
+    swapped = reader.encode_prompt(ids.flip(0), mask.flip(0))  # the same rows, in the other order
+    assert reader.encoder_rows == 0 and cache.snapshot().dir_hits == 2
+    assert torch.equal(swapped[0][0, :2], expected[0][1, :2]) and torch.equal(swapped[0][1], expected[0][0])

@@ -1,0 +1,412 @@
+"""Where entries outlive the process: one safetensors file per entry in a directory processes share.
+
+Layout: ``<root>/<namespace>/<name>.safetensors``. The namespace is a digest of what produced the
+entries (see :mod:`.fingerprint`): another model, checkpoint, tokenizer or package version writes
+and reads another namespace, so it can never read these. ``<name>`` is a digest of the entry's key
+identity. A file holds the value's tensors, the key's witness bytes and, in its metadata, the
+namespace, the identity, the value's structure and a checksum of every tensor byte.
+
+Safety, since several replicas, restarted engines and other nodes may use one directory at once:
+
+* safetensors holds tensors and strings only: reading a file cannot run code;
+* a file is written to a temporary name in the same directory, then ``os.replace``-d over its
+  final name: a reader sees a whole file or none, and two writers of one key both write the same
+  bytes, the last rename winning;
+* a file that is truncated, corrupt, from another namespace, or whose identity or witness differs
+  from the probe is a miss: it is removed and counted by reason, never raised, never returned;
+* a write that fails (a full disk, a read-only mount) is counted and abandoned; the entry still
+  lives in memory.
+
+The byte budget covers every file under the root (all namespaces, so stale ones are the first to
+go): each process counts its own writes and rescans the root when they would pass the budget, or
+every :data:`RESCAN_EVERY_WRITES` writes, removing the least recently used files (a hit refreshes a
+file's modification time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from vllm_omni_prompt_cache.keys import witness_matches
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "vllm-omni-prompt-cache/1"
+SUFFIX = ".safetensors"
+#: Writes between two rescans of the root's size (other processes write too).
+RESCAN_EVERY_WRITES = 256
+#: A temporary file older than this is a crashed writer's: a rescan removes it.
+STALE_TEMPORARY_S = 3600.0
+
+# Reasons a file is removed on read (the ``reason`` label of the rejection counts).
+UNREADABLE = "unreadable or truncated"
+CHECKSUM = "checksum mismatch"
+FOREIGN = "another namespace or format"
+IDENTITY = "key identity differs"
+WITNESS = "key bytes differ"
+
+#: dtypes a file can hold (what safetensors stores).
+_STORABLE_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
+
+
+class Unstorable(Exception):
+    """A value a file cannot hold exactly (an object that is not a tensor, plain scalar or container)."""
+
+
+def identity_name(identity: Hashable) -> str:
+    """Return the file name stem of a key identity: a digest of its repr (stable across processes)."""
+    return hashlib.sha256(repr(identity).encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+def _structure(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """Return ``value``'s structure as JSON, appending its tensors to ``tensors``."""
+    kind = type(value)
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _STORABLE_DTYPES or value.layout is not torch.strided or value.is_nested:
+            raise Unstorable(f"a {value.dtype} {value.layout} tensor")
+        tensors.append(value)
+        return {"tensor": len(tensors) - 1, "device": str(value.device)}
+    if value is None:
+        return None
+    if kind is bool:
+        return {"bool": value}
+    if kind is int:
+        return {"int": value}
+    if kind is float:
+        return {"float": value.hex()}
+    if kind is str:
+        return {"str": value}
+    if kind in (tuple, list):
+        return {kind.__name__: [_structure(item, tensors) for item in value]}
+    if kind is dict:
+        return {"dict": [[_structure(key, tensors), _structure(item, tensors)] for key, item in value.items()]}
+    raise Unstorable(f"a {kind.__module__}.{kind.__qualname__}")
+
+
+def _rebuild(structure: Any, tensors: list[torch.Tensor]) -> Any:
+    if structure is None:
+        return None
+    (kind, content), *_ = structure.items()
+    if kind == "tensor":
+        return tensors[content]
+    if kind in ("bool", "int", "str"):
+        return content
+    if kind == "float":
+        return float.fromhex(content)
+    if kind == "tuple":
+        return tuple(_rebuild(item, tensors) for item in content)
+    if kind == "list":
+        return [_rebuild(item, tensors) for item in content]
+    if kind == "dict":
+        return {_rebuild(key, tensors): _rebuild(item, tensors) for key, item in content}
+    raise ValueError(f"unknown structure kind {kind!r}")
+
+
+def _checksum(tensors: list[torch.Tensor]) -> str:
+    hasher = xxhash.xxh3_128()
+    for tensor in tensors:
+        hasher.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        hasher.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return hasher.hexdigest()
+
+
+def _read_metadata(data: bytes) -> dict[str, str]:
+    header_length = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or header_length <= 0 or 8 + header_length > len(data):
+        raise ValueError("truncated header")
+    metadata = json.loads(data[8 : 8 + header_length]).get("__metadata__")
+    if not isinstance(metadata, dict):
+        raise ValueError("no metadata")
+    return metadata
+
+
+class DirectoryTier:
+    """Entries as files under ``root``, within ``max_bytes`` (None: no limit).
+
+    ``fingerprint()`` returns a JSON-able description of what produces this process's entries, or a
+    string saying why there is none (then the tier is unused until :meth:`invalidate`). It runs
+    on first use and again after each :meth:`invalidate` (new weights). ``local_device(recorded)``
+    maps the device a file's tensor was encoded on to this process's device for it.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        max_bytes: int | None,
+        fingerprint: Callable[[], dict[str, Any] | str],
+        *,
+        local_device: Callable[[str], torch.device | str] = torch.device,
+    ) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self._fingerprint = fingerprint
+        self._local_device = local_device
+        self._lock = threading.Lock()
+        self._namespace: str | None = None
+        self._off_reason: str | None = None  # set by disable(): for the rest of this tier's life
+        self._unavailable: str | None = None  # the fingerprint's reason, until invalidate()
+        self._scanned_bytes: int | None = None  # every file under root at the last rescan
+        self._written_since_scan = 0
+        self._writes_since_scan = 0
+        # Counts since the tier was made, read by the store's snapshot.
+        self.hits = 0
+        self.misses = 0
+        self.writes = 0
+        self.write_errors = 0
+        self.evictions = 0  # files removed to stay within max_bytes
+        self.rejections: Counter[str] = Counter()  # files removed on read, by reason
+        self.files = 0  # files under root at the last rescan
+
+    @property
+    def bytes(self) -> int:
+        """Return the bytes of files under the root: the last rescan plus this process's writes since."""
+        return (self._scanned_bytes or 0) + self._written_since_scan
+
+    @property
+    def namespace(self) -> str | None:
+        """Return this process's namespace (a hex digest), computing it if needed; None when unusable."""
+        with self._lock:
+            if self._off_reason is not None or self._unavailable is not None:
+                return None
+            if self._namespace is None:
+                described = self._fingerprint()
+                if isinstance(described, str):
+                    self._unavailable = described
+                    logger.warning("Prompt-embed cache: directory tier unused: %s.", described)
+                    return None
+                text = json.dumps(described, sort_keys=True)
+                self._namespace = hashlib.sha256(text.encode()).hexdigest()[:32]
+                self._describe(self._namespace, text)
+            return self._namespace
+
+    def _describe(self, namespace: str, description: str) -> None:
+        """Write ``NAMESPACE.json`` (what produced the namespace's files), for people; lock held."""
+        directory = self.root / namespace
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            target = directory / "NAMESPACE.json"
+            if not target.exists():
+                self._write_atomically(target, description.encode())
+        except OSError as error:
+            logger.warning("Prompt-embed cache: cannot write to the directory tier %s: %s", directory, error)
+
+    def invalidate(self) -> None:
+        """Forget the namespace: what produces entries changed (new text-encoder weights)."""
+        with self._lock:
+            self._namespace = None
+            self._unavailable = None
+
+    def disable(self, reason: str) -> None:
+        """Stop using the directory for the rest of this tier's life (say why, once)."""
+        with self._lock:
+            if self._off_reason is None:
+                logger.warning("Prompt-embed cache: directory tier off for this pipeline: %s.", reason)
+            self._off_reason = reason
+
+    @property
+    def off_reason(self) -> str | None:
+        """Why the tier is off or unused now, or None while it is in use."""
+        return self._off_reason or self._unavailable
+
+    def _path(self, namespace: str, identity: Hashable) -> Path:
+        return self.root / namespace / (identity_name(identity) + SUFFIX)
+
+    def load(self, identity: Hashable, witness: tuple) -> tuple[bool, Any]:
+        """Return ``(True, value)`` from the identity's file, or ``(False, None)``; never raises."""
+        namespace = self.namespace
+        if namespace is None:
+            return False, None
+        path = self._path(namespace, identity)
+        try:
+            data = path.read_bytes()
+        except OSError:  # absent, or removed by another process meanwhile
+            self._count("misses")
+            return False, None
+        try:
+            value = self._decode(data, namespace, identity, witness)
+        except _Rejected as rejected:
+            self._reject(path, str(rejected))
+            return False, None
+        except Exception:  # anything else a damaged file makes the decoder raise
+            self._reject(path, UNREADABLE)
+            return False, None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # a hit keeps the file recent for the budget's LRU
+        self._count("hits")
+        return True, value
+
+    def _decode(self, data: bytes, namespace: str, identity: Hashable, witness: tuple) -> Any:
+        from safetensors.torch import load
+
+        try:
+            metadata = _read_metadata(data)
+            tensors = load(data)
+        except Exception:
+            raise _Rejected(UNREADABLE) from None
+        if metadata.get("format") != FORMAT or metadata.get("namespace") != namespace:
+            raise _Rejected(FOREIGN)
+        if metadata.get("identity") != repr(identity):
+            raise _Rejected(IDENTITY)
+        count = int(metadata["tensors"])
+        values = [tensors[f"value.{index}"] for index in range(count)]
+        witnessed = metadata.get("witness") != "-"
+        kept = [tensors[f"witness.{index}"] for index in range(int(metadata["witness"]) if witnessed else 0)]
+        if _checksum(values + kept) != metadata.get("checksum"):
+            raise _Rejected(CHECKSUM)
+        if witnessed and not witness_matches(tuple(part.numpy().tobytes() for part in kept), witness):
+            raise _Rejected(WITNESS)
+        devices = json.loads(metadata["devices"])
+        placed = [tensor.to(self._local_device(device)) for tensor, device in zip(values, devices, strict=True)]
+        return _rebuild(json.loads(metadata["structure"]), placed)
+
+    def save(self, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any) -> None:
+        """Write the entry's file (replacing any); a failure is counted, never raised."""
+        namespace = self.namespace
+        if namespace is None:
+            return
+        try:
+            data = self._encode(namespace, identity, witness, value)
+        except Unstorable as why:
+            self.disable(f"encode_prompt returned {why}, which a file cannot hold")
+            return
+        path = self._path(namespace, identity)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_atomically(path, data)
+        except OSError as error:
+            with self._lock:
+                self.write_errors += 1
+                first = self.write_errors == 1
+            if first:
+                logger.warning(
+                    "Prompt-embed cache: cannot write to the directory tier (%s); entries stay in memory.", error
+                )
+            return
+        with self._lock:
+            self.writes += 1
+            self._written_since_scan += len(data)
+            self._writes_since_scan += 1
+            over = self.max_bytes is not None and self.bytes > self.max_bytes
+            due = over or self._scanned_bytes is None or self._writes_since_scan >= RESCAN_EVERY_WRITES
+        if due:
+            self.enforce_budget()
+
+    @staticmethod
+    def _encode(namespace: str, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any) -> bytes:
+        from safetensors.torch import save
+
+        originals: list[torch.Tensor] = []
+        structure = _structure(value, originals)
+        # Owned copies: safetensors refuses tensors that share memory (views of one output).
+        values = [tensor.detach().to("cpu", copy=True).contiguous() for tensor in originals]
+        kept = [torch.frombuffer(bytearray(part), dtype=torch.uint8) for part in witness or ()]
+        tensors = {f"value.{index}": tensor for index, tensor in enumerate(values)}
+        tensors.update({f"witness.{index}": part for index, part in enumerate(kept)})
+        metadata = {
+            "format": FORMAT,
+            "namespace": namespace,
+            "identity": repr(identity),
+            "structure": json.dumps(structure),
+            "devices": json.dumps([str(tensor.device) for tensor in originals]),
+            "tensors": str(len(values)),
+            "witness": "-" if witness is None else str(len(kept)),
+            "checksum": _checksum(values + kept),
+        }
+        return save(tensors, metadata)
+
+    @staticmethod
+    def _write_atomically(path: Path, data: bytes) -> None:
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with open(temporary, "wb") as file:
+                file.write(data)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise
+
+    def enforce_budget(self) -> None:
+        """Rescan the root's files; remove the least recently used until within budget, and stale temporaries."""
+        files: list[tuple[float, int, Path]] = []
+        now = time.time()
+        try:
+            for directory in self.root.iterdir():
+                if not directory.is_dir():
+                    continue
+                for entry in os.scandir(directory):
+                    try:
+                        stat = entry.stat()
+                    except OSError:
+                        continue
+                    if entry.name.endswith(".tmp"):
+                        if now - stat.st_mtime > STALE_TEMPORARY_S:
+                            _remove(Path(entry.path))
+                    elif entry.name.endswith(SUFFIX):
+                        files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
+        except OSError:
+            return
+        total = sum(size for _, size, _ in files)
+        removed = 0
+        if self.max_bytes is not None and total > self.max_bytes:
+            for _, size, path in sorted(files, key=lambda item: item[0]):
+                if total <= self.max_bytes:
+                    break
+                if _remove(path):
+                    removed += 1
+                total -= size
+        with self._lock:
+            self._scanned_bytes = total
+            self.files = len(files) - removed
+            self._written_since_scan = 0
+            self._writes_since_scan = 0
+            self.evictions += removed
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+    def _reject(self, path: Path, reason: str) -> None:
+        _remove(path)
+        with self._lock:
+            self.misses += 1
+            self.rejections[reason] += 1
+
+
+class _Rejected(Exception):
+    """A file that must not be used; its message is the reason."""
+
+
+def _remove(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False
