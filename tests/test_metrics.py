@@ -232,3 +232,39 @@ def test_the_worker_and_engine_wrappers_pass_the_snapshot_on_and_never_fail_the_
     assert postprocess(None, "request", output) is request_outputs
     assert pop_snapshot(request_outputs[0].metrics).stats == cache.snapshot()
     assert request_outputs[0].metrics == {"postprocess_time_ms": 1.0}
+
+
+def test_the_tiers_below_device_memory_have_their_own_series(tmp_path) -> None:
+    """Host and directory tiers of real caches: hits, writes, a corrupt file, and their levels."""
+    from vllm_omni_prompt_cache import install_prompt_embed_cache
+    from vllm_omni_prompt_cache.directory_tier import CHECKSUM
+    from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+
+    encoder = build_qwen2_encoder()
+    ids = [torch.tensor([[1, 2, token]]) for token in range(3)]
+    writer = TokenIdTextPipeline(encoder)
+    install_prompt_embed_cache(writer, max_size=8, directory=tmp_path)
+    for each in ids:
+        writer.encode_prompt(each, torch.ones_like(each))
+    damaged = sorted(tmp_path.glob("*/*.safetensors"))[0]
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 0x40  # one bit of the last tensor
+    damaged.write_bytes(bytes(data))
+    pipeline = TokenIdTextPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=1, host_bytes=2**20, directory=tmp_path)
+    for each in (*ids, ids[0]):  # three from files or encoded again (the damaged one), then one from host memory
+        pipeline.encode_prompt(each, torch.ones_like(each))
+    registry = CollectorRegistry()
+    families = PromptEmbedCacheMetrics(registry)
+    families.record(tuple(LABELS.values()), pop_snapshot(cache_snapshot(cache)))
+    stats = cache.snapshot()
+    assert (stats.dir_hits, stats.host_hits, stats.dir_rejections) == (2, 1, {CHECKSUM: 1})
+    assert sample(registry, "dir_hits_total") == 2.0
+    assert sample(registry, "dir_rejections_total", reason=CHECKSUM) == 1.0
+    assert sample(registry, "dir_writes_total") == 1.0  # the damaged one, encoded and written again
+    assert sample(registry, "host_hits_total") == 1.0
+    assert sample(registry, "host_demotions_total") == stats.host_demotions
+    assert sample(registry, "host_entries") == stats.host_entries
+    assert sample(registry, "host_max_bytes") == 2.0**20
+    assert sample(registry, "dir_bytes") == stats.dir_bytes > 0
+    assert sample(registry, "dir_max_bytes") == 16.0 * 2**30

@@ -827,7 +827,9 @@ class PromptEmbedCache:
             return getattr(self._counts, name)
         tier_name, attribute = TIER_COUNTERS[name]
         tier = getattr(self, tier_name)
-        return 0 if tier is None else getattr(tier, attribute)
+        if tier is None:
+            return Counter() if name == "dir_rejections" else 0  # the one count by reason
+        return getattr(tier, attribute)
 
     def stats(self) -> dict[str, Any]:
         """Return upstream's keys (size, max_size, hits, misses, bypassed) and ours, as a dict."""

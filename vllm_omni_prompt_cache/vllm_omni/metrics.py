@@ -63,6 +63,15 @@ METRIC_PREFIX = "vllm_omni:prompt_embed_cache_"
 LABELS = ("model_name", "stage", "replica")
 #: Levels of a snapshot: what the cache holds and may hold when it was taken.
 LEVELS = ("size", "bytes", "max_size", "max_bytes")
+#: Levels of the tiers below device memory, by gauge family (a tier that is off has no series).
+TIER_LEVELS = {
+    "host_entries": "host_entries",
+    "host_bytes": "host_bytes",
+    "host_max_bytes": "host_max_bytes",
+    "dir_files": "dir_files",
+    "dir_bytes": "dir_bytes",
+    "dir_max_bytes": "dir_max_bytes",
+}
 #: Counter families with no label of their own, by the :class:`CacheStats` count they advance by.
 COUNTED = {
     "queries": "calls",
@@ -73,6 +82,15 @@ COUNTED = {
     "rows_encoded": "rows_encoded",
     "evictions": "evictions",
     "oversize_rejections": "oversize_rejections",
+    "host_hits": "host_hits",
+    "host_misses": "host_misses",
+    "host_demotions": "host_demotions",
+    "host_evictions": "host_evictions",
+    "dir_hits": "dir_hits",
+    "dir_misses": "dir_misses",
+    "dir_writes": "dir_writes",
+    "dir_write_errors": "dir_write_errors",
+    "dir_evictions": "dir_evictions",
 }
 
 
@@ -106,6 +124,10 @@ def encode_snapshot(
             flat.update({f"{KEY_PREFIX}{name}:{reason}": float(count) for reason, count in value.items()})
         else:
             flat[f"{KEY_PREFIX}{name}"] = float(value)
+    if stats.host_max_bytes is not None:  # the tiers that are on
+        levels = (*levels, "host_entries", "host_bytes", "host_max_bytes")
+    if stats.directory is not None:
+        levels = (*levels, "dir_files", "dir_bytes", "dir_max_bytes")
     for name in levels:
         if (value := getattr(stats, name)) is not None:
             flat[f"{KEY_PREFIX}{name}"] = float(value)
@@ -124,7 +146,7 @@ def pop_snapshot(metrics: dict[str, Any]) -> Snapshot | None:
         name, _, reason = key[len(KEY_PREFIX) :].partition(":")
         if reason:
             counts.setdefault(name, {})[reason] = int(value)
-        elif name in LEVELS:
+        elif name in LEVELS or name in TIER_LEVELS.values():
             levels[name] = float(value)
         else:
             counts[name] = int(value)
@@ -271,6 +293,33 @@ class PromptEmbedCacheMetrics:
             "or a row layout whose rows differed from the uncached call (check=row_layout, rows turned off).",
             "check",
         )
+        self.host_hits = counter("host_hits", "Device-memory misses served from the host-memory tier.")
+        self.host_misses = counter("host_misses", "Device-memory misses the host-memory tier did not hold.")
+        self.host_demotions = counter(
+            "host_demotions", "Entries moved from device memory to the host-memory tier (evicted, or at sleep)."
+        )
+        self.host_evictions = counter("host_evictions", "Entries dropped from the host-memory tier by its budget.")
+        self.dir_hits = counter("dir_hits", "Misses in memory served from a file of the directory tier.")
+        self.dir_misses = counter("dir_misses", "Misses in memory the directory tier had no usable file for.")
+        self.dir_writes = counter("dir_writes", "Encoded entries written to the directory tier.")
+        self.dir_write_errors = counter(
+            "dir_write_errors", "Writes to the directory tier that failed (a full disk...); the entry stays in memory."
+        )
+        self.dir_evictions = counter(
+            "dir_evictions", "Files removed from the directory tier to stay within its budget."
+        )
+        self.dir_rejections = counter(
+            "dir_rejections",
+            "Files of the directory tier removed on read, by reason: truncated, corrupt, another namespace, "
+            "other key bytes. Each is a miss, never an error or a wrong embedding.",
+            "reason",
+        )
+        self.host_entries = gauge("host_entries", "Entries held in the host-memory tier now.")
+        self.host_bytes = gauge("host_bytes", "Bytes held in the host-memory tier now.")
+        self.host_max_bytes = gauge("host_max_bytes", "The host-memory tier's byte budget.")
+        self.dir_files = gauge("dir_files", "Files under the directory tier's root at this process's last scan.")
+        self.dir_bytes = gauge("dir_bytes", "Bytes of files under the directory tier's root, as this process counts.")
+        self.dir_max_bytes = gauge("dir_max_bytes", "The directory tier's byte budget (no series when unbounded).")
         self.entries = gauge("entries", "Entries held now.")
         self.bytes = gauge("bytes", "Bytes held now: embedding tensors and the key bytes kept to verify hits.")
         self.max_entries = gauge("max_entries", "Entry budget.")
@@ -306,6 +355,7 @@ class PromptEmbedCacheMetrics:
                 (self.bypassed, delta.bypass_reasons),
                 (self.row_bypassed, delta.row_bypass_reasons),
                 (self.whole_calls, delta.whole_call_reasons),
+                (self.dir_rejections, delta.dir_rejections),
             ):
                 for reason, amount in reasons.items():
                     advance(family, amount, reason)
@@ -322,6 +372,9 @@ class PromptEmbedCacheMetrics:
             ):
                 if name in now.levels:  # the most recent snapshot's cache
                     family.labels(*labels).set(now.levels[name])
+            for family, name in TIER_LEVELS.items():
+                if name in now.levels:
+                    getattr(self, family).labels(*labels).set(now.levels[name])
 
     def _create_series(self, labels: tuple[str, str, str]) -> None:
         """Create the label set's series at zero, so ``/metrics`` shows them from the first output on."""
