@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vllm_omni_prompt_cache import precompute as precompute_command
 from vllm_omni_prompt_cache.demo import command as demo_command
 
 
@@ -28,6 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Say what the plugin will do in this environment: versions, entry points, vLLM-Omni's "
         "hook points, the plugin switch and the cache's environment variables. Exit code 0 if active, 1 if not.",
     )
+    precompute = subcommands.add_parser(
+        "precompute",
+        help="encode a prompt file into the directory tier through the real engine, so a run's first epoch hits",
+        description="Encode every prompt of a JSON-lines file through vLLM-Omni's AsyncOmni, with the cache's "
+        "directory tier on, one cheap request per prompt, in batches, resumably. Lines: a JSON string (text), "
+        "a list of integers (token ids) or an object (a request prompt as the run sends it).",
+    )
+    precompute_command.add_arguments(precompute)
     return parser
 
 
@@ -40,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         demo_command.validate(parser, args)
         return demo_command.run(args)
+    if args.command == "precompute":
+        return precompute_command.run(args)
     if args.command == "check":
         from vllm_omni_prompt_cache.vllm_omni.check import check
 

@@ -80,7 +80,17 @@ def patch_worker(module: ModuleType) -> None:
         if cache is not None:
             cache.clear()
 
-    for method in (get_prompt_embed_cache_stats, clear_prompt_embed_cache):
+    def get_prompt_embed_cache_namespace(self: Any) -> dict | None:
+        """Return this worker's directory tier: its root, namespace (fingerprinting now if needed) and
+        why it is unused, if it is (None without a directory tier)."""
+        cache = getattr(getattr(self, "model_runner", None), "prompt_embed_cache", None)
+        directory = getattr(cache, "directory", None)
+        if directory is None:
+            return None
+        namespace = directory.namespace
+        return {"root": str(directory.root), "namespace": namespace, "off_reason": directory.off_reason}
+
+    for method in (get_prompt_embed_cache_stats, clear_prompt_embed_cache, get_prompt_embed_cache_namespace):
         if not hasattr(worker_cls, method.__name__):
             setattr(worker_cls, method.__name__, method)
 

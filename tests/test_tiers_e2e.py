@@ -1,0 +1,128 @@
+"""The tiers below device memory through the real ``AsyncOmni`` engine on CPU: sleep and wake
+between rollout steps, a restarted engine on a directory, and ``precompute``.
+
+Encoder rows are counted by the tiny token-ID Qwen-Image pipeline itself (its worker extension),
+whatever the cache says.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_support import run, tiny_spec
+
+from vllm_omni_prompt_cache import cli
+from vllm_omni_prompt_cache.demo.rollout import (
+    engine_kwargs,
+    open_engine,
+    send_rollout,
+    worker_value,
+)
+from vllm_omni_prompt_cache.tiny.qwen_image import load_tokenizer, prompt_token_ids
+
+STEP_1 = ("a red fox in the snow", "a lighthouse above a stormy sea")
+STEP_2 = ("a bowl of ramen on a wooden table", "a paper boat on a puddle")
+
+
+async def rows_encoded(engine) -> int:
+    return int((await worker_value(engine, "text_encoder_counters"))["encoder_rows"])
+
+
+@pytest.mark.engine
+def test_a_host_tier_carries_step_one_across_two_sleeps(tmp_path) -> None:
+    """Step 1, sleep, wake, step 2, sleep, wake, step 3 = step 1's prompts and seeds: no encode, same latents."""
+    first, second = tiny_spec(prompts=STEP_1, group_size=2), tiny_spec(prompts=STEP_2, group_size=2)
+    kwargs = {
+        **engine_kwargs(first, "ours", 16, None),
+        "prompt_embed_cache_host_bytes": "16MiB",
+        "enable_sleep_mode": True,
+    }
+
+    async def scenario() -> dict:
+        seen: dict = {}
+        async with open_engine(kwargs) as engine:
+            start = await rows_encoded(engine)
+            seen["step 1"] = await send_rollout(engine, first)
+            seen["rows 1"] = await rows_encoded(engine) - start
+            await engine.sleep(level=1)
+            seen["asleep"] = await worker_value(engine, "get_prompt_embed_cache_stats")
+            await engine.wake_up()
+            start = await rows_encoded(engine)
+            await send_rollout(engine, second)
+            seen["rows 2"] = await rows_encoded(engine) - start
+            await engine.sleep(level=1)
+            await engine.wake_up()
+            start = await rows_encoded(engine)
+            seen["step 3"] = await send_rollout(engine, first)
+            seen["rows 3"] = await rows_encoded(engine) - start
+            seen["stats"] = await worker_value(engine, "get_prompt_embed_cache_stats")
+        return seen
+
+    seen = run(scenario())
+    assert seen["rows 1"] == len(STEP_1) + 1  # each prompt and the shared negative prompt, once
+    assert (seen["asleep"]["size"], seen["asleep"]["bytes"]) == (0, 0)  # sleep frees the device tier
+    assert seen["asleep"]["host_entries"] == len(STEP_1) + 2  # and the warm-up prompt
+    assert seen["rows 2"] == len(STEP_2)  # the negative prompt came back from host memory
+    assert seen["rows 3"] == 0
+    assert seen["stats"]["host_hits"] >= len(STEP_1) + 2
+    latents_1, latents_3 = seen["step 1"].latents, seen["step 3"].latents
+    assert latents_1.keys() == latents_3.keys()
+    assert all(torch.equal(latents_1[index], latents_3[index]) for index in latents_1)
+
+
+@pytest.mark.engine
+def test_precompute_then_a_restarted_engine_on_the_directory_encodes_nothing(tmp_path, capfd) -> None:
+    spec = tiny_spec(prompts=STEP_1, group_size=2)
+    directory = tmp_path / "embeddings"
+    tokenizer = load_tokenizer(spec.model_dir)
+    negative = prompt_token_ids(tokenizer, spec.negative_prompt)
+    prompt_file = tmp_path / "prompts.jsonl"
+    lines = [
+        {"prompt_token_ids": prompt_token_ids(tokenizer, text), "negative_prompt_ids": negative} for text in STEP_1
+    ]
+    prompt_file.write_text("".join(json.dumps(line) + "\n" for line in [*lines, lines[0]]))  # one twice
+    reference_kwargs = engine_kwargs(spec, "off", 16, None)
+    engine_args = {
+        key: value for key, value in reference_kwargs.items() if key not in ("model", "enable_prompt_embed_cache")
+    }
+    argv = [
+        "precompute",
+        "--model", str(spec.model_dir),
+        "--prompts", str(prompt_file),
+        "--cache-dir", str(directory),
+        "--batch-size", "2",
+        "--sampling-params", json.dumps({"true_cfg_scale": spec.true_cfg_scale, "height": 64, "width": 64}),
+        "--engine-args", json.dumps(engine_args),
+        "--no-progress",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    first = capfd.readouterr().out
+    assert "2 prompts, 0 already done, 2 sent" in first and "3 files written" in first  # two prompts, one negative
+    assert cli.main(argv) == 0
+    assert "2 prompts, 2 already done, 0 sent" in capfd.readouterr().out  # resumed: nothing left to do
+
+    async def rollout(kwargs: dict) -> tuple:
+        async with open_engine(kwargs) as engine:
+            start = await rows_encoded(engine)
+            sent = await send_rollout(engine, spec)
+            return sent, await rows_encoded(engine) - start, await worker_value(engine, "get_prompt_embed_cache_stats")
+
+    restarted, rows, stats = run(
+        rollout({**engine_kwargs(spec, "ours", 16, None), "prompt_embed_cache_dir": str(directory)})
+    )
+    assert rows == 0
+    # The prompts, the negative prompt, and the engine's warm-up prompt (the precompute engine wrote it too).
+    assert stats["dir_hits"] == len(STEP_1) + 2 and stats["dir_rejections"] == {}
+    reference, reference_rows, _ = run(rollout(reference_kwargs))
+    assert reference_rows == len(spec.requests()) * 2  # no cache: a prompt and a negative prompt per request
+    assert all(torch.equal(restarted.latents[index], reference.latents[index]) for index in reference.latents)
+
+
+def test_precompute_refuses_a_bad_prompt_file_naming_the_line(tmp_path, capfd) -> None:
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text('"a fox"\n\n[1, 2, "three"]\n')
+    argv = ["precompute", "--model", "unused", "--prompts", str(prompt_file), "--cache-dir", str(tmp_path / "d")]
+    assert cli.main(argv) == 2
+    assert f"{prompt_file}:3: expected a JSON string" in capfd.readouterr().err
