@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import errno
 import inspect
+import os
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -337,3 +339,58 @@ def test_rows_of_a_batched_call_are_files_of_their_own(tmp_path) -> None:
     swapped = reader.encode_prompt(ids.flip(0), mask.flip(0))  # the same rows, in the other order
     assert reader.encoder_rows == 0 and cache.snapshot().dir_hits == 2
     assert torch.equal(swapped[0][0, :2], expected[0][1, :2]) and torch.equal(swapped[0][1], expected[0][0])
+
+
+class SlowPipeline(TokenIdTextPipeline):
+    """Encodes slowly, so two "processes" miss the same prompt at once."""
+
+    def encode_prompt(self, prompt_ids, attention_mask=None):
+        time.sleep(0.3)
+        return super().encode_prompt(prompt_ids, attention_mask)
+
+
+def test_two_processes_missing_one_prompt_at_once_encode_it_once(tmp_path) -> None:
+    encoder = build_qwen2_encoder()
+    pipelines = [SlowPipeline(encoder) for _ in range(2)]
+    caches = [install_prompt_embed_cache(pipeline, directory=tmp_path) for pipeline in pipelines]
+    results: list = [None, None]
+    start = threading.Barrier(2)
+
+    def one(index: int) -> None:
+        start.wait()
+        results[index] = encode(pipelines[index], 0)
+
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(pipeline.encoder_runs for pipeline in pipelines) == 1
+    assert same(results[0], results[1])
+    assert sum(cache.snapshot().dir_waits for cache in caches) == 1
+    assert not list(tmp_path.glob("*/*.claim"))  # released once written
+
+
+def test_a_claim_that_is_never_released_delays_a_miss_but_never_blocks_it(tmp_path) -> None:
+    crashed, crashed_cache = process(tmp_path)
+    crashed_cache.directory.load(*_key_of(crashed, 0))  # claims prompt 0, then "crashes" before encoding
+    assert len(list(tmp_path.glob("*/*.claim"))) == 1
+    waiter, cache = process(tmp_path)
+    cache.directory.claim_wait_s = 0.2
+    began = time.monotonic()
+    assert same(encode(waiter, 0), reference(0))
+    assert 0.2 <= time.monotonic() - began < 5 and waiter.encoder_runs == 1
+    crashed_cache.directory.load(*_key_of(crashed, 1))  # another claim left behind, found old
+    (claim,) = tmp_path.glob("*/*.claim")
+    os.utime(claim, (time.time() - 60, time.time() - 60))
+    later, _ = process(tmp_path)  # waits up to 10 s for a live claim
+    began = time.monotonic()
+    assert same(encode(later, 1), reference(1))
+    assert time.monotonic() - began < 5  # taken over at once, not waited for
+    assert not list(tmp_path.glob("*/*.claim"))
+
+
+def _key_of(pipeline: TokenIdTextPipeline, index: int) -> tuple:
+    builder = CallKeyBuilder(inspect.signature(pipeline._prompt_embed_cache_original_fn), "TokenIdTextPipeline")
+    key = builder.build((PROMPTS[index], torch.ones_like(PROMPTS[index])), {})
+    return key.identity, key.witness

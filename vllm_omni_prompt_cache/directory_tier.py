@@ -15,7 +15,11 @@ Safety, since several replicas, restarted engines and other nodes may use one di
 * a file that is truncated, corrupt, from another namespace, or whose identity or witness differs
   from the probe is a miss: it is removed and counted by reason, never raised, never returned;
 * a write that fails (a full disk, a read-only mount) is counted and abandoned; the entry still
-  lives in memory.
+  lives in memory;
+* a process that misses an entry claims it (an ``O_EXCL`` claim file beside it) while it
+  encodes; another process missing the same entry meanwhile waits for the file instead of
+  encoding it too, up to :data:`CLAIM_WAIT_S`, so replicas that receive one prompt at once encode
+  it once in all.
 
 The byte budget covers every file under the root (all namespaces, so stale ones are the first to
 go): each process counts its own writes and rescans the root when they would pass the budget, or
@@ -51,6 +55,10 @@ SUFFIX = ".safetensors"
 RESCAN_EVERY_WRITES = 256
 #: A temporary file older than this is a crashed writer's: a rescan removes it.
 STALE_TEMPORARY_S = 3600.0
+CLAIM_SUFFIX = ".claim"
+#: How long a process that misses an entry another process is encoding waits for its file
+#: before encoding it too (a claim older than this is a crashed encoder's, and is taken over).
+CLAIM_WAIT_S = 10.0
 
 # Reasons a file is removed on read (the ``reason`` label of the rejection counts).
 UNREADABLE = "unreadable or truncated"
@@ -182,6 +190,9 @@ class DirectoryTier:
         self.write_errors = 0
         self.evictions = 0  # files removed to stay within max_bytes
         self.rejections: Counter[str] = Counter()  # files removed on read, by reason
+        self.waits = 0  # misses served by waiting for another process's encode of the same entry
+        self.claim_wait_s = CLAIM_WAIT_S
+        self._claims: dict[Hashable, Path] = {}  # entries this process is encoding, to their claim files
         self.files = 0  # files under root at the last rescan
 
     @property
@@ -238,8 +249,12 @@ class DirectoryTier:
     def _path(self, namespace: str, identity: Hashable) -> Path:
         return self.root / namespace / (identity_name(identity) + SUFFIX)
 
-    def load(self, identity: Hashable, witness: tuple) -> tuple[bool, Any]:
-        """Return ``(True, value)`` from the identity's file, or ``(False, None)``; never raises."""
+    def load(self, identity: Hashable, witness: tuple, *, claim: bool = True) -> tuple[bool, Any]:
+        """Return ``(True, value)`` from the identity's file, or ``(False, None)``; never raises.
+
+        ``claim``: the caller encodes on a miss. It then holds the entry's claim when it got it:
+        until it saves or :meth:`release`-s, other processes missing the same entry wait for its file.
+        """
         namespace = self.namespace
         if namespace is None:
             return False, None
@@ -247,19 +262,26 @@ class DirectoryTier:
         try:
             data = path.read_bytes()
         except OSError:  # absent, or removed by another process meanwhile
-            self._count("misses")
-            return False, None
+            data = self._claim_or_wait(identity, path) if claim else None
+            if data is None:
+                self._count("misses")
+                return False, None
+            waited = True
+        else:
+            waited = False
         try:
             value = self._decode(data, namespace, identity, witness)
         except _Rejected as rejected:
-            self._reject(path, str(rejected))
+            self._reject(identity, path, str(rejected), claim)
             return False, None
         except Exception:  # anything else a damaged file makes the decoder raise
-            self._reject(path, UNREADABLE)
+            self._reject(identity, path, UNREADABLE, claim)
             return False, None
         with contextlib.suppress(OSError):
             os.utime(path)  # a hit keeps the file recent for the budget's LRU
-        self._count("hits")
+        with self._lock:
+            self.hits += 1
+            self.waits += waited
         return True, value
 
     def _decode(self, data: bytes, namespace: str, identity: Hashable, witness: tuple) -> Any:
@@ -288,6 +310,12 @@ class DirectoryTier:
 
     def save(self, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any) -> None:
         """Write the entry's file (replacing any); a failure is counted, never raised."""
+        try:
+            self._save(identity, witness, value)
+        finally:
+            self.release(identity)
+
+    def _save(self, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any) -> None:
         namespace = self.namespace
         if namespace is None:
             return
@@ -366,7 +394,7 @@ class DirectoryTier:
                         stat = entry.stat()
                     except OSError:
                         continue
-                    if entry.name.endswith(".tmp"):
+                    if entry.name.endswith((".tmp", CLAIM_SUFFIX)):
                         if now - stat.st_mtime > STALE_TEMPORARY_S:
                             _remove(Path(entry.path))
                     elif entry.name.endswith(SUFFIX):
@@ -393,11 +421,62 @@ class DirectoryTier:
         with self._lock:
             setattr(self, name, getattr(self, name) + 1)
 
-    def _reject(self, path: Path, reason: str) -> None:
+    def _reject(self, identity: Hashable, path: Path, reason: str, claim: bool) -> None:
         _remove(path)
         with self._lock:
             self.misses += 1
             self.rejections[reason] += 1
+        if claim:
+            self._try_claim(identity, path)  # the caller encodes it again: let others wait for that
+
+    def _claim_path(self, path: Path) -> Path:
+        return path.with_suffix(CLAIM_SUFFIX)
+
+    def _try_claim(self, identity: Hashable, path: Path) -> bool:
+        """Create the entry's claim file; True if this process now holds it. A claim older than
+        :attr:`claim_wait_s` is a crashed encoder's: it is removed first."""
+        claim = self._claim_path(path)
+        try:
+            if time.time() - claim.stat().st_mtime > self.claim_wait_s:
+                _remove(claim)
+        except OSError:
+            pass
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except OSError:
+            return False
+        with self._lock:
+            self._claims[identity] = claim
+        return True
+
+    def _claim_or_wait(self, identity: Hashable, path: Path) -> bytes | None:
+        """Claim a missing entry, or wait for the process that claimed it; return its file's bytes, or None
+        to encode (claimed, or after waiting :attr:`claim_wait_s` in vain)."""
+        deadline = time.monotonic() + self.claim_wait_s
+        delay = 0.002
+        while True:
+            if self._try_claim(identity, path):
+                try:  # the file may have been written, and its claim released, since the first read
+                    data = path.read_bytes()
+                except OSError:
+                    return None  # ours to encode
+                self.release(identity)
+                return data
+            try:
+                return path.read_bytes()  # the other process finished
+            except OSError:
+                pass
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+
+    def release(self, identity: Hashable) -> None:
+        """Give up the entry's claim, if this process holds it (its encode ended, saved or not)."""
+        with self._lock:
+            claim = self._claims.pop(identity, None)
+        if claim is not None:
+            _remove(claim)
 
 
 class _Rejected(Exception):

@@ -184,7 +184,9 @@ async def _send(engine: Any, prompt: Any, params: Any, request_id: str) -> None:
 def add_arguments(parser: Any) -> None:
     """Add the subcommand's flags."""
     parser.add_argument("--model", required=True, help="the model directory or id the run serves")
-    parser.add_argument("--prompts", required=True, type=Path, help="a JSON-lines prompt file (one prompt a line, as described above)")
+    parser.add_argument(
+        "--prompts", required=True, type=Path, help="a JSON-lines prompt file (one prompt a line, as described above)"
+    )
     parser.add_argument(
         "--cache-dir", required=True, type=_setting(DIRECTORY), help=f"the directory tier ({DIRECTORY.name})"
     )

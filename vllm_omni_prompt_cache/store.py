@@ -107,6 +107,7 @@ TIER_COUNTERS = {
     "dir_write_errors": ("directory", "write_errors"),
     "dir_evictions": ("directory", "evictions"),  # files removed to stay within the directory's budget
     "dir_rejections": ("directory", "rejections"),  # files removed on read (corrupt, foreign...), by reason
+    "dir_waits": ("directory", "waits"),  # misses served by waiting for another process's encode
 }
 
 #: The counters, by name: what snapshots copy, ``since`` subtracts and ``merged`` adds.
@@ -159,6 +160,7 @@ class CacheStats:
     dir_write_errors: int = 0
     dir_evictions: int = 0
     dir_rejections: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    dir_waits: int = 0
     dir_files: int = 0  # under the root at this process's last rescan
     dir_bytes: int = 0  # that rescan plus this process's writes since
     dir_max_bytes: int | None = None
@@ -409,7 +411,10 @@ class PromptEmbedCache:
                 self._counts.hits += 1
                 return entry.value
             generation = self._generation
-        found, value = (False, None) if entry is not None or witness is None else self._from_lower_tiers(key)
+        # No claim on the directory: a get() need not be followed by a put().
+        found, value = (
+            (False, None) if entry is not None or witness is None else self._from_lower_tiers(key, claim=False)
+        )
         with self._lock:
             if not found:
                 self._counts.misses += 1
@@ -475,7 +480,7 @@ class PromptEmbedCache:
             if type(identity) is tuple:  # only CallKey identities: lower tiers are looked up by key
                 self.host.put(identity, entry.value, entry.witness, entry.nbytes)
 
-    def _from_lower_tiers(self, key: CallKey) -> tuple[bool, Any]:
+    def _from_lower_tiers(self, key: CallKey, *, claim: bool = True) -> tuple[bool, Any]:
         """Return ``(True, value)`` from the host tier or the directory for a device miss, else ``(False, None)``.
 
         The value is on the devices the encoder's output was on. Never raises: a tier that fails
@@ -487,7 +492,7 @@ class PromptEmbedCache:
                 if entry is not None:
                     return True, to_devices(entry.value, entry.devices)
             if self.directory is not None:
-                return self.directory.load(key.identity, key.witness)
+                return self.directory.load(key.identity, key.witness, claim=claim)
         except Exception as error:  # e.g. no device memory left to copy into: encode instead
             _warn_once(f"a lower tier failed a lookup ({type(error).__qualname__}: {error}); encoding instead")
         return False, None
@@ -495,9 +500,14 @@ class PromptEmbedCache:
     def _write_through(
         self, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any, generation: int
     ) -> None:
-        """Write an encoded entry to the directory tier, unless a clear() voided it meanwhile."""
-        if self.directory is not None and generation == self._generation:
+        """Write an encoded entry to the directory tier, unless a clear() voided it meanwhile (then only
+        give up its claim)."""
+        if self.directory is None:
+            return
+        if generation == self._generation:
             self.directory.save(identity, witness, value)
+        else:
+            self.directory.release(identity)
 
     def _claim(self, key: CallKey) -> tuple[_Outcome, Any]:
         """Decide how ``key`` is served; the lock is held. Counts nothing: callers count calls or rows.
@@ -704,6 +714,8 @@ class PromptEmbedCache:
             nbytes = value_nbytes(value) + (0 if flight.witness is None else witness_nbytes(flight.witness))
         except BaseException:
             self._abandon([(key, flight)])  # waiters try again; nothing is stored
+            if self.directory is not None:
+                self.directory.release(key.identity)  # other processes waiting for it encode it themselves
             raise
         leaving = []
         with self._lock:

@@ -91,6 +91,7 @@ COUNTED = {
     "dir_writes": "dir_writes",
     "dir_write_errors": "dir_write_errors",
     "dir_evictions": "dir_evictions",
+    "dir_waits": "dir_waits",
 }
 
 
@@ -307,6 +308,9 @@ class PromptEmbedCacheMetrics:
         )
         self.dir_evictions = counter(
             "dir_evictions", "Files removed from the directory tier to stay within its budget."
+        )
+        self.dir_waits = counter(
+            "dir_waits", "Misses served by waiting for another process's encode of the same entry (then a hit)."
         )
         self.dir_rejections = counter(
             "dir_rejections",
