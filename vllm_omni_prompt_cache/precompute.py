@@ -255,6 +255,9 @@ def run(args: Any) -> int:
     """Run the subcommand; return its exit code."""
     import sys
 
+    from vllm_omni_prompt_cache.cpu_platform.entry_points import opt_in_where_no_gpu
+
+    opt_in_where_no_gpu()  # as the demo: with no GPU, vLLM-Omni runs on this package's CPU platform
     try:
         prompts = read_prompts(args.prompts)
     except (OSError, PromptFileError) as error:

@@ -1,0 +1,275 @@
+"""The tiers below device memory through the real ``AsyncOmni`` engine on CPU, as tables.
+
+    python benchmarks/tiers.py
+
+Every scenario runs the demo model (tiny Qwen-Image, random weights) behind the FlowGRPO-shaped
+token-ID pipeline, with this package's cache (16 entries) on, 64x64, 2 steps, CFG with a shared
+negative prompt; rows encoded are counted by the pipeline itself, whatever the cache says.
+
+1. **Three steps with sleep and wake between them**, step 3 repeating step 1's prompts and seeds,
+   as colocated RL does (4 prompts x 4 siblings a step): no tier, a host tier, a directory tier.
+2. **A restarted engine** on the directory the third run of (1) left.
+3. **Two replicas under vLLM-Omni's random policy**, 8 prompts x 4 siblings: each with its own
+   cache only, then both on one directory.
+4. **Faults** on a directory: a truncated file (a half-written file under the final name, what a
+   disk failure leaves), a file written by another model under this model's name, a full disk (a
+   64 KiB tmpfs, when this machine lets us mount one), and the concurrent writers of (3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_omni_prompt_cache.demo.command import DEMO_MODEL
+from vllm_omni_prompt_cache.demo.machine import cpu_summary
+from vllm_omni_prompt_cache.demo.rollout import (
+    DEFAULT_PROMPTS,
+    RolloutSpec,
+    engine_kwargs,
+    open_engine,
+    send_rollout,
+    worker_value,
+    worker_values,
+)
+from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
+
+STEP_1, STEP_2 = DEFAULT_PROMPTS[:4], DEFAULT_PROMPTS[4:8]
+
+
+def spec(prompts: tuple[str, ...], **overrides: Any) -> RolloutSpec:
+    return RolloutSpec(model_dir=ensure_tiny_qwen_image(DEMO_MODEL), prompts=prompts, group_size=4, **overrides)
+
+
+def kwargs_for(rollout: RolloutSpec, tier: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {**engine_kwargs(rollout, "ours", 16, None), **tier, **extra}
+
+
+async def rows(engine: Any) -> list[int]:
+    """Rows the text encoder ran for so far, per replica."""
+    return [int(counters["encoder_rows"]) for counters in await worker_values(engine, "text_encoder_counters")]
+
+
+async def rows_of(engine: Any, rollout: RolloutSpec) -> tuple[int, Any]:
+    before = sum(await rows(engine))
+    sent = await send_rollout(engine, rollout)
+    return sum(await rows(engine)) - before, sent
+
+
+async def three_steps(tier: dict[str, Any]) -> dict[str, Any]:
+    first, second = spec(STEP_1), spec(STEP_2)
+    async with open_engine(kwargs_for(first, tier, enable_sleep_mode=True)) as engine:
+        step_1, sent_1 = await rows_of(engine, first)
+        await engine.sleep(level=1)
+        asleep = await worker_value(engine, "get_prompt_embed_cache_stats")
+        await engine.wake_up()
+        step_2, _ = await rows_of(engine, second)
+        await engine.sleep(level=1)
+        await engine.wake_up()
+        step_3, sent_3 = await rows_of(engine, first)
+    same = all(torch.equal(sent_1.latents[index], sent_3.latents[index]) for index in sent_1.latents)
+    return {"rows": (step_1, step_2, step_3), "asleep": asleep, "same": same}
+
+
+async def one_rollout(rollout: RolloutSpec, kwargs: dict[str, Any]) -> dict[str, Any]:
+    async with open_engine(kwargs) as engine:
+        before = await rows(engine)
+        sent = await send_rollout(engine, rollout)
+        after = await rows(engine)
+        stats = await worker_values(engine, "get_prompt_embed_cache_stats")
+    return {
+        "warm-up rows": sum(before),  # vLLM-Omni's start-up warm-up request
+        "rows": [b - a for a, b in zip(before, after, strict=True)],
+        "latents": sent.latents,
+        "replicas": sent.replica_by_request,
+        "stats": stats,
+    }
+
+
+def damage(directory: Path) -> dict[str, str]:
+    """Truncate one file, and replace another with the same entry as another model would have written it."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    files = sorted(directory.glob("*/*.safetensors"))
+    truncated, foreign = files[0], files[1]
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    with safe_open(str(foreign), "pt") as opened:
+        metadata = dict(opened.metadata())
+        tensors = {name: opened.get_tensor(name) for name in opened.keys()}  # noqa: SIM118
+    metadata["namespace"] = "another-model-" + metadata["namespace"][14:]
+    foreign.write_bytes(save(tensors, metadata))
+    return {"truncated": truncated.name, "another model's": foreign.name}
+
+
+def mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+def say(text: str = "") -> None:
+    """Print to the process's real stdout: vLLM-Omni's in-process worker prefixes what reaches sys.stdout."""
+    print(text, file=sys.__stdout__, flush=True)
+
+
+def table(header: list[str], lines: list[list[Any]]) -> str:
+    rows_text = ["| " + " | ".join(str(cell) for cell in line) + " |" for line in lines]
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows_text])
+
+
+def main() -> None:
+    from vllm_omni_prompt_cache.cpu_platform.entry_points import opt_in_where_no_gpu
+
+    opt_in_where_no_gpu()  # before vLLM is imported
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    say(f"CPU: {cpu_summary()}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        directory = scratch / "embeddings"
+        tiers = {
+            "no tier (cache only)": {},
+            "host tier (64 MiB)": {"prompt_embed_cache_host_bytes": "64MiB"},
+            "directory tier": {"prompt_embed_cache_dir": str(directory)},
+        }
+        results = {name: asyncio.run(three_steps(tier)) for name, tier in tiers.items()}
+        say("### Three rollout steps, sleep and wake between them; step 3 repeats step 1\n")
+        say(
+            table(
+                [
+                    "tiers",
+                    "rows encoded: step 1",
+                    "step 2",
+                    "step 3",
+                    "device entries asleep",
+                    "step 3 latents = step 1",
+                ],
+                [
+                    [name, *result["rows"], result["asleep"]["size"], "bit-identical" if result["same"] else "DIFFER"]
+                    for name, result in results.items()
+                ],
+            )
+        )
+
+        restart_spec = spec(STEP_1 + STEP_2)
+        restarted = asyncio.run(one_rollout(restart_spec, kwargs_for(restart_spec, tiers["directory tier"])))
+        reference = asyncio.run(one_rollout(restart_spec, engine_kwargs(restart_spec, "off", 16, None)))
+        same = all(torch.equal(restarted["latents"][i], reference["latents"][i]) for i in reference["latents"])
+        say("\n### A restarted engine on that directory: steps 1 and 2's 8 prompts x 4 siblings\n")
+        say(
+            table(
+                ["engine", "rows encoded", "directory hits", "latents vs no cache"],
+                [
+                    ["no cache", sum(reference["rows"]), "-", "-"],
+                    [
+                        "restarted, directory tier",
+                        sum(restarted["rows"]),
+                        restarted["stats"][0]["dir_hits"],
+                        "bit-identical" if same else "DIFFER",
+                    ],
+                ],
+            )
+        )
+
+        shared = scratch / "shared"
+        replicated = dataclasses.replace(spec(DEFAULT_PROMPTS[:8]), replicas=2, lb_policy="random")
+        own = asyncio.run(one_rollout(replicated, kwargs_for(replicated, {})))
+        both = asyncio.run(one_rollout(replicated, kwargs_for(replicated, {"prompt_embed_cache_dir": str(shared)})))
+        say("\n### Two replicas, vLLM-Omni's random policy: 8 prompts x 4 siblings and a negative prompt\n")
+
+        def placed(run: dict[str, Any]) -> str:
+            served = list(run["replicas"].values())
+            return " / ".join(str(served.count(replica)) for replica in range(2))
+
+        say(
+            table(
+                [
+                    "caches",
+                    "requests per replica",
+                    "rows encoded per replica",
+                    "rows encoded in all",
+                    "waited for the other's encode",
+                    "bad files",
+                ],
+                [
+                    ["each its own", placed(own), " / ".join(map(str, own["rows"])), sum(own["rows"]), "-", "-"],
+                    [
+                        "both on one directory",
+                        placed(both),
+                        " / ".join(map(str, both["rows"])),
+                        sum(both["rows"]),
+                        sum(stats["dir_waits"] for stats in both["stats"]),
+                        sum(sum(stats["dir_rejections"].values()) for stats in both["stats"]),
+                    ],
+                ],
+            )
+        )
+
+        damaged = damage(directory)
+        after = asyncio.run(one_rollout(restart_spec, kwargs_for(restart_spec, tiers["directory tier"])))
+        same = all(torch.equal(after["latents"][i], reference["latents"][i]) for i in reference["latents"])
+        stats = after["stats"][0]
+        lines = [
+            [
+                "a truncated file, and another model's file under this model's name",
+                f"{len(after['latents'])}/{len(restart_spec.requests())}",
+                f"{after['warm-up rows']} + {sum(after['rows'])}",
+                json.dumps(stats["dir_rejections"]),
+                stats["dir_write_errors"],
+                "bit-identical" if same else "DIFFER",
+            ]
+        ]
+        disk = scratch / "full-disk"
+        if mount_tmpfs(disk, "64k"):
+            try:
+                full = asyncio.run(
+                    one_rollout(restart_spec, kwargs_for(restart_spec, {"prompt_embed_cache_dir": str(disk)}))
+                )
+            finally:
+                subprocess.run(["umount", str(disk)], check=False)
+            same = all(torch.equal(full["latents"][i], reference["latents"][i]) for i in reference["latents"])
+            stats = full["stats"][0]
+            lines.append(
+                [
+                    "a full disk (64 KiB tmpfs)",
+                    f"{len(full['latents'])}/{len(restart_spec.requests())}",
+                    f"{full['warm-up rows']} + {sum(full['rows'])}",
+                    json.dumps(stats["dir_rejections"]),
+                    stats["dir_write_errors"],
+                    "bit-identical" if same else "DIFFER",
+                ]
+            )
+        else:
+            lines.append(["a full disk", "not run: this machine does not let us mount a tmpfs", "", "", "", ""])
+        say("\n### Faults: the restarted engine's rollout (8 prompts x 4 siblings) on a damaged directory\n")
+        say(
+            table(
+                [
+                    "fault",
+                    "requests served",
+                    "rows encoded: warm-up + rollout",
+                    "files removed, by reason",
+                    "write errors",
+                    "latents vs no cache",
+                ],
+                lines,
+            )
+        )
+        say(f"\n(damaged: {damaged})")
+
+
+if __name__ == "__main__":
+    main()
