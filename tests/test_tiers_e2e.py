@@ -58,6 +58,8 @@ def test_a_host_tier_carries_step_one_across_two_sleeps(tmp_path) -> None:
             seen["step 3"] = await send_rollout(engine, first)
             seen["rows 3"] = await rows_encoded(engine) - start
             seen["stats"] = await worker_value(engine, "get_prompt_embed_cache_stats")
+            await engine.sleep(level=2)  # discards the weights: what comes back is unknown (AsyncOmni cannot wake)
+            seen["deep sleep"] = await worker_value(engine, "get_prompt_embed_cache_stats")
         return seen
 
     seen = run(scenario())
@@ -67,6 +69,7 @@ def test_a_host_tier_carries_step_one_across_two_sleeps(tmp_path) -> None:
     assert seen["rows 2"] == len(STEP_2)  # the negative prompt came back from host memory
     assert seen["rows 3"] == 0
     assert seen["stats"]["host_hits"] >= len(STEP_1) + 2
+    assert (seen["deep sleep"]["size"], seen["deep sleep"]["host_entries"]) == (0, 0)
     latents_1, latents_3 = seen["step 1"].latents, seen["step 3"].latents
     assert latents_1.keys() == latents_3.keys()
     assert all(torch.equal(latents_1[index], latents_3[index]) for index in latents_1)

@@ -3,9 +3,11 @@
 A cached embedding is only valid for the text-encoder weights that produced it. In vLLM-Omni 0.30
 those weights change, or their memory goes away, on these paths:
 
-* ``DiffusionWorker.sleep`` (level 1 offloads weights, level 2 discards them; also reached through
-  ``handle_sleep_task``): device memory is released first, before the memory pools are; the
-  entries are still valid, so they move to the host tier when there is one;
+* ``DiffusionWorker.sleep`` (also reached through ``handle_sleep_task``), before the memory pools
+  are released. Level 1 offloads the weights and brings the same ones back on wake: the entries
+  stay valid, so they move to the host tier when there is one. Level 2 discards the weights, and
+  whatever is loaded after the wake is unknown here: every tier is cleared, and the directory
+  tier fingerprints the weights again before its next use (the same checkpoint finds its files);
 * ``pipeline.load_weights(...)`` with text-encoder weights (how RL frameworks sync new weights):
   cleared after the load;
 * LoRA: ``DiffusionLoRAManager.add_adapter`` / ``remove_adapter`` / ``set_active_adapter``
@@ -98,8 +100,12 @@ def patch_worker(module: ModuleType) -> None:
 def _clearing_before_sleep(original_sleep: Callable) -> Callable:
     @functools.wraps(original_sleep)
     def sleep(self: Any, *args: Any, **kwargs: Any) -> Any:
-        runner = getattr(self, "model_runner", None)
-        release_device_memory(getattr(runner, "pipeline", None), "the diffusion worker is going to sleep")
+        pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)
+        level = kwargs.get("level", args[0] if args else 1)
+        if level == 1:
+            release_device_memory(pipeline, "the diffusion worker is going to sleep (level 1)")
+        else:
+            clear_cache(pipeline, f"the diffusion worker is going to sleep (level {level}: its weights are discarded)")
         return original_sleep(self, *args, **kwargs)
 
     return sleep
