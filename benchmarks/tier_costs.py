@@ -15,7 +15,9 @@ or file read, checksum), medians of repeated calls, all in one run on this machi
   layers, fp32, random weights) on one prompt of the demo.
 
 A second table has a directory hit of an entry the size of a real Qwen-Image prompt embedding
-(1 x 512 x 3584 bf16, 3.5 MiB), whose encoder (Qwen2.5-VL-7B) cannot run here.
+(1 x 512 x 3584 bf16, 3.5 MiB), whose encoder (Qwen2.5-VL-7B) cannot run here. A third times the
+fingerprint the directory tier computes once per process (and after new encoder weights): the
+demo pipeline's, and the weights digest of 1 GiB of bf16 weights in host memory.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.demo.command import DEMO_MODEL
 from vllm_omni_prompt_cache.demo.machine import cpu_summary
 from vllm_omni_prompt_cache.demo.rollout import DEFAULT_PROMPTS
+from vllm_omni_prompt_cache.fingerprint import code_and_configuration, pipeline_fingerprint, weights_digest
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image, load_tokenizer, prompt_token_ids
 
 REPEATS = 50
@@ -128,6 +131,23 @@ def main() -> None:
     print("|---|---:|")
     for name in ("device hit", "host hit", "directory hit"):
         print(f"| {name} | {qwen_sized[name]:.3f} |")
+    demo_pipeline = DemoEncoderPipeline(encoder)
+    demo_pipeline.tokenizer = load_tokenizer(model_dir)
+    started = time.perf_counter()
+    pipeline_fingerprint(demo_pipeline, code_and_configuration(demo_pipeline, demo_pipeline.encode_prompt, "demo"))
+    demo_s = time.perf_counter() - started
+    big = torch.nn.Linear(16384, 32768, bias=False, dtype=torch.bfloat16)  # 1 GiB of weights
+    started = time.perf_counter()
+    weights_digest(big)
+    big_s = time.perf_counter() - started
+    print("\nThe directory tier's fingerprint (once per process, and after new encoder weights):\n")
+    print("| what | seconds |")
+    print("|---|---:|")
+    print(
+        f"| the demo pipeline (encoder {sum(p.numel() for p in encoder.parameters()) / 1e6:.1f} M fp32, tokenizer) "
+        f"| {demo_s:.3f} |"
+    )
+    print(f"| weights digest of 1 GiB of bf16 weights in host memory | {big_s:.3f} |")
 
 
 if __name__ == "__main__":

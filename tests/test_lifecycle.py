@@ -85,7 +85,7 @@ def test_engine_sleep_and_weight_loads_empty_the_cache_and_stats_are_logged(monk
     assert (refilled["size"], refilled["misses"]) == (kinds - 1, kinds - 1)
     assert refilled["hits"] == 2 * len(spec.requests()) - (kinds - 1)  # prompt and negative prompt per request
     messages = [record.getMessage() for record in caplog.records if record.name == LOGGER]
-    assert any("cleared" in m and "text-encoder weights were loaded" in m for m in messages)
+    assert any("cleared" in m and "text-encoder weights are being loaded" in m for m in messages)
     assert any("cleared" in m and "going to sleep" in m for m in messages)
     assert any(m.startswith("Prompt-embed cache: hit rate") for m in messages)
 

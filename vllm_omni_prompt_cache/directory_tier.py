@@ -4,7 +4,8 @@ Layout: ``<root>/<namespace>/<name>.safetensors``. The namespace is a digest of 
 entries (see :mod:`.fingerprint`): another model, checkpoint, tokenizer or package version writes
 and reads another namespace, so it can never read these. ``<name>`` is a digest of the entry's key
 identity. A file holds the value's tensors, the key's witness bytes and, in its metadata, the
-namespace, the identity, the value's structure and a checksum of every tensor byte.
+namespace, the identity, the value's structure and a checksum of every tensor byte and of that
+metadata.
 
 Safety, since several replicas, restarted engines and other nodes may use one directory at once:
 
@@ -14,17 +15,18 @@ Safety, since several replicas, restarted engines and other nodes may use one di
   bytes, the last rename winning;
 * a file that is truncated, corrupt, from another namespace, or whose identity or witness differs
   from the probe is a miss: it is removed and counted by reason, never raised, never returned;
-* a write that fails (a full disk, a read-only mount) is counted and abandoned; the entry still
-  lives in memory;
+* a write that fails (a full disk, a read-only mount, anything) is counted and abandoned; the
+  entry still lives in memory. Nothing here raises into the caller;
 * a process that misses an entry claims it (an ``O_EXCL`` claim file beside it) while it
   encodes; another process missing the same entry meanwhile waits for the file instead of
   encoding it too, up to :data:`CLAIM_WAIT_S`, so replicas that receive one prompt at once encode
   it once in all.
 
-The byte budget covers every file under the root (all namespaces, so stale ones are the first to
-go): each process counts its own writes and rescans the root when they would pass the budget, or
-every :data:`RESCAN_EVERY_WRITES` writes, removing the least recently used files (a hit refreshes a
-file's modification time).
+The byte budget covers this package's files under the root (every namespace, so stale ones are
+the first to go; nothing else under the root is touched): each process counts its own writes and
+rescans the root when they would pass the budget, or every :data:`RESCAN_EVERY_WRITES` writes,
+removing the least recently used files (a hit refreshes a file's modification time) until
+:data:`LOW_WATER` of the budget is used.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -51,14 +54,21 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "vllm-omni-prompt-cache/1"
 SUFFIX = ".safetensors"
+CLAIM_SUFFIX = ".claim"
 #: Writes between two rescans of the root's size (other processes write too).
 RESCAN_EVERY_WRITES = 256
+#: A rescan over budget removes files until this share of the budget is used.
+LOW_WATER = 0.9
 #: A temporary file older than this is a crashed writer's: a rescan removes it.
 STALE_TEMPORARY_S = 3600.0
-CLAIM_SUFFIX = ".claim"
 #: How long a process that misses an entry another process is encoding waits for its file
 #: before encoding it too (a claim older than this is a crashed encoder's, and is taken over).
 CLAIM_WAIT_S = 10.0
+
+# What this package writes under the root; a rescan touches nothing else.
+_NAMESPACE_NAME = re.compile(r"^[0-9a-f]{32}$")
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{40}\.safetensors$")
+_LEFTOVER_NAME = re.compile(r"^(\.[0-9a-f]{40}\.safetensors\.\d+\.[0-9a-f]{8}\.tmp|[0-9a-f]{40}\.claim)$")
 
 # Reasons a file is removed on read (the ``reason`` label of the rejection counts).
 UNREADABLE = "unreadable or truncated"
@@ -82,6 +92,8 @@ _STORABLE_DTYPES = frozenset(
         torch.float64,
     }
 )
+#: Metadata fields the checksum covers (with every tensor byte).
+_CHECKED_METADATA = ("format", "namespace", "identity", "structure", "devices", "tensors", "witness")
 
 
 class Unstorable(Exception):
@@ -100,7 +112,7 @@ def _structure(value: Any, tensors: list[torch.Tensor]) -> Any:
         if value.dtype not in _STORABLE_DTYPES or value.layout is not torch.strided or value.is_nested:
             raise Unstorable(f"a {value.dtype} {value.layout} tensor")
         tensors.append(value)
-        return {"tensor": len(tensors) - 1, "device": str(value.device)}
+        return {"tensor": len(tensors) - 1}
     if value is None:
         return None
     if kind is bool:
@@ -137,8 +149,10 @@ def _rebuild(structure: Any, tensors: list[torch.Tensor]) -> Any:
     raise ValueError(f"unknown structure kind {kind!r}")
 
 
-def _checksum(tensors: list[torch.Tensor]) -> str:
+def _checksum(tensors: list[torch.Tensor], metadata: dict[str, str]) -> str:
     hasher = xxhash.xxh3_128()
+    for name in _CHECKED_METADATA:
+        hasher.update(f"{name}={metadata[name]}\0".encode("utf-8", "surrogatepass"))
     for tensor in tensors:
         hasher.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
         hasher.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
@@ -155,13 +169,18 @@ def _read_metadata(data: bytes) -> dict[str, str]:
     return metadata
 
 
+def _witness_tensor(part: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(part), dtype=torch.uint8) if part else torch.empty(0, dtype=torch.uint8)
+
+
 class DirectoryTier:
     """Entries as files under ``root``, within ``max_bytes`` (None: no limit).
 
     ``fingerprint()`` returns a JSON-able description of what produces this process's entries, or a
     string saying why there is none (then the tier is unused until :meth:`invalidate`). It runs
-    on first use and again after each :meth:`invalidate` (new weights). ``local_device(recorded)``
-    maps the device a file's tensor was encoded on to this process's device for it.
+    on first use and again after each :meth:`invalidate` (new weights); :attr:`epoch` counts the
+    invalidations, so a result computed before one is never written under the namespace after it.
+    ``local_device(recorded)`` maps the device a file's tensor was encoded on to this process's.
     """
 
     def __init__(
@@ -177,23 +196,25 @@ class DirectoryTier:
         self._fingerprint = fingerprint
         self._local_device = local_device
         self._lock = threading.Lock()
+        self.epoch = 0  # bumped by invalidate()
         self._namespace: str | None = None
         self._off_reason: str | None = None  # set by disable(): for the rest of this tier's life
         self._unavailable: str | None = None  # the fingerprint's reason, until invalidate()
-        self._scanned_bytes: int | None = None  # every file under root at the last rescan
+        self._scanned_bytes: int | None = None  # this package's files under root at the last rescan
         self._written_since_scan = 0
         self._writes_since_scan = 0
+        self._claims: dict[Hashable, Path] = {}  # entries this process is encoding, to their claim files
+        self._warned: set[str] = set()
+        self.claim_wait_s = CLAIM_WAIT_S
         # Counts since the tier was made, read by the store's snapshot.
         self.hits = 0
         self.misses = 0
+        self.waits = 0  # hits that waited for another process's encode of the same entry
         self.writes = 0
-        self.write_errors = 0
+        self.write_errors = 0  # writes that failed or were refused (too large for the budget)
         self.evictions = 0  # files removed to stay within max_bytes
         self.rejections: Counter[str] = Counter()  # files removed on read, by reason
-        self.waits = 0  # misses served by waiting for another process's encode of the same entry
-        self.claim_wait_s = CLAIM_WAIT_S
-        self._claims: dict[Hashable, Path] = {}  # entries this process is encoding, to their claim files
-        self.files = 0  # files under root at the last rescan
+        self.files = 0  # this package's files under root at the last rescan
 
     @property
     def bytes(self) -> int:
@@ -203,16 +224,25 @@ class DirectoryTier:
     @property
     def namespace(self) -> str | None:
         """Return this process's namespace (a hex digest), computing it if needed; None when unusable."""
+        return self._namespace_at(None)
+
+    def _namespace_at(self, epoch: int | None) -> str | None:
+        """Return the namespace, or None when unusable or when ``epoch`` is not the current one."""
         with self._lock:
             if self._off_reason is not None or self._unavailable is not None:
                 return None
+            if epoch is not None and epoch != self.epoch:
+                return None  # the weights changed since the caller's encode began
             if self._namespace is None:
-                described = self._fingerprint()
+                try:
+                    described = self._fingerprint()
+                    text = described if isinstance(described, str) else json.dumps(described, sort_keys=True)
+                except Exception as error:  # an encoder or tokenizer we cannot read: no directory, no error
+                    described = text = f"the fingerprint failed ({type(error).__qualname__}: {error})"
                 if isinstance(described, str):
                     self._unavailable = described
                     logger.warning("Prompt-embed cache: directory tier unused: %s.", described)
                     return None
-                text = json.dumps(described, sort_keys=True)
                 self._namespace = hashlib.sha256(text.encode()).hexdigest()[:32]
                 self._describe(self._namespace, text)
             return self._namespace
@@ -226,11 +256,12 @@ class DirectoryTier:
             if not target.exists():
                 self._write_atomically(target, description.encode())
         except OSError as error:
-            logger.warning("Prompt-embed cache: cannot write to the directory tier %s: %s", directory, error)
+            self._warn_once(f"cannot write to the directory tier {directory} ({error})")
 
     def invalidate(self) -> None:
         """Forget the namespace: what produces entries changed (new text-encoder weights)."""
         with self._lock:
+            self.epoch += 1
             self._namespace = None
             self._unavailable = None
 
@@ -239,7 +270,8 @@ class DirectoryTier:
         with self._lock:
             if self._off_reason is None:
                 logger.warning("Prompt-embed cache: directory tier off for this pipeline: %s.", reason)
-            self._off_reason = reason
+                self._off_reason = reason
+            self.epoch += 1  # results being encoded are not written either
 
     @property
     def off_reason(self) -> str | None:
@@ -255,36 +287,57 @@ class DirectoryTier:
         ``claim``: the caller encodes on a miss. It then holds the entry's claim when it got it:
         until it saves or :meth:`release`-s, other processes missing the same entry wait for its file.
         """
+        try:
+            return self._load(identity, witness, claim)
+        except Exception as error:  # a bug or an environment we did not foresee: a miss, said once
+            self._warn_once(f"a directory read failed ({type(error).__qualname__}: {error}); encoding instead")
+            with self._lock:
+                self.misses += 1
+            return False, None
+
+    def _load(self, identity: Hashable, witness: tuple, claim: bool) -> tuple[bool, Any]:
         namespace = self.namespace
         if namespace is None:
             return False, None
         path = self._path(namespace, identity)
+        waited = False
         try:
             data = path.read_bytes()
         except OSError:  # absent, or removed by another process meanwhile
             data = self._claim_or_wait(identity, path) if claim else None
             if data is None:
-                self._count("misses")
+                with self._lock:
+                    self.misses += 1
                 return False, None
             waited = True
-        else:
-            waited = False
         try:
-            value = self._decode(data, namespace, identity, witness)
+            tensors, metadata = self._decode(data, namespace, identity, witness)
         except _Rejected as rejected:
             self._reject(identity, path, str(rejected), claim)
             return False, None
         except Exception:  # anything else a damaged file makes the decoder raise
             self._reject(identity, path, UNREADABLE, claim)
             return False, None
+        try:  # a valid file this process cannot place (no memory left on the device): a miss, the file stays
+            devices = json.loads(metadata["devices"])
+            placed = [tensor.to(self._local_device(device)) for tensor, device in zip(tensors, devices, strict=True)]
+        except Exception as error:
+            self._warn_once(f"a directory entry could not be placed ({type(error).__qualname__}: {error})")
+            with self._lock:
+                self.misses += 1
+            return False, None
         with contextlib.suppress(OSError):
             os.utime(path)  # a hit keeps the file recent for the budget's LRU
         with self._lock:
             self.hits += 1
             self.waits += waited
-        return True, value
+        return True, _rebuild(json.loads(metadata["structure"]), placed)
 
-    def _decode(self, data: bytes, namespace: str, identity: Hashable, witness: tuple) -> Any:
+    @staticmethod
+    def _decode(
+        data: bytes, namespace: str, identity: Hashable, witness: tuple
+    ) -> tuple[list[torch.Tensor], dict[str, str]]:
+        """Return a file's value tensors (on the CPU) and metadata, every check passed; raise _Rejected."""
         from safetensors.torch import load
 
         try:
@@ -296,33 +349,39 @@ class DirectoryTier:
             raise _Rejected(FOREIGN)
         if metadata.get("identity") != repr(identity):
             raise _Rejected(IDENTITY)
-        count = int(metadata["tensors"])
-        values = [tensors[f"value.{index}"] for index in range(count)]
-        witnessed = metadata.get("witness") != "-"
-        kept = [tensors[f"witness.{index}"] for index in range(int(metadata["witness"]) if witnessed else 0)]
-        if _checksum(values + kept) != metadata.get("checksum"):
+        values = [tensors[f"value.{index}"] for index in range(int(metadata["tensors"]))]
+        kept = [tensors[f"witness.{index}"] for index in range(int(metadata["witness"]))]
+        if _checksum(values + kept, metadata) != metadata.get("checksum"):
             raise _Rejected(CHECKSUM)
-        if witnessed and not witness_matches(tuple(part.numpy().tobytes() for part in kept), witness):
+        if not witness_matches(tuple(part.numpy().tobytes() for part in kept), witness):
             raise _Rejected(WITNESS)
-        devices = json.loads(metadata["devices"])
-        placed = [tensor.to(self._local_device(device)) for tensor, device in zip(values, devices, strict=True)]
-        return _rebuild(json.loads(metadata["structure"]), placed)
+        return values, metadata
 
-    def save(self, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any) -> None:
-        """Write the entry's file (replacing any); a failure is counted, never raised."""
+    def save(self, identity: Hashable, witness: tuple[bytes, ...], value: Any, epoch: int | None = None) -> None:
+        """Write the entry's file (replacing any), unless the tier was invalidated since ``epoch`` (the
+        epoch when its encode began); release its claim. A failure is counted, never raised."""
         try:
-            self._save(identity, witness, value)
+            self._save(identity, witness, value, epoch)
+        except Exception as error:
+            with self._lock:
+                self.write_errors += 1
+            self._warn_once(f"a directory write failed ({type(error).__qualname__}: {error}); it stays in memory")
         finally:
             self.release(identity)
 
-    def _save(self, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any) -> None:
-        namespace = self.namespace
+    def _save(self, identity: Hashable, witness: tuple[bytes, ...], value: Any, epoch: int | None) -> None:
+        namespace = self._namespace_at(epoch)
         if namespace is None:
             return
         try:
             data = self._encode(namespace, identity, witness, value)
         except Unstorable as why:
             self.disable(f"encode_prompt returned {why}, which a file cannot hold")
+            return
+        if self.max_bytes is not None and len(data) > self.max_bytes:
+            with self._lock:
+                self.write_errors += 1
+            self._warn_once("an entry larger than the directory's byte budget was not written")
             return
         path = self._path(namespace, identity)
         try:
@@ -331,11 +390,7 @@ class DirectoryTier:
         except OSError as error:
             with self._lock:
                 self.write_errors += 1
-                first = self.write_errors == 1
-            if first:
-                logger.warning(
-                    "Prompt-embed cache: cannot write to the directory tier (%s); entries stay in memory.", error
-                )
+            self._warn_once(f"cannot write to the directory tier ({error}); entries stay in memory")
             return
         with self._lock:
             self.writes += 1
@@ -347,14 +402,14 @@ class DirectoryTier:
             self.enforce_budget()
 
     @staticmethod
-    def _encode(namespace: str, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any) -> bytes:
+    def _encode(namespace: str, identity: Hashable, witness: tuple[bytes, ...], value: Any) -> bytes:
         from safetensors.torch import save
 
         originals: list[torch.Tensor] = []
         structure = _structure(value, originals)
         # Owned copies: safetensors refuses tensors that share memory (views of one output).
         values = [tensor.detach().to("cpu", copy=True).contiguous() for tensor in originals]
-        kept = [torch.frombuffer(bytearray(part), dtype=torch.uint8) for part in witness or ()]
+        kept = [_witness_tensor(part) for part in witness]
         tensors = {f"value.{index}": tensor for index, tensor in enumerate(values)}
         tensors.update({f"witness.{index}": part for index, part in enumerate(kept)})
         metadata = {
@@ -364,9 +419,9 @@ class DirectoryTier:
             "structure": json.dumps(structure),
             "devices": json.dumps([str(tensor.device) for tensor in originals]),
             "tensors": str(len(values)),
-            "witness": "-" if witness is None else str(len(kept)),
-            "checksum": _checksum(values + kept),
+            "witness": str(len(kept)),
         }
+        metadata["checksum"] = _checksum(values + kept, metadata)
         return save(tensors, metadata)
 
     @staticmethod
@@ -377,49 +432,8 @@ class DirectoryTier:
                 file.write(data)
             os.replace(temporary, path)
         except BaseException:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
+            _remove(temporary)
             raise
-
-    def enforce_budget(self) -> None:
-        """Rescan the root's files; remove the least recently used until within budget, and stale temporaries."""
-        files: list[tuple[float, int, Path]] = []
-        now = time.time()
-        try:
-            for directory in self.root.iterdir():
-                if not directory.is_dir():
-                    continue
-                for entry in os.scandir(directory):
-                    try:
-                        stat = entry.stat()
-                    except OSError:
-                        continue
-                    if entry.name.endswith((".tmp", CLAIM_SUFFIX)):
-                        if now - stat.st_mtime > STALE_TEMPORARY_S:
-                            _remove(Path(entry.path))
-                    elif entry.name.endswith(SUFFIX):
-                        files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
-        except OSError:
-            return
-        total = sum(size for _, size, _ in files)
-        removed = 0
-        if self.max_bytes is not None and total > self.max_bytes:
-            for _, size, path in sorted(files, key=lambda item: item[0]):
-                if total <= self.max_bytes:
-                    break
-                if _remove(path):
-                    removed += 1
-                total -= size
-        with self._lock:
-            self._scanned_bytes = total
-            self.files = len(files) - removed
-            self._written_since_scan = 0
-            self._writes_since_scan = 0
-            self.evictions += removed
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + 1)
 
     def _reject(self, identity: Hashable, path: Path, reason: str, claim: bool) -> None:
         _remove(path)
@@ -429,13 +443,10 @@ class DirectoryTier:
         if claim:
             self._try_claim(identity, path)  # the caller encodes it again: let others wait for that
 
-    def _claim_path(self, path: Path) -> Path:
-        return path.with_suffix(CLAIM_SUFFIX)
-
     def _try_claim(self, identity: Hashable, path: Path) -> bool:
         """Create the entry's claim file; True if this process now holds it. A claim older than
         :attr:`claim_wait_s` is a crashed encoder's: it is removed first."""
-        claim = self._claim_path(path)
+        claim = path.with_suffix(CLAIM_SUFFIX)
         try:
             if time.time() - claim.stat().st_mtime > self.claim_wait_s:
                 _remove(claim)
@@ -477,6 +488,50 @@ class DirectoryTier:
             claim = self._claims.pop(identity, None)
         if claim is not None:
             _remove(claim)
+
+    def enforce_budget(self) -> None:
+        """Rescan this package's files under the root; over budget, remove the least recently used down to
+        :data:`LOW_WATER` of it. Crashed writers' leftovers go too. Other files are never touched."""
+        files: list[tuple[float, int, Path]] = []
+        now = time.time()
+        try:
+            namespaces = [each for each in os.scandir(self.root) if each.is_dir() and _NAMESPACE_NAME.match(each.name)]
+            for namespace in namespaces:
+                for entry in os.scandir(namespace.path):
+                    try:
+                        stat = entry.stat()
+                    except OSError:
+                        continue
+                    if _ENTRY_NAME.match(entry.name):
+                        files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
+                    elif _LEFTOVER_NAME.match(entry.name) and now - stat.st_mtime > STALE_TEMPORARY_S:
+                        _remove(Path(entry.path))
+        except OSError:
+            return
+        total = sum(size for _, size, _ in files)
+        removed = 0
+        if self.max_bytes is not None and total > self.max_bytes:
+            target = LOW_WATER * self.max_bytes
+            for _, size, path in sorted(files, key=lambda item: item[0]):
+                if total <= target:
+                    break
+                if _remove(path):
+                    removed += 1
+                total -= size
+        with self._lock:
+            self._scanned_bytes = total
+            self.files = len(files) - removed
+            self._written_since_scan = 0
+            self._writes_since_scan = 0
+            self.evictions += removed
+
+    def _warn_once(self, message: str) -> None:
+        kind = message.split("(")[0]
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if first:
+            logger.warning("Prompt-embed cache: %s.", message)
 
 
 class _Rejected(Exception):

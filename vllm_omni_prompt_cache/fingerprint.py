@@ -1,12 +1,14 @@
 """What produced a pipeline's embeddings: the fingerprint that namespaces the directory tier.
 
 An entry in a shared directory may only be read by a process that would have encoded the same
-bytes. That depends on the pipeline's code (its class and ``encode_prompt`` signature, the
-package versions), on the text encoders' weights and buffers (hashed by content: the same
-checkpoint on another node matches, a fine-tuned one does not), on the tokenizers (class,
-vocabulary, special tokens, limits) and on the kind of device the encoder runs on (a CUDA and a
-CPU encode of one prompt differ in their last bits). All of it goes into the description, whose
-digest is the namespace.
+bytes. That depends on the pipeline's code (the source of its class and of the classes it derives
+from, its ``encode_prompt`` signature, the package versions), on its configuration (its public
+attributes of plain values: templates, lengths, scale factors), on the text encoders' weights and
+buffers (hashed by content: the same checkpoint on another node matches, a fine-tuned one does
+not), on the tokenizers and processors (class, vocabulary, special tokens, limits, their config)
+and on the kinds of device the encoder and the pipeline run on (a CUDA and a CPU encode of one
+prompt differ in their last bits). All of it goes into the description, whose digest is the
+namespace.
 
 Hashing the weights reads every encoder byte once per process (and again after new encoder
 weights are loaded): about a second per 10 GB on a GPU host. Only the directory tier needs it.
@@ -14,8 +16,10 @@ weights are loaded): about a second per 10 GB on a GPU host. Only the directory 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import inspect
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -76,8 +80,71 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hasher.hexdigest()
 
 
-def pipeline_fingerprint(pipeline: Any, encode_fn: Callable[..., Any], model_tag: str) -> dict[str, Any] | str:
-    """Return the JSON-able description of what produces ``pipeline``'s embeddings, or why there is none."""
+def _plain(value: Any) -> bool:
+    """Return True for configuration values: numbers, strings, None, and tuples or lists of them."""
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    return type(value) in (tuple, list) and len(value) <= 64 and all(_plain(item) for item in value)
+
+
+def configuration(pipeline: Any) -> dict[str, str]:
+    """Return the pipeline's public attributes of plain values (set from its config, read by its
+    ``encode_prompt``), as reprs; private ones are left out (pipelines keep per-request state there)."""
+    return {
+        name: repr(value)
+        for name, value in sorted(vars(pipeline).items())
+        if not name.startswith("_") and _plain(value)
+    }
+
+
+def code_digest(kind: type) -> str:
+    """Return a digest of the source of ``kind`` and of the classes it derives from (``object``'s aside)."""
+    hasher = xxhash.xxh3_128()
+    for cls in kind.__mro__:
+        if cls.__module__ == "builtins":
+            continue
+        hasher.update(f"{cls.__module__}.{cls.__qualname__}\0".encode())
+        with contextlib.suppress(OSError, TypeError):  # no source (C, made at run time): its name only
+            hasher.update(inspect.getsource(cls).encode("utf-8", "surrogatepass"))
+    return hasher.hexdigest()
+
+
+def processor_digest(processor: Any) -> str:
+    """Return a digest of a processor: its tokenizer's, and its own configuration when it has one."""
+    hasher = xxhash.xxh3_128(tokenizer_digest(getattr(processor, "tokenizer", processor)).encode())
+    to_dict = getattr(processor, "to_dict", None)
+    if callable(to_dict) and processor is not getattr(processor, "tokenizer", processor):
+        hasher.update(json.dumps(to_dict(), sort_keys=True, default=repr).encode("utf-8", "surrogatepass"))
+    return hasher.hexdigest()
+
+
+def code_and_configuration(pipeline: Any, encode_fn: Callable[..., Any], model_tag: str) -> dict[str, Any]:
+    """Return the part of the fingerprint that new weights do not change: code, configuration,
+    tokenizers, versions. Taken once, at install, before any call: public counters a pipeline
+    keeps (calls, rows) are still at their start then, in every process."""
+    tokenizers = {
+        name: processor_digest(value)
+        for name, value in _attributes(pipeline)
+        if name.startswith(("tokenizer", "processor")) and value is not None and not isinstance(value, torch.nn.Module)
+    }
+    try:
+        signature = str(inspect.signature(encode_fn))
+    except (TypeError, ValueError):
+        signature = "unknown"
+    return {
+        "pipeline": f"{type(pipeline).__module__}.{type(pipeline).__qualname__}",
+        "code": code_digest(type(pipeline)),
+        "configuration": configuration(pipeline),
+        "model_tag": model_tag,
+        "encode_prompt": signature,
+        "tokenizers": dict(sorted(tokenizers.items())),
+        "versions": {package: _version(package) for package in _PACKAGES},
+    }
+
+
+def pipeline_fingerprint(pipeline: Any, fixed: dict[str, Any]) -> dict[str, Any] | str:
+    """Return the JSON-able description of what produces ``pipeline``'s embeddings now (``fixed``, from
+    :func:`code_and_configuration`, with the encoders' weights and devices), or why there is none."""
     encoders = encoder_modules(pipeline)
     if not encoders:
         return f"{type(pipeline).__qualname__} has no text-encoder module to fingerprint"
@@ -89,20 +156,7 @@ def pipeline_fingerprint(pipeline: Any, encode_fn: Callable[..., Any], model_tag
             return f"the weights of {type(pipeline).__qualname__}.{name} are not readable (offloaded or discarded)"
         weights[name] = digest
         devices.update(tensor.device.type for tensor in module.parameters())
-    tokenizers = {}
-    for name, value in _attributes(pipeline):
-        if name.startswith(("tokenizer", "processor")) and value is not None and not isinstance(value, torch.nn.Module):
-            tokenizers[name] = tokenizer_digest(getattr(value, "tokenizer", value))
-    try:
-        signature = str(inspect.signature(encode_fn))
-    except (TypeError, ValueError):
-        signature = "unknown"
-    return {
-        "pipeline": f"{type(pipeline).__module__}.{type(pipeline).__qualname__}",
-        "model_tag": model_tag,
-        "encode_prompt": signature,
-        "encoders": weights,
-        "tokenizers": dict(sorted(tokenizers.items())),
-        "devices": sorted(devices),
-        "versions": {package: _version(package) for package in _PACKAGES},
-    }
+    pipeline_device = getattr(pipeline, "device", None)
+    if isinstance(pipeline_device, torch.device):  # where it encodes, if its encoder is offloaded elsewhere
+        devices.add(pipeline_device.type)
+    return {**fixed, "encoders": weights, "devices": sorted(devices)}

@@ -71,6 +71,7 @@ class HostTier:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[Hashable, HostEntry] = OrderedDict()
         self._lock = threading.Lock()
+        self.epoch = 0  # bumped by clear(): an entry copied for an earlier epoch is dropped on arrival
         self.bytes = 0
         # Counts since the tier was made (clear() keeps them), read by the store's snapshot.
         self.hits = 0  # device misses served from here
@@ -81,14 +82,20 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, identity: Hashable, value: Any, witness: tuple[bytes, ...] | None, nbytes: int) -> None:
-        """Copy an entry leaving the device tier into host memory, then evict the oldest over budget."""
+    def put(self, identity: Hashable, value: Any, witness: tuple[bytes, ...] | None, nbytes: int, epoch: int) -> None:
+        """Copy an entry leaving the device tier into host memory, then evict the oldest over budget.
+
+        ``epoch``: :attr:`epoch` when the entry left the device tier (read under the store's lock); a
+        clear() since then means the entry is stale and it is dropped.
+        """
         if nbytes > self.max_bytes:
             with self._lock:
                 self.evictions += 1
             return
-        host_value, devices = to_host(value)
+        host_value, devices = to_host(value)  # outside the lock: a device-to-host copy
         with self._lock:
+            if epoch != self.epoch:
+                return
             self.demotions += 1
             previous = self._entries.pop(identity, None)
             if previous is not None:
@@ -118,5 +125,6 @@ class HostTier:
     def clear(self) -> None:
         """Drop every entry (they are stale); counts are kept."""
         with self._lock:
+            self.epoch += 1
             self._entries.clear()
             self.bytes = 0

@@ -10,9 +10,10 @@ Prompt files are JSON lines. A line is what the run sends as a request's prompt:
 text prompt), a list of integers (``prompt_token_ids``), or an object passed as is (``{"prompt":
 ...}``, ``{"prompt_token_ids": [...], "negative_prompt_ids": [...]}``...). Blank lines are skipped.
 
-Resuming: after each batch, the digests of its prompts are appended to a ledger inside the
-model's namespace directory (so new weights start a new ledger); a later run skips the prompts a
-ledger names. A file the directory's budget removed since is encoded again at its first use.
+Resuming: after each batch whose files were all written, the digests of its prompts are appended
+to a ledger inside the model's namespace directory (so new weights start a new ledger); a later
+run skips the prompts a ledger names. A file the directory's budget removed since is encoded again
+at its first use. The command exits 1 when writes failed.
 """
 
 from __future__ import annotations
@@ -52,14 +53,16 @@ class PrecomputeReport:
     seconds: float
     namespace: str
     ledger: Path
+    unrecorded: int = 0  # prompts of batches with failed writes: not in the ledger, sent again next time
 
     def summary(self) -> str:
         """Return the report as the command prints it."""
         return (
             f"precompute: {self.prompts} prompts, {self.skipped} already done, {self.sent} sent; "
             f"{self.encodes} encodes ({self.rows_encoded} rows), {self.dir_hits} found in the directory, "
-            f"{self.dir_writes} files written, {self.dir_write_errors} write errors, in {self.seconds:.1f} s "
-            f"(namespace {self.namespace}, ledger {self.ledger})"
+            f"{self.dir_writes} files written, {self.dir_write_errors} write errors"
+            + (f" ({self.unrecorded} prompts left out of the ledger)" if self.unrecorded else "")
+            + f", in {self.seconds:.1f} s (namespace {self.namespace}, ledger {self.ledger})"
         )
 
 
@@ -147,17 +150,23 @@ async def precompute(
         pending = [prompt for prompt in prompts if prompt_digest(prompt) not in done]
         if progress is not None and len(prompts) > len(pending):
             progress(len(prompts) - len(pending))
-        before = await cache_stats(engine) or CacheStats()
+        before = last = await cache_stats(engine) or CacheStats()
+        unrecorded = 0
         for start in range(0, len(pending), batch_size):
             batch = pending[start : start + batch_size]
             await asyncio.gather(
                 *(_send(engine, prompt, params, f"precompute-{start + i}") for i, prompt in enumerate(batch))
             )
-            with open(ledger, "a", encoding="utf-8") as record:
-                record.write("".join(f"{prompt_digest(prompt)}\n" for prompt in batch))
+            now = await cache_stats(engine) or CacheStats()
+            if now.dir_write_errors == last.dir_write_errors and now.dir_off_reason is None:
+                with open(ledger, "a", encoding="utf-8") as record:
+                    record.write("".join(f"{prompt_digest(prompt)}\n" for prompt in batch))
+            else:  # some of its files may be missing: a later run sends the batch again
+                unrecorded += len(batch)
+            last = now
             if progress is not None:
                 progress(len(batch))
-        added = (await cache_stats(engine) or CacheStats()).since(before)
+        added = last.since(before)
     return PrecomputeReport(
         prompts=len(prompts),
         skipped=len(prompts) - len(pending),
@@ -170,6 +179,7 @@ async def precompute(
         seconds=time.perf_counter() - started,
         namespace=namespace,
         ledger=ledger,
+        unrecorded=unrecorded,
     )
 
 
@@ -285,4 +295,4 @@ def run(args: Any) -> int:
         if bar is not None:
             bar.close()
     print(report.summary())
-    return 0
+    return 1 if report.dir_write_errors else 0  # some prompts are not in the directory

@@ -275,14 +275,25 @@ class _Entry(NamedTuple):
     value: Any
     witness: tuple[bytes, ...] | None  # None when verification is off
     nbytes: int
+    keyed: bool = True  # stored under a CallKey (not a plain key given to put()): lower tiers may hold it
+
+
+class _Departures(NamedTuple):
+    """Entries that left device memory, and the host tier's epoch when they did."""
+
+    entries: list[tuple[Hashable, _Entry]]
+    host_epoch: int
+
+
+_NO_DEPARTURES = _Departures([], 0)
 
 
 class _Flight:
     """A miss being computed; waiters take its value or, if it failed, try again."""
 
-    __slots__ = ("done", "failed", "generation", "owner", "value", "waiters", "witness")
+    __slots__ = ("directory_epoch", "done", "failed", "generation", "owner", "value", "waiters", "witness")
 
-    def __init__(self, witness: tuple[bytes, ...] | None, generation: int) -> None:
+    def __init__(self, witness: tuple[bytes, ...] | None, generation: int, directory_epoch: int = 0) -> None:
         self.done = threading.Event()
         self.owner = threading.get_ident()
         self.value: Any = None
@@ -290,14 +301,17 @@ class _Flight:
         self.waiters = 0  # callers blocked on ``done`` (observable, so tests can wait for them)
         self.witness = witness
         self.generation = generation  # the cache's clear() count when the encode started
+        self.directory_epoch = directory_epoch  # the directory tier's epoch then: its result is written for it
 
 
 _warned: set[str] = set()
 
 
 def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
+    """Log ``message`` the first time its kind (the text before any parenthesis) is seen in this process."""
+    kind = message.split("(")[0]
+    if kind not in _warned:
+        _warned.add(kind)
         logging.getLogger("vllm_omni_prompt_cache").warning("Prompt-embed cache: %s.", message)
 
 
@@ -420,8 +434,8 @@ class PromptEmbedCache:
                 self._counts.misses += 1
                 return MISS
             self._counts.hits += 1
-            leaving = self._store_found(key, value, generation)
-        self._demote(leaving)
+            departures = self._store_found(key, value, generation)
+        self._demote(departures)
         return value
 
     def put(self, key: CallKey | Hashable, value: Any) -> None:
@@ -429,20 +443,21 @@ class PromptEmbedCache:
 
         Upstream's contract; a value larger than ``max_bytes`` is not kept.
         """
-        if type(key) is CallKey:
+        keyed = type(key) is CallKey
+        if keyed:
             identity = key.identity
             witness = freeze_witness(key.witness) if self.verify else None
         else:
             identity, witness = key, None
         nbytes = value_nbytes(value) + (0 if witness is None else witness_nbytes(witness))
         with self._lock:
-            generation = self._generation
-            leaving = self._store(identity, _Entry(value, witness, nbytes))
-        self._demote(leaving)
-        if type(key) is CallKey:
-            self._write_through(identity, witness, value, generation)
+            generation, directory_epoch = self._generation, self._directory_epoch()
+            departures = self._store(identity, _Entry(value, witness, nbytes, keyed))
+        self._demote(departures)
+        if keyed:
+            self._write_through(key, witness, value, generation, directory_epoch)
 
-    def _store(self, identity: Hashable, entry: _Entry) -> list[tuple[Hashable, _Entry]]:
+    def _store(self, identity: Hashable, entry: _Entry) -> _Departures:
         """Insert or overwrite ``identity`` and evict to the budgets; the lock is held.
 
         Returns the entries that left device memory (evicted, or too large to keep), oldest first,
@@ -453,7 +468,7 @@ class PromptEmbedCache:
             self._bytes -= previous.nbytes
         if self.max_bytes is not None and entry.nbytes > self.max_bytes:
             self._counts.oversize_rejections += 1
-            return [(identity, entry)]
+            return self._departures([(identity, entry)])
         self._entries[identity] = entry
         self._bytes += entry.nbytes
         leaving = []
@@ -462,23 +477,36 @@ class PromptEmbedCache:
             self._bytes -= evicted[1].nbytes
             self._counts.evictions += 1
             leaving.append(evicted)
-        return leaving
+        return self._departures(leaving)
 
-    def _store_found(self, key: CallKey, value: Any, generation: int) -> list[tuple[Hashable, _Entry]]:
+    def _departures(self, leaving: list[tuple[Hashable, _Entry]]) -> _Departures:
+        """Return ``leaving`` with the host tier's epoch now; the lock is held (clear() bumps it under it)."""
+        return _Departures(leaving, 0 if self.host is None else self.host.epoch)
+
+    def _directory_epoch(self) -> int:
+        """Return the directory tier's epoch now; the lock is held (clear() bumps it under it)."""
+        return 0 if self.directory is None else self.directory.epoch
+
+    def _store_found(self, key: CallKey, value: Any, generation: int) -> _Departures:
         """Store a value a lower tier served (unless a clear() came meanwhile); the lock is held."""
         if generation != self._generation:
-            return []
+            return _NO_DEPARTURES
         witness = freeze_witness(key.witness) if self.verify else None
         nbytes = value_nbytes(value) + (0 if witness is None else witness_nbytes(witness))
         return self._store(key.identity, _Entry(value, witness, nbytes))
 
-    def _demote(self, leaving: list[tuple[Hashable, _Entry]]) -> None:
-        """Move entries that left device memory to the host tier (if any); the lock is not held."""
+    def _demote(self, departures: _Departures) -> None:
+        """Move entries that left device memory to the host tier (if any); the lock is not held. Never raises:
+        an entry the host cannot take (no pinned memory left) is dropped, as without a host tier."""
         if self.host is None:
             return
-        for identity, entry in leaving:
-            if type(identity) is tuple:  # only CallKey identities: lower tiers are looked up by key
-                self.host.put(identity, entry.value, entry.witness, entry.nbytes)
+        for identity, entry in departures.entries:
+            if not entry.keyed:  # lower tiers are looked up by CallKey only
+                continue
+            try:
+                self.host.put(identity, entry.value, entry.witness, entry.nbytes, departures.host_epoch)
+            except Exception as error:
+                _warn_once(f"an entry could not move to host memory ({type(error).__qualname__}); it was dropped")
 
     def _from_lower_tiers(self, key: CallKey, *, claim: bool = True) -> tuple[bool, Any]:
         """Return ``(True, value)`` from the host tier or the directory for a device miss, else ``(False, None)``.
@@ -498,16 +526,18 @@ class PromptEmbedCache:
         return False, None
 
     def _write_through(
-        self, identity: Hashable, witness: tuple[bytes, ...] | None, value: Any, generation: int
+        self, key: CallKey, witness: tuple[bytes, ...] | None, value: Any, generation: int, directory_epoch: int
     ) -> None:
         """Write an encoded entry to the directory tier, unless a clear() voided it meanwhile (then only
-        give up its claim)."""
+        give up its claim). Files always carry the key bytes, whatever this cache's ``verify``: another
+        process reading them may verify. Never raises."""
         if self.directory is None:
             return
-        if generation == self._generation:
-            self.directory.save(identity, witness, value)
-        else:
-            self.directory.release(identity)
+        if generation != self._generation:
+            self.directory.release(key.identity)
+            return
+        kept = witness if witness is not None else freeze_witness(key.witness)
+        self.directory.save(key.identity, kept, value, directory_epoch)
 
     def _claim(self, key: CallKey) -> tuple[_Outcome, Any]:
         """Decide how ``key`` is served; the lock is held. Counts nothing: callers count calls or rows.
@@ -523,7 +553,7 @@ class PromptEmbedCache:
         flight = self._flights.get(key.identity)
         if flight is None:
             witness = freeze_witness(key.witness) if self.verify else None
-            flight = self._flights[key.identity] = _Flight(witness, self._generation)
+            flight = self._flights[key.identity] = _Flight(witness, self._generation, self._directory_epoch())
             return _Outcome.OWN, flight
         if flight.witness is not None and not witness_matches(flight.witness, key.witness):
             return _Outcome.DIRECT, COLLISION_REASON
@@ -699,14 +729,15 @@ class PromptEmbedCache:
     def _run_flight(self, key: CallKey, flight: _Flight, compute: Callable[[], T]) -> tuple[T, bool]:
         """Serve an owned flight from a lower tier, or run ``compute`` (then write the result through);
         store the value and wake the waiters in every case. Returns the value and whether it was encoded."""
-        found, value = self._from_lower_tiers(key) if (self.host or self.directory) is not None else (False, None)
+        has_lower_tier = self.host is not None or self.directory is not None
+        found, value = self._from_lower_tiers(key) if has_lower_tier else (False, None)
         if found:
             with self._lock:
                 flight.value = value
                 self._land(key.identity, flight)
-                leaving = self._store_found(key, value, flight.generation)
+                departures = self._store_found(key, value, flight.generation)
             flight.done.set()
-            self._demote(leaving)
+            self._demote(departures)
             return value, False
         try:
             result = compute()
@@ -717,16 +748,16 @@ class PromptEmbedCache:
             if self.directory is not None:
                 self.directory.release(key.identity)  # other processes waiting for it encode it themselves
             raise
-        leaving = []
+        departures = _NO_DEPARTURES
         with self._lock:
             flight.value = value
             self._land(key.identity, flight)
             # A clear() while encoding voids the result (weights may have changed): return it, keep nothing.
             if flight.generation == self._generation:
-                leaving = self._store(key.identity, _Entry(value, flight.witness, nbytes))
+                departures = self._store(key.identity, _Entry(value, flight.witness, nbytes))
         flight.done.set()
-        self._demote(leaving)
-        self._write_through(key.identity, flight.witness, value, flight.generation)
+        self._demote(departures)
+        self._write_through(key, flight.witness, value, flight.generation, flight.directory_epoch)
         return result, True
 
     def _land(self, identity: Hashable, flight: _Flight) -> None:
@@ -793,13 +824,13 @@ class PromptEmbedCache:
         being computed are returned to their callers but not stored.
         """
         with self._lock:
-            leaving = list(self._entries.items())
+            departures = self._departures(list(self._entries.items()))
             self._entries.clear()
             self._flights.clear()
             self._bytes = 0
             self._generation += 1
-        self._demote(leaving)
-        return len(leaving)
+        self._demote(departures)
+        return len(departures.entries)
 
     def snapshot(self) -> CacheStats:
         """Return the counters, sizes and settings now, as one :class:`CacheStats`."""

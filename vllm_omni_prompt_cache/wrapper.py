@@ -23,7 +23,7 @@ import torch
 
 from vllm_omni_prompt_cache.config import DIRECTORY_BYTES
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
-from vllm_omni_prompt_cache.fingerprint import encoder_modules, pipeline_fingerprint
+from vllm_omni_prompt_cache.fingerprint import code_and_configuration, encoder_modules, pipeline_fingerprint
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.proofs import (
     DECLARED_BY_CLASS,
@@ -109,10 +109,14 @@ def install_prompt_embed_cache(
     tag = model_tag or type(pipeline).__name__
     directory_tier = None
     if directory is not None:
+        try:
+            fixed: dict[str, Any] | str = code_and_configuration(pipeline, encode_fn, tag)
+        except Exception as error:  # a tokenizer or processor we cannot read: no directory, no error
+            fixed = f"its code and configuration could not be fingerprinted ({type(error).__qualname__}: {error})"
         directory_tier = DirectoryTier(
             directory,
             directory_bytes,
-            lambda: pipeline_fingerprint(pipeline, encode_fn, tag),
+            lambda: fixed if isinstance(fixed, str) else pipeline_fingerprint(pipeline, fixed),
             local_device=functools.partial(_local_device, pipeline),
         )
     cache = PromptEmbedCache(

@@ -150,15 +150,18 @@ def _clearing_on_lora_change(original: Callable, name: str) -> Callable:
             pipeline = getattr(self, "pipeline", None)
             if _lora_state(self) != before and _touches_encoder(getattr(self, "_lora_modules", {}), pipeline):
                 why = f"LoRA {name.strip('_').replace('_', ' ')} changed text-encoder layers"
-                cache = clear_cache(pipeline, why)
-                if cache is not None and cache.directory is not None:
-                    cache.directory.disable(why)
+                cache = getattr(pipeline, "_prompt_embed_cache", None)
+                if isinstance(cache, PromptEmbedCache) and cache.directory is not None:
+                    cache.directory.disable(why)  # first: the clear's new fingerprint would not see the LoRA
+                clear_cache(pipeline, why)
 
     return wrapper
 
 
 def watch_weight_loads(pipeline: Any) -> None:
-    """Clear the cache after ``pipeline.load_weights`` loads any text-encoder weight."""
+    """Clear the cache when ``pipeline.load_weights`` loads a text-encoder weight: as the first one
+    arrives (an encode overlapping the load is then never kept, nor written under the old weights'
+    namespace) and again after the load (what was encoded from half-loaded weights goes too)."""
     replace_once(pipeline, "load_weights", lambda original: _clearing_after_encoder_load(original, pipeline))
 
 
@@ -166,10 +169,16 @@ def _clearing_after_encoder_load(original: Callable, pipeline: Any) -> Callable:
     @functools.wraps(original)
     def load_weights(weights: Iterable[tuple[str, Any]], *args: Any, **kwargs: Any) -> Any:
         seen: list[str] = []
+        prefixes = _encoder_prefixes(pipeline)
+        cleared = False
 
         def observed() -> Iterable[tuple[str, Any]]:
+            nonlocal cleared
             for name, tensor in weights:
                 seen.append(name)
+                if not cleared and name.startswith(prefixes):
+                    cleared = True
+                    clear_cache(pipeline, "text-encoder weights are being loaded")
                 yield name, tensor
 
         try:

@@ -63,15 +63,9 @@ METRIC_PREFIX = "vllm_omni:prompt_embed_cache_"
 LABELS = ("model_name", "stage", "replica")
 #: Levels of a snapshot: what the cache holds and may hold when it was taken.
 LEVELS = ("size", "bytes", "max_size", "max_bytes")
-#: Levels of the tiers below device memory, by gauge family (a tier that is off has no series).
-TIER_LEVELS = {
-    "host_entries": "host_entries",
-    "host_bytes": "host_bytes",
-    "host_max_bytes": "host_max_bytes",
-    "dir_files": "dir_files",
-    "dir_bytes": "dir_bytes",
-    "dir_max_bytes": "dir_max_bytes",
-}
+#: Levels of the tiers below device memory, each a gauge family of its name (a tier that is off has no series).
+HOST_LEVELS = ("host_entries", "host_bytes", "host_max_bytes")
+DIRECTORY_LEVELS = ("dir_files", "dir_bytes", "dir_max_bytes")
 #: Counter families with no label of their own, by the :class:`CacheStats` count they advance by.
 COUNTED = {
     "queries": "calls",
@@ -126,9 +120,9 @@ def encode_snapshot(
         else:
             flat[f"{KEY_PREFIX}{name}"] = float(value)
     if stats.host_max_bytes is not None:  # the tiers that are on
-        levels = (*levels, "host_entries", "host_bytes", "host_max_bytes")
+        levels = (*levels, *HOST_LEVELS)
     if stats.directory is not None:
-        levels = (*levels, "dir_files", "dir_bytes", "dir_max_bytes")
+        levels = (*levels, *DIRECTORY_LEVELS)
     for name in levels:
         if (value := getattr(stats, name)) is not None:
             flat[f"{KEY_PREFIX}{name}"] = float(value)
@@ -147,7 +141,7 @@ def pop_snapshot(metrics: dict[str, Any]) -> Snapshot | None:
         name, _, reason = key[len(KEY_PREFIX) :].partition(":")
         if reason:
             counts.setdefault(name, {})[reason] = int(value)
-        elif name in LEVELS or name in TIER_LEVELS.values():
+        elif name in (*LEVELS, *HOST_LEVELS, *DIRECTORY_LEVELS):
             levels[name] = float(value)
         else:
             counts[name] = int(value)
@@ -376,9 +370,9 @@ class PromptEmbedCacheMetrics:
             ):
                 if name in now.levels:  # the most recent snapshot's cache
                     family.labels(*labels).set(now.levels[name])
-            for family, name in TIER_LEVELS.items():
+            for name in (*HOST_LEVELS, *DIRECTORY_LEVELS):
                 if name in now.levels:
-                    getattr(self, family).labels(*labels).set(now.levels[name])
+                    getattr(self, name).labels(*labels).set(now.levels[name])
 
     def _create_series(self, labels: tuple[str, str, str]) -> None:
         """Create the label set's series at zero, so ``/metrics`` shows them from the first output on."""

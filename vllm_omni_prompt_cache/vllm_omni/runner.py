@@ -56,7 +56,10 @@ def _installing_after(load_model: Any) -> Any:
         pipeline = getattr(self, "pipeline", None)
         if pipeline is not None:  # a "dummy" load builds no pipeline
             settings = stage_settings(self.od_config)
-            self.prompt_embed_cache = install_for_stage(pipeline, settings, self.od_config.model_class_name)
+            ranks = getattr(getattr(self.od_config, "parallel_config", None), "world_size", 1) or 1
+            self.prompt_embed_cache = install_for_stage(
+                pipeline, settings, self.od_config.model_class_name, ranks=ranks
+            )
             if self.prompt_embed_cache is not None:
                 _rebuild_interaction_handlers(self)
         return result
@@ -74,10 +77,28 @@ def _rebuild_interaction_handlers(runner: Any) -> None:
         runner.pipeline._interaction_coordinator = runner._interaction_coordinator
 
 
-def install_for_stage(pipeline: Any, settings: PromptEmbedCacheSettings, model_tag: str | None) -> Any:
-    """Install the cache ``settings`` ask for on ``pipeline``; return it, or None when off."""
+def install_for_stage(
+    pipeline: Any, settings: PromptEmbedCacheSettings, model_tag: str | None, *, ranks: int = 1
+) -> Any:
+    """Install the cache ``settings`` ask for on ``pipeline``; return it, or None when off.
+
+    ``ranks``: the diffusion stage's world size. Every rank must take the same hit or miss decision
+    (see docs/design.md, "Rank consistency"); the other tiers decide from the calls alone, but what
+    a shared directory holds can change between two ranks' reads, so with more than one rank the
+    directory tier stays off.
+    """
     if not settings.enabled:
         return None
+    directory = settings.directory
+    if directory is not None and ranks > 1:
+        logger.warning(
+            "vllm-omni-prompt-cache: directory tier %s off: this diffusion stage runs on %d ranks, and a shared "
+            "directory may change between their reads, so one rank could skip the encoder while another runs it "
+            "(and its collectives). The device and host tiers stay on.",
+            directory,
+            ranks,
+        )
+        directory = None
     if settings.backend == "vllm-omni":
         upstream = upstream_cache_module()
         return upstream.install_prompt_embed_cache(
@@ -94,7 +115,7 @@ def install_for_stage(pipeline: Any, settings: PromptEmbedCacheSettings, model_t
             settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, "the stage's settings")
         ),
         host_bytes=settings.host_bytes,
-        directory=settings.directory,
+        directory=directory,
         directory_bytes=settings.directory_bytes,
     )
     if cache is not None:
