@@ -125,7 +125,7 @@ def main() -> None:
     print("| served by | median ms | vs one encode |")
     print("|---|---:|---:|")
     for name, ms in demo.items():
-        print(f"| {name} | {ms:.3f} | {ms / demo['encode']:.3f}x |")
+        print(f"| {name} | {ms:.3f} | {ms / demo['encode']:.4f}x |")
     print("\nAn entry the size of a Qwen-Image prompt embedding (1 x 512 x 3584 bf16, 3.5 MiB):\n")
     print("| served by | median ms |")
     print("|---|---:|")

@@ -1,6 +1,6 @@
 """The tiers below device memory through the real ``AsyncOmni`` engine on CPU, as tables.
 
-    python benchmarks/tiers.py
+    python benchmarks/tiers.py   # prints the tables and writes them to benchmarks/results/tiers.md
 
 Every scenario runs the demo model (tiny Qwen-Image, random weights) behind the FlowGRPO-shaped
 token-ID pipeline, with this package's cache (16 entries) on, 64x64, 2 steps, CFG with a shared
@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -121,9 +120,15 @@ def mount_tmpfs(path: Path, size: str) -> bool:
     )
 
 
+RESULTS = Path(__file__).parent / "results" / "tiers.md"
+_said: list[str] = []
+
+
 def say(text: str = "") -> None:
-    """Print to the process's real stdout: vLLM-Omni's in-process worker prefixes what reaches sys.stdout."""
-    print(text, file=sys.__stdout__, flush=True)
+    """Print a line of the results and keep it for :data:`RESULTS` (vLLM-Omni's in-process worker
+    prefixes what this process prints from its start on, so the file is the clean copy)."""
+    print(text, flush=True)
+    _said.append(text)
 
 
 def table(header: list[str], lines: list[list[Any]]) -> str:
@@ -218,20 +223,21 @@ def main() -> None:
             )
         )
 
-        damaged = damage(directory)
-        after = asyncio.run(one_rollout(restart_spec, kwargs_for(restart_spec, tiers["directory tier"])))
-        same = all(torch.equal(after["latents"][i], reference["latents"][i]) for i in reference["latents"])
-        stats = after["stats"][0]
-        lines = [
-            [
-                "a truncated file, and another model's file under this model's name",
-                f"{len(after['latents'])}/{len(restart_spec.requests())}",
-                f"{after['warm-up rows']} + {sum(after['rows'])}",
+        def fault_line(fault: str, run: dict[str, Any]) -> list[Any]:
+            same = all(torch.equal(run["latents"][i], reference["latents"][i]) for i in reference["latents"])
+            stats = run["stats"][0]
+            return [
+                fault,
+                f"{len(run['latents'])}/{len(restart_spec.requests())}",
+                f"{run['warm-up rows']} + {sum(run['rows'])}",
                 json.dumps(stats["dir_rejections"]),
                 stats["dir_write_errors"],
                 "bit-identical" if same else "DIFFER",
             ]
-        ]
+
+        damaged = damage(directory)
+        after = asyncio.run(one_rollout(restart_spec, kwargs_for(restart_spec, tiers["directory tier"])))
+        lines = [fault_line("a truncated file, and another model's file under this model's name", after)]
         disk = scratch / "full-disk"
         if mount_tmpfs(disk, "64k"):
             try:
@@ -240,18 +246,7 @@ def main() -> None:
                 )
             finally:
                 subprocess.run(["umount", str(disk)], check=False)
-            same = all(torch.equal(full["latents"][i], reference["latents"][i]) for i in reference["latents"])
-            stats = full["stats"][0]
-            lines.append(
-                [
-                    "a full disk (64 KiB tmpfs)",
-                    f"{len(full['latents'])}/{len(restart_spec.requests())}",
-                    f"{full['warm-up rows']} + {sum(full['rows'])}",
-                    json.dumps(stats["dir_rejections"]),
-                    stats["dir_write_errors"],
-                    "bit-identical" if same else "DIFFER",
-                ]
-            )
+            lines.append(fault_line("a full disk (64 KiB tmpfs)", full))
         else:
             lines.append(["a full disk", "not run: this machine does not let us mount a tmpfs", "", "", "", ""])
         say("\n### Faults: the restarted engine's rollout (8 prompts x 4 siblings) on a damaged directory\n")
@@ -269,6 +264,7 @@ def main() -> None:
             )
         )
         say(f"\n(damaged: {damaged})")
+    RESULTS.write_text("\n".join(_said) + "\n")
 
 
 if __name__ == "__main__":

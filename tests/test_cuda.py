@@ -138,3 +138,28 @@ def test_a_batched_cuda_call_encodes_each_distinct_row_once_and_stays_on_the_gpu
     assert torch.equal(embeds, torch.cat([a for a, _ in alone])) and torch.equal(
         embeds_mask, torch.cat([m for _, m in alone])
     )
+
+
+def test_an_entry_leaving_gpu_memory_waits_in_pinned_host_memory_and_comes_back_to_the_gpu(
+    cuda_encoder, tmp_path
+) -> None:
+    pipeline = TokenIdTextPipeline(cuda_encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=8, host_bytes=64 * 2**20, directory=tmp_path)
+    ids, mask = cuda_ids_and_mask()
+    encoded, _ = pipeline.encode_prompt(ids, mask)
+    device, expected = encoded.device, encoded.cpu()
+    del encoded  # the caller's reference to the stored value: the cache's own is what sleep must free
+    allocated = torch.cuda.memory_allocated()
+    assert cache.release_device_memory() == 1  # what level-1 sleep does
+    (host_entry,) = cache.host._entries.values()
+    assert host_entry.value[0].is_pinned() and host_entry.devices[0].type == "cuda"
+    del host_entry
+    assert torch.cuda.memory_allocated() < allocated  # the cache holds no GPU memory while asleep
+    again, _ = pipeline.encode_prompt(ids.clone(), mask.clone())
+    assert pipeline.encoder_runs == 1 and cache.snapshot().host_hits == 1
+    assert again.device == device and torch.equal(again.cpu(), expected)
+    # The directory's file, read by a fresh process-like cache, lands on this GPU too.
+    reader = TokenIdTextPipeline(cuda_encoder)
+    install_prompt_embed_cache(reader, directory=tmp_path)
+    from_file, _ = reader.encode_prompt(ids.clone(), mask.clone())
+    assert reader.encoder_runs == 0 and from_file.device == device and torch.equal(from_file.cpu(), expected)
