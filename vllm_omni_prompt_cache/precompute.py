@@ -129,7 +129,8 @@ async def precompute(
 ) -> PrecomputeReport:
     """Encode ``prompts`` into the directory tier through a real ``AsyncOmni`` engine; return what it did.
 
-    ``progress(n)`` is called as each batch of ``n`` prompts finishes (or is skipped).
+    ``progress(n)`` is called once the engine is up (``n``: prompts a ledger names), then as each
+    batch of ``n`` prompts finishes.
     """
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -148,7 +149,7 @@ async def precompute(
         ledger = Path(tiers[0]["root"]) / namespace / f"precompute-{prompt_digest(sampling)[:16]}.ledger"
         done = set(ledger.read_text().split()) if ledger.exists() else set()
         pending = [prompt for prompt in prompts if prompt_digest(prompt) not in done]
-        if progress is not None and len(prompts) > len(pending):
+        if progress is not None:  # the engine is up: the bar starts now, with the prompts already done
             progress(len(prompts) - len(pending))
         before = last = await cache_stats(engine) or CacheStats()
         unrecorded = 0
@@ -274,10 +275,15 @@ def run(args: Any) -> int:
         print(f"precompute: {error}", file=sys.stderr)
         return 2
     bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
 
-        bar = tqdm(total=len(prompts), unit="prompt", desc="precompute")
+    def advance(count: int) -> None:  # the bar is made on the first call: engine start-up is not a prompt's
+        nonlocal bar
+        if bar is None:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), unit="prompt", desc="precompute")
+        bar.update(count)
+
     try:
         report = asyncio.run(
             precompute(
@@ -288,7 +294,7 @@ def run(args: Any) -> int:
                 batch_size=args.batch_size,
                 sampling=args.sampling_params,
                 engine_args=args.engine_args,
-                progress=None if bar is None else bar.update,
+                progress=None if args.no_progress else advance,
             )
         )
     finally:
