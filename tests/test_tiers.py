@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import inspect
+import logging
 import os
 import shutil
 import subprocess
@@ -417,7 +418,12 @@ def test_a_stage_of_several_ranks_keeps_the_directory_off_and_the_host_tier_on(t
     from vllm_omni_prompt_cache.vllm_omni import runner
 
     settings = PromptEmbedCacheSettings(enabled=True, host_bytes=2**20, directory=str(tmp_path))
-    several = runner.install_for_stage(TokenIdTextPipeline(build_qwen2_encoder()), settings, "tiny", ranks=2)
+    ours = logging.getLogger("vllm_omni_prompt_cache")  # may not propagate (see plugin.show_logs_as_vllm_does)
+    ours.addHandler(caplog.handler)
+    try:
+        several = runner.install_for_stage(TokenIdTextPipeline(build_qwen2_encoder()), settings, "tiny", ranks=2)
+    finally:
+        ours.removeHandler(caplog.handler)
     assert several.directory is None and several.host is not None
     assert "runs on 2 ranks" in caplog.text
     one = runner.install_for_stage(TokenIdTextPipeline(build_qwen2_encoder()), settings, "tiny", ranks=1)
@@ -573,3 +579,76 @@ def test_the_budget_never_touches_files_it_did_not_write(tmp_path) -> None:
     writer, cache = process(tmp_path, directory_bytes=1)  # an entry larger than the whole budget
     encode(writer, 5)
     assert cache.snapshot().dir_write_errors == 1 and len(files(tmp_path)) == 1
+
+
+def test_a_directory_that_cannot_be_written_leaves_every_call_served(tmp_path) -> None:
+    """A root under a regular file: making the namespace directory fails (what a read-only mount does)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, directory=blocker / "embeddings")
+    done = threading.Event()
+
+    def calls() -> None:
+        for index in (0, 0, 1):
+            encode(pipeline, index)
+        cache.clear()  # takes the directory tier's lock after the store's: neither may be left held
+        encode(pipeline, 2)
+        done.set()
+
+    worker = threading.Thread(target=calls, daemon=True)
+    worker.start()
+    assert done.wait(30), "a call hung"
+    stats = cache.snapshot()
+    assert pipeline.encoder_runs == 3 and stats.hits == 1 and stats.dir_write_errors == 3
+
+
+def test_load_weights_suspends_the_directory_until_the_load_ends(tmp_path) -> None:
+    from vllm_omni_prompt_cache.vllm_omni.lifecycle import watch_weight_loads
+
+    seen_during_load: list = []
+
+    class Loading(TokenIdTextPipeline):
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                seen_during_load.append(self._prompt_embed_cache.directory.namespace)  # what an encode would get
+                with torch.no_grad():
+                    self.get_parameter(name).copy_(tensor)
+
+    pipeline = Loading(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, directory=tmp_path)
+    watch_weight_loads(pipeline)
+    encode(pipeline, 0)
+    before = cache.directory.namespace
+    embedding = pipeline.text_encoder.embed_tokens.weight
+    pipeline.load_weights([("text_encoder.embed_tokens.weight", embedding.detach() * 2)])
+    assert seen_during_load == [None]  # no namespace while weights change: nothing read or written
+    after = cache.directory.namespace
+    assert after is not None and after != before  # the new weights' own namespace
+    assert same(encode(pipeline, 0), encode(TokenIdTextPipeline(pipeline.text_encoder), 0))
+
+
+def test_weights_offloaded_layer_by_layer_are_not_fingerprinted(tmp_path) -> None:
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    pipeline.text_encoder.layers[0]._omni_layerwise_enabled = True  # as vLLM-Omni's layerwise offload marks it
+    cache = install_prompt_embed_cache(pipeline, directory=tmp_path)
+    assert same(encode(pipeline, 0), reference(0))
+    assert "not readable (offloaded or discarded)" in cache.snapshot().dir_off_reason
+    assert files(tmp_path) == []
+
+
+def test_an_encode_voided_by_a_clear_keeps_its_hands_off_the_next_encodes_claim(tmp_path) -> None:
+    pipeline, cache = process(tmp_path)
+    tier = cache.directory
+    tier.claim_wait_s = 0.2
+    identity, witness = _key_of(pipeline, 0)
+    old_epoch = tier.epoch
+    assert not tier.load(identity, witness, epoch=old_epoch)[0]  # claims it; then a clear voids the encode
+    cache.clear()  # same weights: the same namespace, the same claim file
+    new_epoch = tier.epoch
+    assert not tier.load(identity, witness, epoch=new_epoch)[0]  # the next encode takes the claim over
+    (claim,) = tmp_path.glob("*/*.claim")
+    tier.release(identity, old_epoch)  # the voided encode ends
+    assert claim.exists()  # the next encode's claim stays
+    tier.release(identity, new_epoch)
+    assert not claim.exists()

@@ -200,10 +200,12 @@ class DirectoryTier:
         self._namespace: str | None = None
         self._off_reason: str | None = None  # set by disable(): for the rest of this tier's life
         self._unavailable: str | None = None  # the fingerprint's reason, until invalidate()
+        self._suspended = 0  # suspend() calls not yet resumed: weights are changing
         self._scanned_bytes: int | None = None  # this package's files under root at the last rescan
         self._written_since_scan = 0
         self._writes_since_scan = 0
-        self._claims: dict[Hashable, Path] = {}  # entries this process is encoding, to their claim files
+        # Entries this process is encoding, by (epoch of the encode, identity), to their claim files.
+        self._claims: dict[tuple[int, Hashable], Path] = {}
         self._warned: set[str] = set()
         self.claim_wait_s = CLAIM_WAIT_S
         # Counts since the tier was made, read by the store's snapshot.
@@ -229,7 +231,7 @@ class DirectoryTier:
     def _namespace_at(self, epoch: int | None) -> str | None:
         """Return the namespace, or None when unusable or when ``epoch`` is not the current one."""
         with self._lock:
-            if self._off_reason is not None or self._unavailable is not None:
+            if self._off_reason is not None or self._unavailable is not None or self._suspended:
                 return None
             if epoch is not None and epoch != self.epoch:
                 return None  # the weights changed since the caller's encode began
@@ -255,12 +257,27 @@ class DirectoryTier:
             target = directory / "NAMESPACE.json"
             if not target.exists():
                 self._write_atomically(target, description.encode())
-        except OSError as error:
-            self._warn_once(f"cannot write to the directory tier {directory} ({error})")
+        except OSError as error:  # the lock is held: log directly (_warn_once takes it)
+            logger.warning("Prompt-embed cache: cannot write to the directory tier %s (%s).", directory, error)
 
     def invalidate(self) -> None:
         """Forget the namespace: what produces entries changed (new text-encoder weights)."""
         with self._lock:
+            self.epoch += 1
+            self._namespace = None
+            self._unavailable = None
+
+    def suspend(self) -> None:
+        """Neither read nor write until :meth:`resume`: text-encoder weights are changing, and what is
+        encoded meanwhile belongs to no namespace."""
+        with self._lock:
+            self._suspended += 1
+            self.epoch += 1
+
+    def resume(self) -> None:
+        """End a :meth:`suspend`; the next use fingerprints the weights again."""
+        with self._lock:
+            self._suspended = max(0, self._suspended - 1)
             self.epoch += 1
             self._namespace = None
             self._unavailable = None
@@ -281,22 +298,25 @@ class DirectoryTier:
     def _path(self, namespace: str, identity: Hashable) -> Path:
         return self.root / namespace / (identity_name(identity) + SUFFIX)
 
-    def load(self, identity: Hashable, witness: tuple, *, claim: bool = True) -> tuple[bool, Any]:
+    def load(
+        self, identity: Hashable, witness: tuple, *, claim: bool = True, epoch: int | None = None
+    ) -> tuple[bool, Any]:
         """Return ``(True, value)`` from the identity's file, or ``(False, None)``; never raises.
 
         ``claim``: the caller encodes on a miss. It then holds the entry's claim when it got it:
-        until it saves or :meth:`release`-s, other processes missing the same entry wait for its file.
+        until it saves or :meth:`release`-s with the same ``epoch`` (the tier's epoch when its encode
+        began; None: now), other processes missing the same entry wait for its file.
         """
         try:
-            return self._load(identity, witness, claim)
+            return self._load(identity, witness, claim, self.epoch if epoch is None else epoch)
         except Exception as error:  # a bug or an environment we did not foresee: a miss, said once
             self._warn_once(f"a directory read failed ({type(error).__qualname__}: {error}); encoding instead")
             with self._lock:
                 self.misses += 1
             return False, None
 
-    def _load(self, identity: Hashable, witness: tuple, claim: bool) -> tuple[bool, Any]:
-        namespace = self.namespace
+    def _load(self, identity: Hashable, witness: tuple, claim: bool, epoch: int) -> tuple[bool, Any]:
+        namespace = self._namespace_at(epoch)
         if namespace is None:
             return False, None
         path = self._path(namespace, identity)
@@ -304,19 +324,18 @@ class DirectoryTier:
         try:
             data = path.read_bytes()
         except OSError:  # absent, or removed by another process meanwhile
-            data = self._claim_or_wait(identity, path) if claim else None
+            data, waited = self._claim_or_wait((epoch, identity), path) if claim else (None, False)
             if data is None:
                 with self._lock:
                     self.misses += 1
                 return False, None
-            waited = True
         try:
             tensors, metadata = self._decode(data, namespace, identity, witness)
         except _Rejected as rejected:
-            self._reject(identity, path, str(rejected), claim)
+            self._reject((epoch, identity), path, str(rejected), claim)
             return False, None
         except Exception:  # anything else a damaged file makes the decoder raise
-            self._reject(identity, path, UNREADABLE, claim)
+            self._reject((epoch, identity), path, UNREADABLE, claim)
             return False, None
         try:  # a valid file this process cannot place (no memory left on the device): a miss, the file stays
             devices = json.loads(metadata["devices"])
@@ -367,7 +386,7 @@ class DirectoryTier:
                 self.write_errors += 1
             self._warn_once(f"a directory write failed ({type(error).__qualname__}: {error}); it stays in memory")
         finally:
-            self.release(identity)
+            self.release(identity, epoch)
 
     def _save(self, identity: Hashable, witness: tuple[bytes, ...], value: Any, epoch: int | None) -> None:
         namespace = self._namespace_at(epoch)
@@ -378,10 +397,10 @@ class DirectoryTier:
         except Unstorable as why:
             self.disable(f"encode_prompt returned {why}, which a file cannot hold")
             return
-        if self.max_bytes is not None and len(data) > self.max_bytes:
+        if self.max_bytes is not None and len(data) > LOW_WATER * self.max_bytes:
             with self._lock:
                 self.write_errors += 1
-            self._warn_once("an entry larger than the directory's byte budget was not written")
+            self._warn_once("an entry larger than what the directory's byte budget keeps was not written")
             return
         path = self._path(namespace, identity)
         try:
@@ -435,16 +454,17 @@ class DirectoryTier:
             _remove(temporary)
             raise
 
-    def _reject(self, identity: Hashable, path: Path, reason: str, claim: bool) -> None:
+    def _reject(self, claim_key: tuple[int, Hashable], path: Path, reason: str, claim: bool) -> None:
         _remove(path)
         with self._lock:
             self.misses += 1
             self.rejections[reason] += 1
         if claim:
-            self._try_claim(identity, path)  # the caller encodes it again: let others wait for that
+            self._try_claim(claim_key, path)  # the caller encodes it again: let others wait for that
 
-    def _try_claim(self, identity: Hashable, path: Path) -> bool:
-        """Create the entry's claim file; True if this process now holds it. A claim older than
+    def _try_claim(self, claim_key: tuple[int, Hashable], path: Path) -> bool | None:
+        """Create the entry's claim file: True if this process now holds it, False if another does, None
+        if no claim can be made here (a read-only or missing directory). A claim older than
         :attr:`claim_wait_s` is a crashed encoder's: it is removed first."""
         claim = path.with_suffix(CLAIM_SUFFIX)
         try:
@@ -454,38 +474,51 @@ class DirectoryTier:
             pass
         try:
             os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        except OSError:
+        except FileExistsError:
             return False
+        except OSError:
+            return None
         with self._lock:
-            self._claims[identity] = claim
+            for other in [key for key, path in self._claims.items() if path == claim]:
+                del self._claims[other]  # an earlier claim of this file, voided (released or taken over)
+            self._claims[claim_key] = claim
         return True
 
-    def _claim_or_wait(self, identity: Hashable, path: Path) -> bytes | None:
-        """Claim a missing entry, or wait for the process that claimed it; return its file's bytes, or None
-        to encode (claimed, or after waiting :attr:`claim_wait_s` in vain)."""
+    def _claim_or_wait(self, claim_key: tuple[int, Hashable], path: Path) -> tuple[bytes | None, bool]:
+        """Claim a missing entry, or wait for the process that claimed it. Return its file's bytes (None:
+        encode it, claimed or after waiting :attr:`claim_wait_s` in vain) and whether this waited for them."""
         deadline = time.monotonic() + self.claim_wait_s
         delay = 0.002
+        waited = False
         while True:
-            if self._try_claim(identity, path):
+            claimed = self._try_claim(claim_key, path)
+            if claimed is None:
+                return None, waited  # nobody can claim here: encode without waiting
+            if claimed:
                 try:  # the file may have been written, and its claim released, since the first read
                     data = path.read_bytes()
                 except OSError:
-                    return None  # ours to encode
-                self.release(identity)
-                return data
+                    return None, waited  # ours to encode
+                self._release(claim_key)
+                return data, waited
             try:
-                return path.read_bytes()  # the other process finished
+                return path.read_bytes(), waited  # the other process finished
             except OSError:
                 pass
             if time.monotonic() >= deadline:
-                return None
+                return None, waited
+            waited = True
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
 
-    def release(self, identity: Hashable) -> None:
-        """Give up the entry's claim, if this process holds it (its encode ended, saved or not)."""
+    def release(self, identity: Hashable, epoch: int | None = None) -> None:
+        """Give up the entry's claim for an encode that began at ``epoch`` (None: now), if this process
+        holds it (its encode ended, saved or not)."""
+        self._release((self.epoch if epoch is None else epoch, identity))
+
+    def _release(self, claim_key: tuple[int, Hashable]) -> None:
         with self._lock:
-            claim = self._claims.pop(identity, None)
+            claim = self._claims.pop(claim_key, None)
         if claim is not None:
             _remove(claim)
 
@@ -517,7 +550,9 @@ class DirectoryTier:
                     break
                 if _remove(path):
                     removed += 1
-                total -= size
+                    total -= size
+                elif not path.exists():  # another process removed it first
+                    total -= size
         with self._lock:
             self._scanned_bytes = total
             self.files = len(files) - removed

@@ -1,17 +1,19 @@
 """What produced a pipeline's embeddings: the fingerprint that namespaces the directory tier.
 
-An entry in a shared directory may only be read by a process that would have encoded the same
-bytes. That depends on the pipeline's code (the source of its class and of the classes it derives
-from, its ``encode_prompt`` signature, the package versions), on its configuration (its public
-attributes of plain values: templates, lengths, scale factors), on the text encoders' weights and
-buffers (hashed by content: the same checkpoint on another node matches, a fine-tuned one does
-not), on the tokenizers and processors (class, vocabulary, special tokens, limits, their config)
-and on the kinds of device the encoder and the pipeline run on (a CUDA and a CPU encode of one
-prompt differ in their last bits). All of it goes into the description, whose digest is the
-namespace.
+An entry in a shared directory may only be read by a process that would have encoded it the same
+way: the same computation, so the same bytes on the same kind of device and kernels (another GPU
+model may differ in the last bits, as two encodes on it in different batches may). That depends on
+the pipeline's code (the modules of its class and of the classes it derives from, its
+``encode_prompt`` signature, the package versions), on its configuration (its public attributes of
+plain values: templates, lengths, scale factors), on the text encoders' weights and buffers (hashed
+by content: the same checkpoint on another node matches, a fine-tuned one does not), on the
+tokenizers and processors (class, vocabulary, special tokens, limits, their config) and on the
+kinds of device the encoder and the pipeline run on (a CUDA and a CPU encode of one prompt differ
+in their last bits). All of it goes into the description, whose digest is the namespace.
 
 Hashing the weights reads every encoder byte once per process (and again after new encoder
-weights are loaded): about a second per 10 GB on a GPU host. Only the directory tier needs it.
+weights are loaded); on a GPU host each tensor is copied to the CPU first. Only the directory tier
+needs it.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ def encoder_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
 
 
 def weights_digest(module: torch.nn.Module) -> str | None:
-    """Return a digest of every parameter and buffer (names, dtypes, shapes, bytes); None if any is not readable."""
+    """Return a digest of every parameter and buffer (names, dtypes, shapes, bytes); None if any is not
+    readable: meta, or offloaded layer by layer by vLLM-Omni (its blocks then hold empty placeholders)."""
+    if any(getattr(each, "_omni_layerwise_enabled", False) for each in module.modules()):
+        return None
     hasher = xxhash.xxh3_128()
     for name, tensor in sorted(module.state_dict(keep_vars=True).items()):
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.layout is not torch.strided:
@@ -87,25 +92,37 @@ def _plain(value: Any) -> bool:
     return type(value) in (tuple, list) and len(value) <= 64 and all(_plain(item) for item in value)
 
 
+def _location(name: str, value: Any) -> bool:
+    """Return True for where a model lives (paths differ between nodes and say nothing its weights do not)."""
+    return name.endswith(("path", "dir", "directory", "file")) or (isinstance(value, str) and value.startswith("/"))
+
+
 def configuration(pipeline: Any) -> dict[str, str]:
     """Return the pipeline's public attributes of plain values (set from its config, read by its
-    ``encode_prompt``), as reprs; private ones are left out (pipelines keep per-request state there)."""
+    ``encode_prompt``), as reprs. Private ones are left out (pipelines keep per-request state there),
+    and so are paths."""
     return {
         name: repr(value)
         for name, value in sorted(vars(pipeline).items())
-        if not name.startswith("_") and _plain(value)
+        if not name.startswith("_") and _plain(value) and not _location(name, value)
     }
 
 
 def code_digest(kind: type) -> str:
-    """Return a digest of the source of ``kind`` and of the classes it derives from (``object``'s aside)."""
+    """Return a digest of the modules that define ``kind`` and the classes it derives from (``object``'s
+    aside): their helpers are code ``encode_prompt`` may call."""
     hasher = xxhash.xxh3_128()
+    seen: set[str] = set()
     for cls in kind.__mro__:
         if cls.__module__ == "builtins":
             continue
         hasher.update(f"{cls.__module__}.{cls.__qualname__}\0".encode())
+        module = inspect.getmodule(cls)
+        if module is None or module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
         with contextlib.suppress(OSError, TypeError):  # no source (C, made at run time): its name only
-            hasher.update(inspect.getsource(cls).encode("utf-8", "surrogatepass"))
+            hasher.update(inspect.getsource(module).encode("utf-8", "surrogatepass"))
     return hasher.hexdigest()
 
 
@@ -114,7 +131,9 @@ def processor_digest(processor: Any) -> str:
     hasher = xxhash.xxh3_128(tokenizer_digest(getattr(processor, "tokenizer", processor)).encode())
     to_dict = getattr(processor, "to_dict", None)
     if callable(to_dict) and processor is not getattr(processor, "tokenizer", processor):
-        hasher.update(json.dumps(to_dict(), sort_keys=True, default=repr).encode("utf-8", "surrogatepass"))
+        # An object the config holds is named by its type: its repr may hold an address.
+        config = json.dumps(to_dict(), sort_keys=True, default=lambda value: type(value).__qualname__)
+        hasher.update(config.encode("utf-8", "surrogatepass"))
     return hasher.hexdigest()
 
 

@@ -13,7 +13,7 @@ text prompt), a list of integers (``prompt_token_ids``), or an object passed as 
 Resuming: after each batch whose files were all written, the digests of its prompts are appended
 to a ledger inside the model's namespace directory (so new weights start a new ledger); a later
 run skips the prompts a ledger names. A file the directory's budget removed since is encoded again
-at its first use. The command exits 1 when writes failed.
+at its first use. The command exits 1 when writes failed or the tier turned off on the way.
 """
 
 from __future__ import annotations
@@ -143,7 +143,12 @@ async def precompute(
     async with open_engine(engine_kwargs(model, directory, directory_bytes, engine_args or {})) as engine:
         tiers = [tier for tier in await worker_values(engine, "get_prompt_embed_cache_namespace") if tier]
         if not tiers or tiers[0]["namespace"] is None:
-            why = tiers[0]["off_reason"] if tiers else "the engine's diffusion stage installed no content-keyed cache"
+            why = (
+                tiers[0]["off_reason"]
+                if tiers
+                else "the engine's diffusion stage has none (its cache is off or vLLM-Omni's own, or the stage "
+                "runs on several ranks: the worker's log says which)"
+            )
             raise RuntimeError(f"precompute: the directory tier is not in use: {why}")
         namespace = tiers[0]["namespace"]
         ledger = Path(tiers[0]["root"]) / namespace / f"precompute-{prompt_digest(sampling)[:16]}.ledger"
@@ -301,4 +306,4 @@ def run(args: Any) -> int:
         if bar is not None:
             bar.close()
     print(report.summary())
-    return 1 if report.dir_write_errors else 0  # some prompts are not in the directory
+    return 1 if report.dir_write_errors or report.unrecorded else 0  # some prompts are not in the directory

@@ -508,7 +508,7 @@ class PromptEmbedCache:
             except Exception as error:
                 _warn_once(f"an entry could not move to host memory ({type(error).__qualname__}); it was dropped")
 
-    def _from_lower_tiers(self, key: CallKey, *, claim: bool = True) -> tuple[bool, Any]:
+    def _from_lower_tiers(self, key: CallKey, *, claim: bool = True, epoch: int | None = None) -> tuple[bool, Any]:
         """Return ``(True, value)`` from the host tier or the directory for a device miss, else ``(False, None)``.
 
         The value is on the devices the encoder's output was on. Never raises: a tier that fails
@@ -520,7 +520,7 @@ class PromptEmbedCache:
                 if entry is not None:
                     return True, to_devices(entry.value, entry.devices)
             if self.directory is not None:
-                return self.directory.load(key.identity, key.witness, claim=claim)
+                return self.directory.load(key.identity, key.witness, claim=claim, epoch=epoch)
         except Exception as error:  # e.g. no device memory left to copy into: encode instead
             _warn_once(f"a lower tier failed a lookup ({type(error).__qualname__}: {error}); encoding instead")
         return False, None
@@ -534,7 +534,7 @@ class PromptEmbedCache:
         if self.directory is None:
             return
         if generation != self._generation:
-            self.directory.release(key.identity)
+            self.directory.release(key.identity, directory_epoch)
             return
         kept = witness if witness is not None else freeze_witness(key.witness)
         self.directory.save(key.identity, kept, value, directory_epoch)
@@ -730,7 +730,19 @@ class PromptEmbedCache:
         """Serve an owned flight from a lower tier, or run ``compute`` (then write the result through);
         store the value and wake the waiters in every case. Returns the value and whether it was encoded."""
         has_lower_tier = self.host is not None or self.directory is not None
-        found, value = self._from_lower_tiers(key) if has_lower_tier else (False, None)
+        try:
+            found, value = (
+                self._from_lower_tiers(key, epoch=flight.directory_epoch) if has_lower_tier else (False, None)
+            )
+            if not found:
+                result = compute()
+                value = detach_value(result)
+                nbytes = value_nbytes(value) + (0 if flight.witness is None else witness_nbytes(flight.witness))
+        except BaseException:  # the encode raised, or the lookup was interrupted
+            self._abandon([(key, flight)])  # waiters try again; nothing is stored
+            if self.directory is not None:  # other processes waiting for it encode it themselves
+                self.directory.release(key.identity, flight.directory_epoch)
+            raise
         if found:
             with self._lock:
                 flight.value = value
@@ -739,15 +751,6 @@ class PromptEmbedCache:
             flight.done.set()
             self._demote(departures)
             return value, False
-        try:
-            result = compute()
-            value = detach_value(result)
-            nbytes = value_nbytes(value) + (0 if flight.witness is None else witness_nbytes(flight.witness))
-        except BaseException:
-            self._abandon([(key, flight)])  # waiters try again; nothing is stored
-            if self.directory is not None:
-                self.directory.release(key.identity)  # other processes waiting for it encode it themselves
-            raise
         departures = _NO_DEPARTURES
         with self._lock:
             flight.value = value

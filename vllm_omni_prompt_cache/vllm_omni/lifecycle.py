@@ -42,6 +42,12 @@ _LORA_STATE_CHANGERS = (
 )
 
 
+def _directory_tier(pipeline: Any) -> Any:
+    """Return the directory tier of the pipeline's cache, or None."""
+    cache = getattr(pipeline, "_prompt_embed_cache", None)
+    return cache.directory if isinstance(cache, PromptEmbedCache) else None
+
+
 def clear_cache(pipeline: Any, reason: str) -> PromptEmbedCache | None:
     """Empty every tier of the pipeline's prompt-embed cache, if it has one, and say why; return it."""
     cache = getattr(pipeline, "_prompt_embed_cache", None)
@@ -144,16 +150,20 @@ def _clearing_on_lora_change(original: Callable, name: str) -> Callable:
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         before = _lora_state(self)
+        pipeline = getattr(self, "pipeline", None)
+        directory = _directory_tier(pipeline)
+        if directory is not None:
+            directory.suspend()  # nothing encoded during the change is read or written
         try:
             return original(self, *args, **kwargs)
         finally:
-            pipeline = getattr(self, "pipeline", None)
             if _lora_state(self) != before and _touches_encoder(getattr(self, "_lora_modules", {}), pipeline):
                 why = f"LoRA {name.strip('_').replace('_', ' ')} changed text-encoder layers"
-                cache = getattr(pipeline, "_prompt_embed_cache", None)
-                if isinstance(cache, PromptEmbedCache) and cache.directory is not None:
-                    cache.directory.disable(why)  # first: the clear's new fingerprint would not see the LoRA
+                if directory is not None:
+                    directory.disable(why)  # the fingerprint would not see the LoRA
                 clear_cache(pipeline, why)
+            if directory is not None:
+                directory.resume()
 
     return wrapper
 
@@ -170,14 +180,17 @@ def _clearing_after_encoder_load(original: Callable, pipeline: Any) -> Callable:
     def load_weights(weights: Iterable[tuple[str, Any]], *args: Any, **kwargs: Any) -> Any:
         seen: list[str] = []
         prefixes = _encoder_prefixes(pipeline)
-        cleared = False
+        directory = _directory_tier(pipeline)
+        suspended = False
 
         def observed() -> Iterable[tuple[str, Any]]:
-            nonlocal cleared
+            nonlocal suspended
             for name, tensor in weights:
                 seen.append(name)
-                if not cleared and name.startswith(prefixes):
-                    cleared = True
+                if not suspended and name.startswith(prefixes):
+                    suspended = True
+                    if directory is not None:
+                        directory.suspend()  # until the load ends: half-loaded weights have no namespace
                     clear_cache(pipeline, "text-encoder weights are being loaded")
                 yield name, tensor
 
@@ -186,6 +199,8 @@ def _clearing_after_encoder_load(original: Callable, pipeline: Any) -> Callable:
         finally:
             if _touches_encoder(seen, pipeline):
                 clear_cache(pipeline, "text-encoder weights were loaded")
+            if suspended and directory is not None:
+                directory.resume()  # fingerprints the new weights on its next use
 
     return load_weights
 
