@@ -418,7 +418,10 @@ def test_a_stage_of_several_ranks_keeps_the_directory_off_and_the_host_tier_on(t
     from vllm_omni_prompt_cache.vllm_omni import runner
 
     settings = PromptEmbedCacheSettings(enabled=True, host_bytes=2**20, directory=str(tmp_path))
-    ours = logging.getLogger("vllm_omni_prompt_cache")  # may not propagate (see plugin.show_logs_as_vllm_does)
+    # After an engine ran in this process our logger may not propagate, at vLLM's level (see
+    # plugin.show_logs_as_vllm_does): listen on it directly, at WARNING.
+    caplog.set_level(logging.WARNING, logger="vllm_omni_prompt_cache")
+    ours = logging.getLogger("vllm_omni_prompt_cache")
     ours.addHandler(caplog.handler)
     try:
         several = runner.install_for_stage(TokenIdTextPipeline(build_qwen2_encoder()), settings, "tiny", ranks=2)
