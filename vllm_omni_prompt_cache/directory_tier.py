@@ -49,6 +49,7 @@ import torch
 import xxhash
 
 from vllm_omni_prompt_cache.keys import witness_matches
+from vllm_omni_prompt_cache.logs import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +207,6 @@ class DirectoryTier:
         self._writes_since_scan = 0
         # Entries this process is encoding, by (epoch of the encode, identity), to their claim files.
         self._claims: dict[tuple[int, Hashable], Path] = {}
-        self._warned: set[str] = set()
         self.claim_wait_s = CLAIM_WAIT_S
         # Counts since the tier was made, read by the store's snapshot.
         self.hits = 0
@@ -257,8 +257,8 @@ class DirectoryTier:
             target = directory / "NAMESPACE.json"
             if not target.exists():
                 self._write_atomically(target, description.encode())
-        except OSError as error:  # the lock is held: log directly (_warn_once takes it)
-            logger.warning("Prompt-embed cache: cannot write to the directory tier %s (%s).", directory, error)
+        except OSError as error:
+            warn_once(f"cannot write to the directory tier {directory} ({error})")
 
     def invalidate(self) -> None:
         """Forget the namespace: what produces entries changed (new text-encoder weights)."""
@@ -310,7 +310,7 @@ class DirectoryTier:
         try:
             return self._load(identity, witness, claim, self.epoch if epoch is None else epoch)
         except Exception as error:  # a bug or an environment we did not foresee: a miss, said once
-            self._warn_once(f"a directory read failed ({type(error).__qualname__}: {error}); encoding instead")
+            warn_once(f"a directory read failed ({type(error).__qualname__}: {error}); encoding instead")
             with self._lock:
                 self.misses += 1
             return False, None
@@ -341,7 +341,7 @@ class DirectoryTier:
             devices = json.loads(metadata["devices"])
             placed = [tensor.to(self._local_device(device)) for tensor, device in zip(tensors, devices, strict=True)]
         except Exception as error:
-            self._warn_once(f"a directory entry could not be placed ({type(error).__qualname__}: {error})")
+            warn_once(f"a directory entry could not be placed ({type(error).__qualname__}: {error})")
             with self._lock:
                 self.misses += 1
             return False, None
@@ -384,7 +384,7 @@ class DirectoryTier:
         except Exception as error:
             with self._lock:
                 self.write_errors += 1
-            self._warn_once(f"a directory write failed ({type(error).__qualname__}: {error}); it stays in memory")
+            warn_once(f"a directory write failed ({type(error).__qualname__}: {error}); it stays in memory")
         finally:
             self.release(identity, epoch)
 
@@ -400,7 +400,7 @@ class DirectoryTier:
         if self.max_bytes is not None and len(data) > LOW_WATER * self.max_bytes:
             with self._lock:
                 self.write_errors += 1
-            self._warn_once("an entry larger than what the directory's byte budget keeps was not written")
+            warn_once("an entry larger than what the directory's byte budget keeps was not written")
             return
         path = self._path(namespace, identity)
         try:
@@ -409,7 +409,7 @@ class DirectoryTier:
         except OSError as error:
             with self._lock:
                 self.write_errors += 1
-            self._warn_once(f"cannot write to the directory tier ({error}); entries stay in memory")
+            warn_once(f"cannot write to the directory tier ({error}); entries stay in memory")
             return
         with self._lock:
             self.writes += 1
@@ -559,14 +559,6 @@ class DirectoryTier:
             self._written_since_scan = 0
             self._writes_since_scan = 0
             self.evictions += removed
-
-    def _warn_once(self, message: str) -> None:
-        kind = message.split("(")[0]
-        with self._lock:
-            first = kind not in self._warned
-            self._warned.add(kind)
-        if first:
-            logger.warning("Prompt-embed cache: %s.", message)
 
 
 class _Rejected(Exception):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -38,6 +37,7 @@ import torch
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.host_tier import HostTier, map_tensors, to_devices
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches, witness_nbytes
+from vllm_omni_prompt_cache.logs import warn_once
 
 T = TypeVar("T")
 
@@ -304,17 +304,6 @@ class _Flight:
         self.directory_epoch = directory_epoch  # the directory tier's epoch then: its result is written for it
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """Log ``message`` the first time its kind (the text before any parenthesis) is seen in this process."""
-    kind = message.split("(")[0]
-    if kind not in _warned:
-        _warned.add(kind)
-        logging.getLogger("vllm_omni_prompt_cache").warning("Prompt-embed cache: %s.", message)
-
-
 def detach_value(value: Any) -> Any:
     """Return ``value`` with every tensor detached from autograd (containers rebuilt)."""
     return map_tensors(value, torch.Tensor.detach)
@@ -506,7 +495,7 @@ class PromptEmbedCache:
             try:
                 self.host.put(identity, entry.value, entry.witness, entry.nbytes, departures.host_epoch)
             except Exception as error:
-                _warn_once(f"an entry could not move to host memory ({type(error).__qualname__}); it was dropped")
+                warn_once(f"an entry could not move to host memory ({type(error).__qualname__}); it was dropped")
 
     def _from_lower_tiers(self, key: CallKey, *, claim: bool = True, epoch: int | None = None) -> tuple[bool, Any]:
         """Return ``(True, value)`` from the host tier or the directory for a device miss, else ``(False, None)``.
@@ -522,7 +511,7 @@ class PromptEmbedCache:
             if self.directory is not None:
                 return self.directory.load(key.identity, key.witness, claim=claim, epoch=epoch)
         except Exception as error:  # e.g. no device memory left to copy into: encode instead
-            _warn_once(f"a lower tier failed a lookup ({type(error).__qualname__}: {error}); encoding instead")
+            warn_once(f"a lower tier failed a lookup ({type(error).__qualname__}: {error}); encoding instead")
         return False, None
 
     def _write_through(
@@ -731,37 +720,30 @@ class PromptEmbedCache:
         store the value and wake the waiters in every case. Returns the value and whether it was encoded."""
         has_lower_tier = self.host is not None or self.directory is not None
         try:
-            found, value = (
+            found, result = (
                 self._from_lower_tiers(key, epoch=flight.directory_epoch) if has_lower_tier else (False, None)
             )
             if not found:
                 result = compute()
-                value = detach_value(result)
-                nbytes = value_nbytes(value) + (0 if flight.witness is None else witness_nbytes(flight.witness))
+            value = result if found else detach_value(result)
+            nbytes = value_nbytes(value) + (0 if flight.witness is None else witness_nbytes(flight.witness))
         except BaseException:  # the encode raised, or the lookup was interrupted
             self._abandon([(key, flight)])  # waiters try again; nothing is stored
             if self.directory is not None:  # other processes waiting for it encode it themselves
                 self.directory.release(key.identity, flight.directory_epoch)
             raise
-        if found:
-            with self._lock:
-                flight.value = value
-                self._land(key.identity, flight)
-                departures = self._store_found(key, value, flight.generation)
-            flight.done.set()
-            self._demote(departures)
-            return value, False
         departures = _NO_DEPARTURES
         with self._lock:
             flight.value = value
             self._land(key.identity, flight)
-            # A clear() while encoding voids the result (weights may have changed): return it, keep nothing.
+            # A clear() meanwhile voids the result (weights may have changed): return it, keep nothing.
             if flight.generation == self._generation:
                 departures = self._store(key.identity, _Entry(value, flight.witness, nbytes))
         flight.done.set()
         self._demote(departures)
-        self._write_through(key, flight.witness, value, flight.generation, flight.directory_epoch)
-        return result, True
+        if not found:
+            self._write_through(key, flight.witness, value, flight.generation, flight.directory_epoch)
+        return result, not found
 
     def _land(self, identity: Hashable, flight: _Flight) -> None:
         """Retire ``flight``; a clear() may already have replaced it with a newer one. Lock held."""
