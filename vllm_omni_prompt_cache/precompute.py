@@ -28,7 +28,9 @@ from typing import Any
 
 import xxhash
 
-from vllm_omni_prompt_cache.config import DIRECTORY, DIRECTORY_BYTES, ENABLE, Setting
+from vllm_omni_prompt_cache.config import DIRECTORY, DIRECTORY_BYTES, ENABLE
+from vllm_omni_prompt_cache.demo.command import positive_int
+from vllm_omni_prompt_cache.vllm_omni.cli_args import setting_type
 
 #: Sampling parameters precompute sends unless told otherwise: the cheapest request that encodes.
 DEFAULT_SAMPLING = {"num_inference_steps": 1}
@@ -107,13 +109,12 @@ def prompt_digest(prompt: Any) -> str:
 
 
 def engine_kwargs(
-    model: str, directory: str, directory_bytes: str | None, engine_args: dict[str, Any]
+    model: str, directory: str, directory_bytes: int | None, engine_args: dict[str, Any]
 ) -> dict[str, Any]:
-    """Return the ``AsyncOmni`` kwargs: the user's, with the cache and its directory tier on."""
-    kwargs = {"model": model, **engine_args, ENABLE.name: True, DIRECTORY.name: directory}
-    if directory_bytes is not None:
-        kwargs[DIRECTORY_BYTES.name] = directory_bytes
-    return kwargs
+    """Return the ``AsyncOmni`` kwargs: the user's, with the cache and its directory tier on
+    (``directory_bytes`` None: no limit)."""
+    budget = "none" if directory_bytes is None else directory_bytes  # None would read as "not given"
+    return {"model": model, **engine_args, ENABLE.name: True, DIRECTORY.name: directory, DIRECTORY_BYTES.name: budget}
 
 
 async def precompute(
@@ -121,7 +122,7 @@ async def precompute(
     prompts: Sequence[Any],
     directory: str,
     *,
-    directory_bytes: str | None = None,
+    directory_bytes: int | None = DIRECTORY_BYTES.default,
     batch_size: int = 8,
     sampling: dict[str, Any] | None = None,
     engine_args: dict[str, Any] | None = None,
@@ -204,15 +205,18 @@ def add_arguments(parser: Any) -> None:
         "--prompts", required=True, type=Path, help="a JSON-lines prompt file (one prompt a line, as described above)"
     )
     parser.add_argument(
-        "--cache-dir", required=True, type=_setting(DIRECTORY), help=f"the directory tier ({DIRECTORY.name})"
+        "--cache-dir",
+        required=True,
+        type=setting_type(DIRECTORY, "--cache-dir"),
+        help=f"the directory tier ({DIRECTORY.name})",
     )
     parser.add_argument(
         "--cache-dir-bytes",
-        type=_setting(DIRECTORY_BYTES),
-        default=None,
+        type=setting_type(DIRECTORY_BYTES, "--cache-dir-bytes"),
+        default=DIRECTORY_BYTES.default,
         help=f"its byte budget ({DIRECTORY_BYTES.name}): {DIRECTORY_BYTES.allowed}; default 16GiB",
     )
-    parser.add_argument("--batch-size", type=_positive, default=8, help="requests in flight at once (default 8)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="requests in flight at once (default 8)")
     parser.add_argument(
         "--sampling-params",
         type=_json_object("--sampling-params"),
@@ -228,28 +232,6 @@ def add_arguments(parser: Any) -> None:
         help='JSON object of the AsyncOmni keyword arguments the run uses (e.g. {"custom_pipeline_args": ...})',
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _setting(setting: Setting) -> Callable[[str], Any]:
-    """Return an argparse type that checks ``text`` as ``setting`` and passes the text on (the engine parses it)."""
-    import argparse
-
-    def parse(text: str) -> str:
-        try:
-            setting.parse(text, f"command-line flag of precompute for {setting.name}")
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-        return text
-
-    return parse
-
-
-def _positive(text: str) -> int:
-    import argparse
-
-    if text.strip().isdecimal() and int(text) >= 1:
-        return int(text)
-    raise argparse.ArgumentTypeError(f"invalid --batch-size {text!r}: expected an integer >= 1")
 
 
 def _json_object(flag: str) -> Callable[[str], dict[str, Any]]:

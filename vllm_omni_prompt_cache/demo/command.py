@@ -34,7 +34,7 @@ DEMO_MODEL = TinyQwenImageSpec(
 )
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -106,12 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
     parser.add_argument(
         "--prompts",
-        type=_positive_int,
+        type=positive_int,
         default=8,
         help=f"distinct prompts P (default 8, at most {len(DEFAULT_PROMPTS)})",
     )
     parser.add_argument(
-        "--group-size", type=_positive_int, default=16, help="sibling requests per prompt K (default 16)"
+        "--group-size", type=positive_int, default=16, help="sibling requests per prompt K (default 16)"
     )
     parser.add_argument(
         "--arrival",
@@ -120,10 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the order requests are sent in: a round of every prompt at a time (interleaved, the default), "
         "each prompt's siblings back to back (grouped, as verl lays a batch out), or shuffled",
     )
-    parser.add_argument("--steps", type=_positive_int, default=4, help="denoising steps per request (default 4)")
+    parser.add_argument("--steps", type=positive_int, default=4, help="denoising steps per request (default 4)")
     parser.add_argument(
         "--size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="image or video height and width in pixels (default 64 for qwen-image, 32 for wan2.2)",
     )
@@ -143,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--replicas",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="replicas of the diffusion stage, each with its own cache, served by vLLM-Omni's distributed "
         "runtime in this process (default 1)",

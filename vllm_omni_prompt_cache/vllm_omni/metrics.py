@@ -45,6 +45,7 @@ from typing import Any
 from vllm_omni_prompt_cache.store import (
     COLLISION_REASON,
     COUNTER_FIELDS,
+    TIER_COUNTERS,
     UNSPECIFIED_REASON,
     CacheStats,
     PromptEmbedCache,
@@ -76,16 +77,8 @@ COUNTED = {
     "rows_encoded": "rows_encoded",
     "evictions": "evictions",
     "oversize_rejections": "oversize_rejections",
-    "host_hits": "host_hits",
-    "host_misses": "host_misses",
-    "host_demotions": "host_demotions",
-    "host_evictions": "host_evictions",
-    "dir_hits": "dir_hits",
-    "dir_misses": "dir_misses",
-    "dir_writes": "dir_writes",
-    "dir_write_errors": "dir_write_errors",
-    "dir_evictions": "dir_evictions",
-    "dir_waits": "dir_waits",
+    # The tiers' counts, each its family's name; rejections are counted by reason (below).
+    **{name: name for name in TIER_COUNTERS if name != "dir_rejections"},
 }
 
 
