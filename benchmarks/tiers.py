@@ -33,9 +33,11 @@ from vllm_omni_prompt_cache.demo.command import DEMO_MODEL
 from vllm_omni_prompt_cache.demo.machine import cpu_summary
 from vllm_omni_prompt_cache.demo.rollout import (
     DEFAULT_PROMPTS,
+    RolloutResult,
     RolloutSpec,
     engine_kwargs,
     open_engine,
+    run_mode,
     send_rollout,
     worker_value,
     worker_values,
@@ -49,8 +51,8 @@ def spec(prompts: tuple[str, ...], **overrides: Any) -> RolloutSpec:
     return RolloutSpec(model_dir=ensure_tiny_qwen_image(DEMO_MODEL), prompts=prompts, group_size=4, **overrides)
 
 
-def kwargs_for(rollout: RolloutSpec, tier: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {**engine_kwargs(rollout, "ours", 16, None), **tier, **extra}
+def kwargs_for(rollout: RolloutSpec, tier: dict[str, Any]) -> dict[str, Any]:
+    return {**engine_kwargs(rollout, "ours", 16, None), **tier, "enable_sleep_mode": True}
 
 
 async def rows(engine: Any) -> list[int]:
@@ -66,7 +68,7 @@ async def rows_of(engine: Any, rollout: RolloutSpec) -> tuple[int, Any]:
 
 async def three_steps(tier: dict[str, Any]) -> dict[str, Any]:
     first, second = spec(STEP_1), spec(STEP_2)
-    async with open_engine(kwargs_for(first, tier, enable_sleep_mode=True)) as engine:
+    async with open_engine(kwargs_for(first, tier)) as engine:
         step_1, sent_1 = await rows_of(engine, first)
         await engine.sleep(level=1)
         asleep = await worker_value(engine, "get_prompt_embed_cache_stats")
@@ -79,19 +81,14 @@ async def three_steps(tier: dict[str, Any]) -> dict[str, Any]:
     return {"rows": (step_1, step_2, step_3), "asleep": asleep, "same": same}
 
 
-async def one_rollout(rollout: RolloutSpec, kwargs: dict[str, Any]) -> dict[str, Any]:
-    async with open_engine(kwargs) as engine:
-        before = await rows(engine)
-        sent = await send_rollout(engine, rollout)
-        after = await rows(engine)
-        stats = await worker_values(engine, "get_prompt_embed_cache_stats")
-    return {
-        "warm-up rows": sum(before),  # vLLM-Omni's start-up warm-up request
-        "rows": [b - a for a, b in zip(before, after, strict=True)],
-        "latents": sent.latents,
-        "replicas": sent.replica_by_request,
-        "stats": stats,
-    }
+def run(rollout: RolloutSpec, mode: str = "ours", tier: dict[str, Any] | None = None) -> RolloutResult:
+    """One engine, one rollout (the demo's ``run_mode``): counts are what the rollout added, warm-up excluded."""
+    return asyncio.run(run_mode(rollout, mode, cache_size=16, engine_overrides=tier))
+
+
+def identical(result: RolloutResult, reference: RolloutResult) -> str:
+    same = all(torch.equal(result.latents[i], reference.latents[i]) for i in reference.latents)
+    return "bit-identical" if same else "DIFFER"
 
 
 def damage(directory: Path) -> dict[str, str]:
@@ -170,20 +167,19 @@ def main() -> None:
         )
 
         restart_spec = spec(STEP_1 + STEP_2)
-        restarted = asyncio.run(one_rollout(restart_spec, kwargs_for(restart_spec, tiers["directory tier"])))
-        reference = asyncio.run(one_rollout(restart_spec, engine_kwargs(restart_spec, "off", 16, None)))
-        same = all(torch.equal(restarted["latents"][i], reference["latents"][i]) for i in reference["latents"])
+        restarted = run(restart_spec, tier=tiers["directory tier"])
+        reference = run(restart_spec, "off")
         say("\n### A restarted engine on that directory: steps 1 and 2's 8 prompts x 4 siblings\n")
         say(
             table(
                 ["engine", "rows encoded", "directory hits", "latents vs no cache"],
                 [
-                    ["no cache", sum(reference["rows"]), "-", "-"],
+                    ["no cache", reference.encoder_rows, "-", "-"],
                     [
                         "restarted, directory tier",
-                        sum(restarted["rows"]),
-                        restarted["stats"][0]["dir_hits"],
-                        "bit-identical" if same else "DIFFER",
+                        restarted.encoder_rows,
+                        restarted.stats.dir_hits,
+                        identical(restarted, reference),
                     ],
                 ],
             )
@@ -191,59 +187,61 @@ def main() -> None:
 
         shared = scratch / "shared"
         replicated = dataclasses.replace(spec(DEFAULT_PROMPTS[:8]), replicas=2, lb_policy="random")
-        own = asyncio.run(one_rollout(replicated, kwargs_for(replicated, {})))
-        both = asyncio.run(one_rollout(replicated, kwargs_for(replicated, {"prompt_embed_cache_dir": str(shared)})))
+        own = run(replicated)
+        both = run(replicated, tier={"prompt_embed_cache_dir": str(shared)})
         say("\n### Two replicas, vLLM-Omni's random policy: 8 prompts x 4 siblings and a negative prompt\n")
 
-        def placed(run: dict[str, Any]) -> str:
-            served = list(run["replicas"].values())
-            return " / ".join(str(served.count(replica)) for replica in range(2))
+        def per_replica(counts: tuple[int, ...]) -> str:
+            return " / ".join(map(str, counts))
 
         say(
             table(
                 [
                     "caches",
                     "requests per replica",
-                    "rows encoded per replica",
+                    "rows encoded per replica (one a call here)",
                     "rows encoded in all",
                     "waited for the other's encode",
                     "bad files",
                 ],
                 [
-                    ["each its own", placed(own), " / ".join(map(str, own["rows"])), sum(own["rows"]), "-", "-"],
+                    [
+                        "each its own",
+                        per_replica(own.requests_per_replica),
+                        per_replica(own.encoder_runs_per_replica),
+                        own.encoder_rows,
+                        "-",
+                        "-",
+                    ],
                     [
                         "both on one directory",
-                        placed(both),
-                        " / ".join(map(str, both["rows"])),
-                        sum(both["rows"]),
-                        sum(stats["dir_waits"] for stats in both["stats"]),
-                        sum(sum(stats["dir_rejections"].values()) for stats in both["stats"]),
+                        per_replica(both.requests_per_replica),
+                        per_replica(both.encoder_runs_per_replica),
+                        both.encoder_rows,
+                        both.stats.dir_waits,
+                        sum(both.stats.dir_rejections.values()),
                     ],
                 ],
             )
         )
 
-        def fault_line(fault: str, run: dict[str, Any]) -> list[Any]:
-            same = all(torch.equal(run["latents"][i], reference["latents"][i]) for i in reference["latents"])
-            stats = run["stats"][0]
+        def fault_line(fault: str, result: RolloutResult) -> list[Any]:
             return [
                 fault,
-                f"{len(run['latents'])}/{len(restart_spec.requests())}",
-                f"{run['warm-up rows']} + {sum(run['rows'])}",
-                json.dumps(stats["dir_rejections"]),
-                stats["dir_write_errors"],
-                "bit-identical" if same else "DIFFER",
+                f"{len(result.latents)}/{len(restart_spec.requests())}",
+                result.encoder_rows,
+                json.dumps(dict(result.stats.dir_rejections)),
+                result.stats.dir_write_errors,
+                identical(result, reference),
             ]
 
         damaged = damage(directory)
-        after = asyncio.run(one_rollout(restart_spec, kwargs_for(restart_spec, tiers["directory tier"])))
+        after = run(restart_spec, tier=tiers["directory tier"])
         lines = [fault_line("a truncated file, and another model's file under this model's name", after)]
         disk = scratch / "full-disk"
         if mount_tmpfs(disk, "64k"):
             try:
-                full = asyncio.run(
-                    one_rollout(restart_spec, kwargs_for(restart_spec, {"prompt_embed_cache_dir": str(disk)}))
-                )
+                full = run(restart_spec, tier={"prompt_embed_cache_dir": str(disk)})
             finally:
                 subprocess.run(["umount", str(disk)], check=False)
             lines.append(fault_line("a full disk (64 KiB tmpfs)", full))
@@ -255,7 +253,7 @@ def main() -> None:
                 [
                     "fault",
                     "requests served",
-                    "rows encoded: warm-up + rollout",
+                    "rows encoded",
                     "files removed, by reason",
                     "write errors",
                     "latents vs no cache",
