@@ -12,6 +12,7 @@ from vllm_omni_prompt_cache.config import (
     HOST_BYTES,
     MAX_BYTES,
     MAX_SIZE,
+    METHODS,
     ROW_LAYOUTS,
     SETTINGS,
     VERIFY,
@@ -145,7 +146,12 @@ def test_each_setting_parses_its_own_values() -> None:
 def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
     monkeypatch.setenv(MAX_BYTES.env, "1KiB")
     settings = resolve_prompt_embed_cache_settings(
-        enable=True, max_size=8, verify=False, backend="vllm-omni", row_layouts="pkg.mod.Adapter=token-ids"
+        enable=True,
+        max_size=8,
+        verify=False,
+        backend="vllm-omni",
+        row_layouts="pkg.mod.Adapter=token-ids",
+        methods="pkg.mod.Adapter=encode_ids+_encode_negative",
     )
     carried = settings.as_dict()
     assert carried == {
@@ -155,6 +161,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         VERIFY.name: False,
         BACKEND.name: "vllm-omni",
         ROW_LAYOUTS.name: {"pkg.mod.Adapter": "token-ids"},
+        METHODS.name: {"pkg.mod.Adapter": "encode_ids+_encode_negative"},
         HOST_BYTES.name: None,
         DIRECTORY.name: None,
         DIRECTORY_BYTES.name: 16 * 2**30,
@@ -212,3 +219,36 @@ def test_row_layout_declarations_parse_from_text_and_mappings_and_the_env_wins()
     from_env = resolve_prompt_embed_cache_settings(row_layouts=text, environ=env)
     assert from_env.row_layouts == {"pkg.mod.C": "token-ids"}
     assert from_env.sources[ROW_LAYOUTS.name] == f"environment variable {ROW_LAYOUTS.env}"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "abc",
+        "pkg.mod.Adapter",  # no method
+        "pkg.mod.Adapter=",
+        "Adapter=encode_ids",  # not a class path
+        "pkg.mod.Adapter=encode ids",
+        "pkg.mod.Adapter=encode_ids+encode_ids",
+        "pkg.mod.Adapter=a,pkg.mod.Adapter=b",  # a class twice
+        "pkg.mod.Adapter=1st",
+        "",
+        0,
+        -1,
+    ],
+)
+def test_a_bad_methods_value_names_the_setting_its_source_and_the_form(value) -> None:
+    with pytest.raises(PromptEmbedCacheConfigError) as raised:
+        resolve_prompt_embed_cache_settings(methods=value, source="a test")
+    message = str(raised.value)
+    assert message.startswith(f"invalid {METHODS.name}={value!r} from a test {METHODS.name}: expected CLASS=METHOD")
+
+
+def test_methods_parse_from_the_environment_over_the_keyword(monkeypatch) -> None:
+    monkeypatch.setenv(METHODS.env, " pkg.mod.A = encode_ids + _encode_negative , pkg.other.B=embed ")
+    settings = resolve_prompt_embed_cache_settings(methods="pkg.mod.Z=ignored")
+    assert settings.methods == {"pkg.mod.A": ("encode_ids", "_encode_negative"), "pkg.other.B": ("embed",)}
+    assert settings.sources[METHODS.name] == f"environment variable {METHODS.env}"
+    monkeypatch.setenv(METHODS.env, "garbage")
+    with pytest.raises(PromptEmbedCacheConfigError, match=f"from environment variable {METHODS.env}: expected"):
+        resolve_prompt_embed_cache_settings()

@@ -77,7 +77,7 @@ def test_an_unreadable_signature_leaves_encode_prompt_alone(caplog) -> None:
         assert install_prompt_embed_cache(pipeline) is None
     (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("vllm_omni_prompt_cache")]
     assert warning.startswith("Prompt-embed cache: cannot read the signature of CompiledEncoder.encode_prompt (")
-    assert warning.endswith("); not installed.")
+    assert warning.endswith("); not wrapped.")
     assert pipeline.encode_prompt is next and not hasattr(pipeline, "_prompt_embed_cache")
     assert pipeline.encode_prompt(iter([7])) == 7
 

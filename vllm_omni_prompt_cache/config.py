@@ -132,6 +132,36 @@ def _row_layouts(value: Any) -> dict[str, str] | None:
     return layouts
 
 
+_METHOD_NAME = re.compile(r"^[A-Za-z_]\w*$")
+
+
+def _methods(value: Any) -> dict[str, tuple[str, ...]] | None:
+    """Parse ``CLASS=METHOD[+METHOD...][,CLASS=...]`` (or a mapping): class paths to method names."""
+    if isinstance(value, Mapping):
+        pairs = [
+            (name, "+".join(methods) if isinstance(methods, (list, tuple)) else methods)
+            for name, methods in value.items()
+        ]
+    elif isinstance(value, str):
+        items = [item.strip() for item in value.split(",") if item.strip()]
+        if not items or not all(item.count("=") == 1 for item in items):
+            return None
+        pairs = [tuple(part.strip() for part in item.split("=")) for item in items]
+    else:
+        return None
+    declared: dict[str, tuple[str, ...]] = {}
+    for class_path, names in pairs:
+        if not isinstance(class_path, str) or not isinstance(names, str) or not _CLASS_PATH.match(class_path):
+            return None
+        methods = tuple(name.strip() for name in names.split("+"))
+        if class_path in declared or not all(_METHOD_NAME.match(name) for name in methods):
+            return None
+        if len(set(methods)) != len(methods):
+            return None
+        declared[class_path] = methods
+    return declared
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting: its names as a keyword argument, a serve flag and an env var, and its parser."""
@@ -217,6 +247,19 @@ ROW_LAYOUTS = Setting(
     _row_layouts,
 )
 
+METHODS = Setting(
+    "prompt_embed_cache_methods",
+    "methods",
+    "--prompt-embed-cache-methods",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_METHODS",
+    {},
+    "CLASS=METHOD[+METHOD...] pairs separated by commas: CLASS a pipeline class path (pkg.module.Class), "
+    "METHOD the name of a method of it that encodes prompts; each class once",
+    "Encode methods to cache besides encode_prompt, for pipeline classes you cannot edit (each keyed, "
+    "row-split and counted like encode_prompt; a method must depend only on its arguments).",
+    _methods,
+)
+
 HOST_BYTES = Setting(
     "prompt_embed_cache_host_bytes",
     "host_bytes",
@@ -257,6 +300,7 @@ SETTINGS: tuple[Setting, ...] = (
     VERIFY,
     BACKEND,
     ROW_LAYOUTS,
+    METHODS,
     HOST_BYTES,
     DIRECTORY,
     DIRECTORY_BYTES,
@@ -290,6 +334,7 @@ class PromptEmbedCacheSettings:
     verify: bool = VERIFY.default
     backend: str = BACKEND.default
     row_layouts: Mapping[str, str] = field(default_factory=dict)  # class path -> layout reference
+    methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # class path -> method names
     host_bytes: int | None = HOST_BYTES.default  # None: no host tier
     directory: str | None = DIRECTORY.default  # None: no directory tier
     directory_bytes: int | None = DIRECTORY_BYTES.default  # None: no limit
@@ -322,6 +367,8 @@ class PromptEmbedCacheSettings:
 def _plain(setting: Setting, value: Any) -> Any:
     if value is None and setting.default is not None:
         return "none"  # no limit, where the default is one: None would read back as "not given"
+    if setting is METHODS:
+        return {class_path: "+".join(names) for class_path, names in value.items()}
     return dict(value) if isinstance(value, Mapping) else value
 
 
@@ -365,6 +412,7 @@ def resolve_prompt_embed_cache_settings(
     verify: bool | str | None = None,
     backend: str | None = None,
     row_layouts: Mapping[str, str] | str | None = None,
+    methods: Mapping[str, str] | str | None = None,
     host_bytes: int | str | None = None,
     directory: str | os.PathLike | None = None,
     directory_bytes: int | str | None = None,
@@ -374,7 +422,7 @@ def resolve_prompt_embed_cache_settings(
     """Return every setting resolved: env var, else the given value (None = not given), else default."""
     given = {ENABLE.name: enable, MAX_SIZE.name: max_size, MAX_BYTES.name: max_bytes, VERIFY.name: verify}
     given.update({BACKEND.name: backend, ROW_LAYOUTS.name: row_layouts, HOST_BYTES.name: host_bytes})
-    given.update({DIRECTORY.name: directory, DIRECTORY_BYTES.name: directory_bytes})
+    given.update({DIRECTORY.name: directory, DIRECTORY_BYTES.name: directory_bytes, METHODS.name: methods})
     return resolve_settings(given, source=source, environ=environ)
 
 

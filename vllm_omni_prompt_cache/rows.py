@@ -199,15 +199,23 @@ class RowLayout:
         if self.copies is not None and (type(copies := arguments[self.copies]) is not int or copies != 1):
             return False
         width = None
+        listed = False  # a row argument is one prompt's token ids in a list of one
         for name in self.rows:
             value = arguments[name]
             if value is None:
+                continue
+            if type(value) is list or type(value) is tuple:
+                if len(value) != 1 or not _token_list(value[0]):
+                    return False
+                listed = True
                 continue
             if type(value) is not torch.Tensor or value.dim() < 2 or value.shape[0] != 1:
                 return False
             width = value.shape[1] if width is None else width
             if value.shape[1] != width:
                 return False
+        if listed:
+            return width is None and self.mask is None  # nothing to trim: the ids are as the caller cut them
         if width is None or self.mask is None:
             return width is not None
         mask = arguments[self.mask]  # a [1, width, ...] tensor if not None: it is one of the rows
@@ -217,6 +225,14 @@ class RowLayout:
             return False
         return bool(_mask_array(mask[:, -1:])[0, 0])
 
+    def single_row_key_arguments(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """Return a call :meth:`is_single_row` accepted as its row's key reads it: a list of one holds
+        its bare item there, as when the row is cut from a batch (:meth:`RowSplit.key_arguments`)."""
+        return {
+            name: value[0] if name in self.rows and (type(value) is list or type(value) is tuple) else value
+            for name, value in arguments.items()
+        }
+
     def batch_size(self, arguments: Mapping[str, Any]) -> int | None:
         """Return how many rows the call holds, or None when its row arguments do not say."""
         present = [arguments[name] for name in self.rows if arguments[name] is not None]
@@ -224,6 +240,11 @@ class RowLayout:
             return 1  # one unbatched row, as split() reads it
         sizes = {_row_count(value) for value in present}
         return sizes.pop() if len(sizes) == 1 else None
+
+
+def _token_list(value: Any) -> bool:
+    """Return True for one prompt's token ids: a non-empty list or tuple of ints."""
+    return (type(value) is list or type(value) is tuple) and bool(value) and all(type(item) is int for item in value)
 
 
 def _row_count(value: Any) -> int | None:

@@ -48,6 +48,8 @@ REENTRANT_REASON = "re-entrant call for a key being computed by the same thread"
 #: Bypass reason for bypasses counted by code that assigns ``cache.bypassed`` itself, as
 #: upstream's wrapper does; it knows no reason.
 UNSPECIFIED_REASON = "counted by the caller, no reason given"
+#: The method a count belongs to when its caller names none: upstream's one cached method.
+DEFAULT_METHOD = "encode_prompt"
 
 
 class _Miss:
@@ -166,6 +168,9 @@ class CacheStats:
     dir_max_bytes: int | None = None
     directory: str | None = None
     dir_off_reason: str | None = None  # why the directory tier is not used now (None: in use)
+    #: The store's counts (every :class:`Counters` field) by the pipeline method that made them;
+    #: the fields above are their sums. A method the cache wraps appears from install on.
+    methods: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def calls(self) -> int:
@@ -190,8 +195,11 @@ class CacheStats:
             else getattr(self, name) - getattr(earlier, name)
             for name in COUNTER_FIELDS
         }
+        methods = {
+            method: _counts_since(mine, earlier.methods.get(method, {})) for method, mine in self.methods.items()
+        }
         # Upstream's stats() has no reasons, only the count: subtract the count itself.
-        return dataclasses.replace(self, bypassed=self.bypassed - earlier.bypassed, **counts)
+        return dataclasses.replace(self, bypassed=self.bypassed - earlier.bypassed, methods=methods, **counts)
 
     @classmethod
     def merged(cls, snapshots: Iterable[CacheStats]) -> CacheStats:
@@ -207,6 +215,10 @@ class CacheStats:
                 summed[name] = _ranked(sum((Counter(value) for value in values), Counter()))
             else:
                 summed[name] = sum(values)
+        methods: dict[str, dict[str, Any]] = {}
+        for each in snapshots:
+            for method, counts in each.methods.items():
+                methods[method] = _counts_added(methods.get(method, {}), counts)
         budgets = [each.max_bytes for each in snapshots]
         host_budgets = [each.host_max_bytes for each in snapshots]
         return dataclasses.replace(
@@ -214,6 +226,7 @@ class CacheStats:
             max_bytes=None if None in budgets else sum(budgets),
             host_max_bytes=None if None in host_budgets else sum(host_budgets),
             layout_check_max_gap=max(each.layout_check_max_gap for each in snapshots),
+            methods=methods,
             **summed,
         )
 
@@ -252,12 +265,48 @@ class CacheStats:
                 f"{self.dir_write_errors} write errors"
                 + (f" (off: {self.dir_off_reason})" if self.dir_off_reason else "")
             )
+        used = {
+            method: counts
+            for method, counts in self.methods.items()
+            if counts.get("hits") or counts.get("misses") or counts.get("bypass_reasons")
+        }
+        if len(used) > 1 or (used and DEFAULT_METHOD not in used):
+            tiers += "; by method: " + ", ".join(
+                f"{method} {counts.get('hits', 0)} hits {counts.get('misses', 0)} misses "
+                f"{sum(counts.get('bypass_reasons', {}).values())} bypassed"
+                for method, counts in used.items()
+            )
         return (
             f"Prompt-embed cache: hit rate {self.hit_rate:.1%} "
             f"({self.hits} hits, {self.misses} misses, {self.bypassed} bypassed), {rows}"
             f"{self.size}/{self.max_size} entries, {self.bytes / 2**20:.1f} MiB of {budget}, "
             f"{self.evictions} evictions" + tiers + (f"; top bypass reasons: {reasons}" if reasons else "")
         )
+
+
+#: The counts a :attr:`CacheStats.methods` entry holds (every :class:`Counters` field).
+METHOD_COUNTER_FIELDS = tuple(field.name for field in dataclasses.fields(Counters))
+
+
+def _counts_since(now: Mapping[str, Any], earlier: Mapping[str, Any]) -> dict[str, Any]:
+    """Return one method's counts between two snapshots (a field missing earlier counts from zero)."""
+    return {
+        name: _reasons_since(value, earlier.get(name, {}))
+        if isinstance(value, Mapping)
+        else value - earlier.get(name, 0)
+        for name, value in now.items()
+    }
+
+
+def _counts_added(total: Mapping[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
+    """Return two replicas' counts for one method, added."""
+    added = dict(total)
+    for name, value in more.items():
+        if isinstance(value, Mapping):
+            added[name] = _ranked(Counter(total.get(name, {})) + Counter(value))
+        else:
+            added[name] = total.get(name, 0) + value
+    return added
 
 
 def _reasons_since(now: Mapping[str, int], earlier: Mapping[str, int]) -> dict[str, int]:
@@ -359,7 +408,8 @@ class PromptEmbedCache:
         self._flights: dict[Hashable, _Flight] = {}
         self._lock = threading.Lock()
         self._bytes = 0
-        self._counts = Counters()
+        self._counts_by_method: dict[str, Counters] = {DEFAULT_METHOD: Counters()}
+        self._counts = self._counts_by_method[DEFAULT_METHOD]  # what upstream's counters and get/put count in
         self._max_gap = 0.0
         self._generation = 0  # bumped by clear(): results computed before it are not stored
         self.host = None if host_bytes is None else HostTier(host_bytes)
@@ -369,26 +419,26 @@ class PromptEmbedCache:
     # under ``cache._lock``): readable and assignable here too, without taking the lock.
     @property
     def hits(self) -> int:
-        """Calls served from the cache."""
-        return self._counts.hits
+        """Calls served from the cache, every method's."""
+        return sum(counts.hits for counts in self._counts_by_method.values())
 
     @hits.setter
     def hits(self, value: int) -> None:
-        self._counts.hits = value
+        self._counts.hits += value - self.hits
 
     @property
     def misses(self) -> int:
-        """Calls that ran the encoder and offered its result to the cache."""
-        return self._counts.misses
+        """Calls that ran the encoder and offered its result to the cache, every method's."""
+        return sum(counts.misses for counts in self._counts_by_method.values())
 
     @misses.setter
     def misses(self, value: int) -> None:
-        self._counts.misses = value
+        self._counts.misses += value - self.misses
 
     @property
     def bypassed(self) -> int:
-        """Calls that did not use the cache, whatever the reason."""
-        return sum(self._counts.bypass_reasons.values())
+        """Calls that did not use the cache, whatever the reason or method."""
+        return sum(sum(counts.bypass_reasons.values()) for counts in self._counts_by_method.values())
 
     @bypassed.setter
     def bypassed(self, value: int) -> None:
@@ -396,6 +446,18 @@ class PromptEmbedCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def counting(self, method: str) -> Counters:
+        """Return the counters of ``method`` (made at zero on first use, so stats list it from then on)."""
+        with self._lock:
+            return self._counter(method)
+
+    def _counter(self, method: str) -> Counters:
+        """Return ``method``'s counters; the lock is held."""
+        counts = self._counts_by_method.get(method)
+        if counts is None:
+            counts = self._counts_by_method[method] = Counters()
+        return counts
 
     def get(self, key: CallKey | Hashable) -> Any:
         """Return the value cached under ``key`` (refreshing its recency), or :data:`MISS`.
@@ -446,17 +508,19 @@ class PromptEmbedCache:
         if keyed:
             self._write_through(key, witness, value, generation, directory_epoch)
 
-    def _store(self, identity: Hashable, entry: _Entry) -> _Departures:
+    def _store(self, identity: Hashable, entry: _Entry, counts: Counters | None = None) -> _Departures:
         """Insert or overwrite ``identity`` and evict to the budgets; the lock is held.
 
         Returns the entries that left device memory (evicted, or too large to keep), oldest first,
-        for :meth:`_demote` to hand to the host tier once the lock is released.
+        for :meth:`_demote` to hand to the host tier once the lock is released. ``counts``: the
+        counters of the method whose entry it is (default: :data:`DEFAULT_METHOD`'s).
         """
+        counts = self._counts if counts is None else counts
         previous = self._entries.pop(identity, None)
         if previous is not None:
             self._bytes -= previous.nbytes
         if self.max_bytes is not None and entry.nbytes > self.max_bytes:
-            self._counts.oversize_rejections += 1
+            counts.oversize_rejections += 1
             return self._departures([(identity, entry)])
         self._entries[identity] = entry
         self._bytes += entry.nbytes
@@ -464,7 +528,7 @@ class PromptEmbedCache:
         while len(self._entries) > self.max_size or (self.max_bytes is not None and self._bytes > self.max_bytes):
             evicted = self._entries.popitem(last=False)
             self._bytes -= evicted[1].nbytes
-            self._counts.evictions += 1
+            counts.evictions += 1
             leaving.append(evicted)
         return self._departures(leaving)
 
@@ -551,12 +615,15 @@ class PromptEmbedCache:
         flight.waiters += 1
         return _Outcome.JOIN, flight
 
-    def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, row: bool = False) -> T:
+    def get_or_compute(
+        self, key: CallKey, compute: Callable[[], T], *, row: bool = False, method: str = DEFAULT_METHOD
+    ) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result.
 
-        ``row``: the call is one row of a row layout, counted as a call and as a row.
+        ``row``: the call is one row of a row layout, counted as a call and as a row. ``method``:
+        the pipeline method whose call it is, for its counters.
         """
-        counts = self._counts
+        counts = self.counting(method)
         while True:
             with self._lock:
                 outcome, claimed = self._claim(key)
@@ -574,7 +641,7 @@ class PromptEmbedCache:
             if outcome is _Outcome.OWN:
                 encoded = True  # unless a lower tier serves it
                 try:
-                    result, encoded = self._run_flight(key, claimed, compute)
+                    result, encoded = self._run_flight(key, claimed, compute, counts)
                     return result
                 finally:
                     with self._lock:
@@ -594,7 +661,12 @@ class PromptEmbedCache:
             # The owner's encode raised and its caller got the error; try again ourselves.
 
     def get_or_compute_rows(
-        self, keys: Sequence[CallKey], compute: Callable[[int], T], *, count_call: bool = True
+        self,
+        keys: Sequence[CallKey],
+        compute: Callable[[int], T],
+        *,
+        count_call: bool = True,
+        method: str = DEFAULT_METHOD,
     ) -> tuple[list[T], int]:
         """Return a value for each of ``keys`` (the rows of one call), running ``compute(i)`` per missing row,
         and how many rows this call encoded.
@@ -604,20 +676,22 @@ class PromptEmbedCache:
         encoded once across concurrent calls, and stored on its own. The call counts as a hit when
         it encoded no row itself. It encodes the rows it owns before it waits for rows other calls
         are encoding, so two calls waiting on each other cannot deadlock. ``count_call``: False when
-        the caller counts the call itself (:meth:`record_call`).
+        the caller counts the call itself (:meth:`record_call`). ``method``: whose counters.
         """
         values: list[Any] = [MISS] * len(keys)
-        counts = self._counts
+        counts = self.counting(method)
         pending, copies = self._distinct_rows(keys)
         encoded = 0  # rows this call sent to the encoder, including one that raised
         succeeded = False
         try:
             while pending:
-                claims = self._claim_rows(keys, pending, values)
+                claims = self._claim_rows(keys, pending, values, counts)
                 owned = [(index, flight) for index, outcome, flight in claims if outcome is _Outcome.OWN]
                 for position, (index, flight) in enumerate(owned):
                     try:
-                        values[index], ran = self._run_flight(keys[index], flight, functools.partial(compute, index))
+                        values[index], ran = self._run_flight(
+                            keys[index], flight, functools.partial(compute, index), counts
+                        )
                     except BaseException:
                         encoded += 1
                         self._abandon([(keys[later], unrun) for later, unrun in owned[position + 1 :]])
@@ -683,7 +757,9 @@ class PromptEmbedCache:
                 copies.append((index, first))
         return firsts, copies
 
-    def _claim_rows(self, keys: Sequence[CallKey], pending: Sequence[int], values: list[Any]) -> list[tuple]:
+    def _claim_rows(
+        self, keys: Sequence[CallKey], pending: Sequence[int], values: list[Any], counts: Counters
+    ) -> list[tuple]:
         """Claim every pending row under the lock: fill hits into ``values``; return the other claims."""
         claims: list[tuple[int, _Outcome, Any]] = []
         with self._lock:
@@ -691,11 +767,11 @@ class PromptEmbedCache:
                 for index in pending:
                     outcome, claimed = self._claim(keys[index])
                     if outcome is _Outcome.HIT:
-                        self._counts.row_hits += 1
+                        counts.row_hits += 1
                         values[index] = claimed
                         continue
                     if outcome is _Outcome.DIRECT:
-                        self._counts.row_bypass_reasons[claimed] += 1
+                        counts.row_bypass_reasons[claimed] += 1
                     claims.append((index, outcome, claimed))
             except BaseException:
                 for index, outcome, flight in claims:  # never leave a claimed flight unrun
@@ -715,7 +791,7 @@ class PromptEmbedCache:
         for _, flight in flights:
             flight.done.set()
 
-    def _run_flight(self, key: CallKey, flight: _Flight, compute: Callable[[], T]) -> tuple[T, bool]:
+    def _run_flight(self, key: CallKey, flight: _Flight, compute: Callable[[], T], counts: Counters) -> tuple[T, bool]:
         """Serve an owned flight from a lower tier, or run ``compute`` (then write the result through);
         store the value and wake the waiters in every case. Returns the value and whether it was encoded."""
         has_lower_tier = self.host is not None or self.directory is not None
@@ -738,7 +814,7 @@ class PromptEmbedCache:
             self._land(key.identity, flight)
             # A clear() meanwhile voids the result (weights may have changed): return it, keep nothing.
             if flight.generation == self._generation:
-                departures = self._store(key.identity, _Entry(value, flight.witness, nbytes))
+                departures = self._store(key.identity, _Entry(value, flight.witness, nbytes), counts)
         flight.done.set()
         self._demote(departures)
         if not found:
@@ -750,36 +826,40 @@ class PromptEmbedCache:
         if self._flights.get(identity) is flight:
             del self._flights[identity]
 
-    def record_bypass(self, reason: str) -> None:
+    # Each count below is ``method``'s: the pipeline method whose call it was.
+
+    def record_bypass(self, reason: str, *, method: str = DEFAULT_METHOD) -> None:
         """Count one call that did not use the cache, under ``reason``."""
         with self._lock:
-            self._counts.bypass_reasons[reason] += 1
+            self._counter(method).bypass_reasons[reason] += 1
 
-    def record_whole_call(self, reason: str) -> None:
+    def record_whole_call(self, reason: str, *, method: str = DEFAULT_METHOD) -> None:
         """Count one call of a pipeline with a row layout that was keyed as a whole, under ``reason``."""
         with self._lock:
-            self._counts.whole_call_reasons[reason] += 1
+            self._counter(method).whole_call_reasons[reason] += 1
 
-    def record_rows_encoded(self, rows: int) -> None:
+    def record_rows_encoded(self, rows: int, *, method: str = DEFAULT_METHOD) -> None:
         """Count ``rows`` rows a whole call sends to the encoder (split calls count their own)."""
         with self._lock:
-            self._counts.rows_encoded += rows
+            self._counter(method).rows_encoded += rows
 
-    def record_call(self, *, hit: bool) -> None:
+    def record_call(self, *, hit: bool, method: str = DEFAULT_METHOD) -> None:
         """Count one call as a hit (it ran no encoder) or a miss."""
         with self._lock:
+            counts = self._counter(method)
             if hit:
-                self._counts.hits += 1
+                counts.hits += 1
             else:
-                self._counts.misses += 1
+                counts.misses += 1
 
-    def record_layout_check(self, rows: int, gap: float | None) -> None:
+    def record_layout_check(self, rows: int, gap: float | None, *, method: str = DEFAULT_METHOD) -> None:
         """Count one layout check whose uncached call encoded ``rows``; ``gap``: what it measured, None: mismatch."""
         with self._lock:
-            self._counts.layout_checks += 1
-            self._counts.layout_check_rows += rows
+            counts = self._counter(method)
+            counts.layout_checks += 1
+            counts.layout_check_rows += rows
             if gap is None:
-                self._counts.layout_mismatches += 1
+                counts.layout_mismatches += 1
             else:
                 self._max_gap = max(self._max_gap, gap)
 
@@ -824,6 +904,13 @@ class PromptEmbedCache:
                 name: _ranked(value) if isinstance(value := self._count(name), Counter) else value
                 for name in COUNTER_FIELDS
             }
+            methods = {
+                method: {
+                    name: _ranked(value) if isinstance(value := getattr(method_counts, name), Counter) else value
+                    for name in METHOD_COUNTER_FIELDS
+                }
+                for method, method_counts in self._counts_by_method.items()
+            }
             host, directory = self.host, self.directory
             levels = {}
             if host is not None:
@@ -840,19 +927,21 @@ class PromptEmbedCache:
                 **levels,
                 size=len(self._entries),
                 max_size=self.max_size,
-                bypassed=sum(self._counts.bypass_reasons.values()),
+                bypassed=sum(sum(c.bypass_reasons.values()) for c in self._counts_by_method.values()),
                 bytes=self._bytes,
                 max_bytes=self.max_bytes,
                 enabled=self.enabled,
                 verify=self.verify,
                 layout_check_max_gap=self._max_gap,
+                methods=methods,
                 **counts,
             )
 
     def _count(self, name: str) -> Any:
         """Return one counter: the store's own, or a lower tier's (0 without that tier)."""
-        if name not in TIER_COUNTERS:
-            return getattr(self._counts, name)
+        if name not in TIER_COUNTERS:  # every method's, added
+            values = [getattr(counts, name) for counts in self._counts_by_method.values()]
+            return sum(values, Counter()) if isinstance(values[0], Counter) else sum(values)
         tier_name, attribute = TIER_COUNTERS[name]
         tier = getattr(self, tier_name)
         if tier is None:

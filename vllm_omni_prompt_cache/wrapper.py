@@ -1,12 +1,16 @@
-"""How a pipeline's ``encode_prompt`` is intercepted: install, uninstall, hit, miss, bypass.
+"""How a pipeline's encode methods are intercepted: install, uninstall, hit, miss, bypass.
 
 Same contract as upstream vLLM-Omni's ``install_prompt_embed_cache``: idempotent,
-``None`` for a pipeline without a callable ``encode_prompt``, and the cache and
-the original function stored on the pipeline as ``_prompt_embed_cache`` and
+``None`` for a pipeline with nothing to wrap, and the cache and the original
+``encode_prompt`` stored on the pipeline as ``_prompt_embed_cache`` and
 ``_prompt_embed_cache_original_fn``. What differs is the key (tensors are keyed
 by content, see :mod:`.keys`), the store (budgets, verification,
-single-flight, bypass reasons, see :mod:`.store`), and rows: a pipeline with a
-row layout has each row of a batched call cached on its own (see :mod:`.rows`).
+single-flight, bypass reasons, see :mod:`.store`), rows: a pipeline with a
+row layout has each row of a batched call cached on its own (see :mod:`.rows`),
+and which methods: besides ``encode_prompt``, the encode methods some pipelines'
+``forward`` calls instead (see :mod:`.vllm_omni.methods`), each keyed, split and
+counted on its own in one shared store, and none whose result depends on
+anything but its arguments.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,8 +40,13 @@ from vllm_omni_prompt_cache.proofs import (
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, UnstackableRows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 
+if TYPE_CHECKING:
+    from vllm_omni_prompt_cache.vllm_omni.methods import EncodeMethod
+
 logger = logging.getLogger(__name__)
 
+#: The method every pipeline encodes prompts with (upstream's one cached method).
+ENCODE_PROMPT = "encode_prompt"
 DISABLED_REASON = "cache disabled"
 #: Whole-call reason for the call that found its row layout not to match the function's outputs
 #: (the calls after it have no layout: they are keyed whole like any pipeline's).
@@ -69,17 +78,24 @@ def install_prompt_embed_cache(
     host_bytes: int | None = None,
     directory: str | os.PathLike | None = None,
     directory_bytes: int | None = DIRECTORY_BYTES.default,
+    methods: Mapping[str, Sequence[str]] | None = None,
 ) -> PromptEmbedCache | None:
-    """Wrap ``pipeline.encode_prompt`` with a content-keyed cache; return the cache or None.
+    """Wrap ``pipeline``'s encode methods with one content-keyed cache; return the cache or None.
+
+    The methods: ``encode_prompt``, the encode methods known for the pipeline's classes, and
+    ``methods[class path]`` (a user's declarations, for classes they cannot edit). Each has its
+    own keys, row layout and counters (``stats()["methods"]``); a method known to read input that
+    is not an argument is wrapped only to count every call as a bypass with that reason.
 
     ``max_bytes`` bounds tensor bytes held (values plus verification bytes);
     ``verify`` compares input bytes on every hit; ``digest`` replaces xxh3-128
     (tests use a weak one to force collisions); ``report(cache)`` runs after each
     call (the vLLM-Omni worker uses it for a rate-limited log line). Rows of batched
-    calls are cached on their own when a layout is known: ``row_layout``, else
+    ``encode_prompt`` calls are cached on their own when a layout is known: ``row_layout``, else
     ``row_layouts[class path]`` (a user's declarations), else the class's
     ``prompt_embed_row_layout``, else a layout proven for vLLM-Omni's pipelines, else
-    one inferred from a call (see :mod:`.proofs`). A layout given in code (``row_layout``,
+    one inferred from a call (see :mod:`.proofs`); another method's rows follow a layout proven
+    for it, else one inferred. A layout given in code (``row_layout``,
     the class attribute) is its author's word; any other is checked against the uncached
     call on the first call of each kind before its rows are served.
 
@@ -92,25 +108,20 @@ def install_prompt_embed_cache(
     if existing is not None:
         return existing
 
-    encode_fn = getattr(pipeline, "encode_prompt", None)
-    if encode_fn is None or not callable(encode_fn):
-        logger.debug("Prompt-embed cache: %s has no encode_prompt(); skipping.", type(pipeline).__name__)
-        return None
-    try:
-        signature = inspect.signature(encode_fn)
-    except (TypeError, ValueError) as why:
-        logger.warning(
-            "Prompt-embed cache: cannot read the signature of %s.encode_prompt (%s); not installed.",
-            type(pipeline).__name__,
-            why,
-        )
+    from vllm_omni_prompt_cache.vllm_omni.methods import find_encode_methods  # imports nothing of vLLM-Omni
+
+    wrapped = _readable_methods(pipeline, find_encode_methods(pipeline, methods))
+    if not wrapped:
+        logger.debug("Prompt-embed cache: %s has no encode method to wrap; skipping.", type(pipeline).__name__)
         return None
 
     tag = model_tag or type(pipeline).__name__
     directory_tier = None
     if directory is not None:
         try:
-            fixed: dict[str, Any] | str = code_and_configuration(pipeline, encode_fn, tag)
+            fixed: dict[str, Any] | str = code_and_configuration(
+                pipeline, {method.name: encode_fn for method, encode_fn, _ in wrapped}, tag
+            )
         except Exception as error:  # a tokenizer or processor we cannot read: no directory, no error
             fixed = f"its code and configuration could not be fingerprinted ({type(error).__qualname__}: {error})"
         directory_tier = DirectoryTier(
@@ -127,24 +138,37 @@ def install_prompt_embed_cache(
         host_bytes=host_bytes,
         directory=directory_tier,
     )
-    proof = _layout_proof(pipeline, signature, tag, row_layout, row_layouts)
-    calls = _CachedCalls(cache, encode_fn, signature, CallKeyBuilder(signature, tag, digest=digest), proof)
-
-    @functools.wraps(encode_fn)
-    def cached_encode_prompt(*args: Any, **kwargs: Any) -> Any:
-        result = calls(args, kwargs)
-        if report is not None:
-            report(cache)
-        return result
-
-    cached_encode_prompt.__wrapped__ = encode_fn  # type: ignore[attr-defined]
-    _set_attribute(pipeline, "encode_prompt", cached_encode_prompt)
+    originals: dict[str, Callable[..., Any]] = {}
+    proofs: dict[str, LayoutProof] = {}
+    for method, encode_fn, signature in wrapped:
+        if method.name == ENCODE_PROMPT:
+            proof = _layout_proof(pipeline, signature, tag, row_layout, row_layouts)
+            method_tag = tag
+        else:  # another method: its own keys (never an encode_prompt entry), layout and counters
+            proof = _method_layout_proof(pipeline, method.name, signature, tag)
+            method_tag = f"{tag}.{method.name}"
+        cache.counting(method.name)  # listed in stats() from now on
+        calls = _CachedCalls(
+            cache,
+            encode_fn,
+            signature,
+            CallKeyBuilder(signature, method_tag, digest=digest),
+            proof,
+            method=method.name,
+            refusal=method.refusal,
+        )
+        _set_attribute(pipeline, method.name, _cached(calls, encode_fn, cache, report))
+        originals[method.name] = encode_fn
+        proofs[method.name] = proof
     object.__setattr__(pipeline, "_prompt_embed_cache", cache)
-    object.__setattr__(pipeline, "_prompt_embed_cache_original_fn", encode_fn)
-    object.__setattr__(pipeline, "_prompt_embed_cache_layout", proof)
+    object.__setattr__(pipeline, "_prompt_embed_cache_original_fn", originals.get(ENCODE_PROMPT))
+    object.__setattr__(pipeline, "_prompt_embed_cache_originals", originals)
+    object.__setattr__(pipeline, "_prompt_embed_cache_layout", proofs.get(ENCODE_PROMPT))
+    object.__setattr__(pipeline, "_prompt_embed_cache_layouts", proofs)
+    proof = proofs.get(ENCODE_PROMPT) or next(iter(proofs.values()))
     logger.info(
         "Prompt-embed cache (content-keyed) installed on %s: max_size=%d, max_bytes=%s, verify=%s, enabled=%s, "
-        "host tier: %s, directory tier: %s, rows: %s.",
+        "host tier: %s, directory tier: %s, rows: %s, methods: %s.",
         tag,
         max_size,
         "unlimited" if max_bytes is None else max_bytes,
@@ -159,8 +183,56 @@ def install_prompt_embed_cache(
         else "inferred from the first batched call, then checked"
         if proof.may_infer
         else "whole calls only",
+        "; ".join(
+            f"{method.name} ({method.source}{'; never cached: ' + method.refusal if method.refusal else ''})"
+            for method, _, _ in wrapped
+        ),
     )
+    for method, _, _ in wrapped:
+        if method.refusal is not None:
+            logger.warning("Prompt-embed cache: %s.%s is not cached: %s.", tag, method.name, method.refusal)
     return cache
+
+
+def _readable_methods(pipeline: Any, methods: Sequence[EncodeMethod]) -> list[tuple[EncodeMethod, Any, Any]]:
+    """Return ``(method, bound function, signature)`` for each of ``methods`` the pipeline can have wrapped."""
+    readable = []
+    for method in methods:
+        encode_fn = getattr(pipeline, method.name, None)
+        if not callable(encode_fn):
+            logger.warning(
+                "Prompt-embed cache: %s.%s is not callable; not wrapped.", type(pipeline).__name__, method.name
+            )
+            continue
+        try:
+            readable.append((method, encode_fn, inspect.signature(encode_fn)))
+        except (TypeError, ValueError) as why:
+            logger.warning(
+                "Prompt-embed cache: cannot read the signature of %s.%s (%s); not wrapped.",
+                type(pipeline).__name__,
+                method.name,
+                why,
+            )
+    return readable
+
+
+def _cached(
+    calls: _CachedCalls,
+    encode_fn: Callable[..., Any],
+    cache: PromptEmbedCache,
+    report: Callable[[PromptEmbedCache], None] | None,
+) -> Callable[..., Any]:
+    """Return the function that replaces ``encode_fn`` on the pipeline."""
+
+    @functools.wraps(encode_fn)
+    def cached_encode(*args: Any, **kwargs: Any) -> Any:
+        result = calls(args, kwargs)
+        if report is not None:
+            report(cache)
+        return result
+
+    cached_encode.__wrapped__ = encode_fn  # type: ignore[attr-defined]
+    return cached_encode
 
 
 def _local_device(pipeline: Any, recorded: str) -> torch.device:
@@ -175,6 +247,24 @@ def _local_device(pipeline: Any, recorded: str) -> torch.device:
                 return parameter.device
             break
     return device
+
+
+def _method_layout_proof(pipeline: Any, method: str, signature: inspect.Signature, tag: str) -> LayoutProof:
+    """Return where the row layout of ``pipeline``'s encode method ``method`` comes from."""
+    from vllm_omni_prompt_cache.vllm_omni.layouts import find_method_layout  # imports nothing of vLLM-Omni
+
+    layout, source = find_method_layout(type(pipeline), method)
+    if layout is not None and (why := layout.unusable_with(signature)) is not None:
+        logger.warning(
+            "Prompt-embed cache: row layout %r (%s) does not fit %s.%s (%s); its rows are inferred, then checked.",
+            layout.name,
+            source,
+            tag,
+            method,
+            why,
+        )
+        layout = None
+    return LayoutProof(type(pipeline), layout, source, may_infer=layout is None, method=method)
 
 
 def _layout_proof(
@@ -225,17 +315,24 @@ class _CachedCalls:
         signature: inspect.Signature,
         key_builder: CallKeyBuilder,
         proof: LayoutProof,
+        *,
+        method: str = ENCODE_PROMPT,
+        refusal: str | None = None,
     ) -> None:
-        self.cache = cache
+        self.cache = _MethodCounts(cache, method)
         self.encode_fn = encode_fn
         self.signature = signature
         self.key_builder = key_builder
         self.proof = proof
+        self.refusal = refusal  # why no call of this method may be cached (None: they may)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
         if not cache.enabled:
             cache.record_bypass(DISABLED_REASON)
+            return self.encode_fn(*args, **kwargs)
+        if self.refusal is not None:
+            cache.record_bypass(self.refusal)
             return self.encode_fn(*args, **kwargs)
         arguments = self.key_builder.bind(args, kwargs)
         if type(arguments) is Bypass:
@@ -267,7 +364,7 @@ class _CachedCalls:
     def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> Any:
         """Serve a call that is its own only row: its row key reads the arguments as given."""
         cache = self.cache
-        key = self.key_builder.build_from_arguments(arguments, row=True)
+        key = self.key_builder.build_from_arguments(layout.single_row_key_arguments(arguments), row=True)
         if type(key) is Bypass:
             cache.record_bypass(key.reason)
             cache.record_rows_encoded(1)
@@ -417,21 +514,68 @@ class _CachedCalls:
         return encode_row
 
 
+class _MethodCounts:
+    """The store as one method's calls see it: every count made through it is that method's."""
+
+    __slots__ = ("method", "store")
+
+    def __init__(self, store: PromptEmbedCache, method: str) -> None:
+        self.store = store
+        self.method = method
+
+    @property
+    def enabled(self) -> bool:
+        return self.store.enabled
+
+    def get_or_compute(self, key: CallKey, compute: Callable[[], Any], *, row: bool = False) -> Any:
+        return self.store.get_or_compute(key, compute, row=row, method=self.method)
+
+    def get_or_compute_rows(
+        self, keys: Sequence[CallKey], compute: Callable[[int], Any], *, count_call: bool = True
+    ) -> tuple[list[Any], int]:
+        return self.store.get_or_compute_rows(keys, compute, count_call=count_call, method=self.method)
+
+    def record_bypass(self, reason: str) -> None:
+        self.store.record_bypass(reason, method=self.method)
+
+    def record_whole_call(self, reason: str) -> None:
+        self.store.record_whole_call(reason, method=self.method)
+
+    def record_rows_encoded(self, rows: int) -> None:
+        self.store.record_rows_encoded(rows, method=self.method)
+
+    def record_call(self, *, hit: bool) -> None:
+        self.store.record_call(hit=hit, method=self.method)
+
+    def record_layout_check(self, rows: int, gap: float | None) -> None:
+        self.store.record_layout_check(rows, gap, method=self.method)
+
+
 def _transient(error: Exception) -> bool:
     """Return True for failures that say nothing about a layout (memory): they are raised, not held against it."""
     return isinstance(error, (MemoryError, torch.OutOfMemoryError))
 
 
 def uninstall_prompt_embed_cache(pipeline: Any) -> None:
-    """Restore the original ``encode_prompt`` on ``pipeline`` if it was wrapped."""
-    original = getattr(pipeline, "_prompt_embed_cache_original_fn", None)
-    if original is None:
+    """Restore every original encode method on ``pipeline`` if they were wrapped."""
+    originals = getattr(pipeline, "_prompt_embed_cache_originals", None)
+    if originals is None:  # installed by another release of this function: encode_prompt alone
+        original = getattr(pipeline, "_prompt_embed_cache_original_fn", None)
+        originals = {} if original is None else {ENCODE_PROMPT: original}
+    if not originals and getattr(pipeline, "_prompt_embed_cache", None) is None:
         return
-    if getattr(original, "__self__", None) is pipeline and "encode_prompt" in vars(pipeline):
-        # The original was the class's bound method: drop the instance attribute.
-        object.__delattr__(pipeline, "encode_prompt")
-    else:
-        _set_attribute(pipeline, "encode_prompt", original)
-    for name in ("_prompt_embed_cache", "_prompt_embed_cache_original_fn", "_prompt_embed_cache_layout"):
+    for name, original in originals.items():
+        if getattr(original, "__self__", None) is pipeline and name in vars(pipeline):
+            # The original was the class's bound method: drop the instance attribute.
+            object.__delattr__(pipeline, name)
+        else:
+            _set_attribute(pipeline, name, original)
+    for name in (
+        "_prompt_embed_cache",
+        "_prompt_embed_cache_original_fn",
+        "_prompt_embed_cache_originals",
+        "_prompt_embed_cache_layout",
+        "_prompt_embed_cache_layouts",
+    ):
         with contextlib.suppress(AttributeError):
             object.__delattr__(pipeline, name)

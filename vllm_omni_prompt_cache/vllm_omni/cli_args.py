@@ -23,6 +23,7 @@ from vllm_omni_prompt_cache.config import (
     HOST_BYTES,
     MAX_BYTES,
     MAX_SIZE,
+    METHODS,
     ROW_LAYOUTS,
     VERIFY,
     Setting,
@@ -91,7 +92,8 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
         )
     valued = ((MAX_SIZE, "N"), (MAX_BYTES, "BYTES"), (BACKEND, "{" + ",".join(BACKENDS) + "}"))
     tiers = ((HOST_BYTES, "BYTES"), (DIRECTORY, "DIR"), (DIRECTORY_BYTES, "BYTES"))
-    for setting, metavar in (*valued, (ROW_LAYOUTS, "CLASS=LAYOUT[,...]"), *tiers):
+    declared = ((ROW_LAYOUTS, "CLASS=LAYOUT[,...]"), (METHODS, "CLASS=METHOD[+METHOD][,...]"))
+    for setting, metavar in (*valued, *declared, *tiers):
         if setting.flag in parser._option_string_actions:
             continue
         group.add_argument(

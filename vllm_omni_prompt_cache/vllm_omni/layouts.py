@@ -62,6 +62,17 @@ QWEN_IMAGE_EDIT_TOKEN_IDS = dataclasses.replace(
     TOKEN_IDS, rows=("prompt_ids", "attention_mask", "condition_images"), name="qwen-image-edit-token-ids"
 )
 
+#: verl-omni's SD3 ``encode_prompt_from_token_ids(clip_prompt_ids, t5_prompt_ids, num_images_per_prompt,
+#: max_sequence_length)`` (``SD3TokenIdPromptMixin``): one prompt per inner id list, each padded to its
+#: encoder's fixed length, so every row has one shape; copies by ``repeat(1, n, 1).view(B * n, ...)``,
+#: which keeps each prompt's copies together.
+SD3_TOKEN_IDS = RowLayout(
+    rows=("clip_prompt_ids", "t5_prompt_ids"),
+    copies="num_images_per_prompt",
+    outputs=(RowOutput(pad_dim=None, copies="interleave"), RowOutput(pad_dim=None, copies="interleave")),
+    name="sd3-token-ids",
+)
+
 _TOKEN_ID_PARAMETERS = ("prompt_ids", "attention_mask", "num_images_per_prompt", "max_sequence_length")
 _VERL_OMNI_PARAMETERS = (
     "prompt_ids",
@@ -127,6 +138,33 @@ PROVEN_LAYOUTS: Mapping[str, ProvenLayout] = {
         ProvenLayout(QWEN_IMAGE_EDIT_TOKEN_IDS, _qwen_subclass_with((*_VERL_OMNI_PARAMETERS, "condition_images"))),
     )
 }
+
+
+def _defined_by(owner: str, method: str) -> Callable[[type], bool]:
+    """Return a rule matching classes whose ``method`` is the one a class named ``owner`` defines."""
+
+    def matches(kind: type) -> bool:
+        defining = next((ancestor for ancestor in kind.__mro__ if method in vars(ancestor)), None)
+        return defining is not None and defining.__name__ == owner
+
+    return matches
+
+
+#: Layouts written against an encode method other than ``encode_prompt``, by method name.
+PROVEN_METHOD_LAYOUTS: Mapping[str, tuple[ProvenLayout, ...]] = {
+    "encode_prompt_from_token_ids": (
+        ProvenLayout(SD3_TOKEN_IDS, _defined_by("SD3TokenIdPromptMixin", "encode_prompt_from_token_ids")),
+    ),
+}
+
+
+def find_method_layout(kind: type, method: str) -> tuple[RowLayout | None, str]:
+    """Return ``(layout, where it came from)`` for ``kind``'s encode method ``method`` (not
+    ``encode_prompt``), or ``(None, why none)``; it is checked on first use like any found by name."""
+    for proven in PROVEN_METHOD_LAYOUTS.get(method, ()):
+        if proven.matches(kind):
+            return proven.layout, f"proven layout {proven.layout.name!r}"
+    return None, "no layout known"
 
 
 def find_row_layout(pipeline: Any, declared: Mapping[str, RowLayout]) -> tuple[RowLayout | None, str]:

@@ -45,6 +45,7 @@ from typing import Any
 from vllm_omni_prompt_cache.store import (
     COLLISION_REASON,
     COUNTER_FIELDS,
+    METHOD_COUNTER_FIELDS,
     TIER_COUNTERS,
     UNSPECIFIED_REASON,
     CacheStats,
@@ -60,6 +61,8 @@ OUTPUT_ATTRIBUTE = "prompt_embed_cache_metrics"
 KEY_PREFIX = "prompt_embed_cache:"
 EPOCH_KEY = f"{KEY_PREFIX}epoch"
 SEQUENCE_KEY = f"{KEY_PREFIX}sequence"
+#: Prefix of one method's counts: ``prompt_embed_cache:by_method:<method>:<count>[:<reason>]``.
+METHOD_KEY_PREFIX = f"{KEY_PREFIX}by_method:"
 METRIC_PREFIX = "vllm_omni:prompt_embed_cache_"
 LABELS = ("model_name", "stage", "replica")
 #: Levels of a snapshot: what the cache holds and may hold when it was taken.
@@ -80,6 +83,9 @@ COUNTED = {
     # The tiers' counts, each its family's name; rejections are counted by reason (below).
     **{name: name for name in TIER_COUNTERS if name != "dir_rejections"},
 }
+#: Counter families labelled by the pipeline method whose calls they count, by the count they advance by
+#: (calls are a method's hits, misses and bypasses; bypasses are counted by reason too).
+COUNTED_BY_METHOD = {"method_hits": "hits", "method_misses": "misses", "method_rows_encoded": "rows_encoded"}
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,12 @@ def encode_snapshot(
     for name in levels:
         if (value := getattr(stats, name)) is not None:
             flat[f"{KEY_PREFIX}{name}"] = float(value)
+    for method, counts in stats.methods.items():
+        for name, value in counts.items():
+            if isinstance(value, Mapping):
+                flat.update({f"{METHOD_KEY_PREFIX}{method}:{name}:{reason}": float(n) for reason, n in value.items()})
+            else:
+                flat[f"{METHOD_KEY_PREFIX}{method}:{name}"] = float(value)
     return flat
 
 
@@ -130,7 +142,19 @@ def pop_snapshot(metrics: dict[str, Any]) -> Snapshot | None:
     epoch, sequence = int(ours.pop(EPOCH_KEY)), int(ours.pop(SEQUENCE_KEY, 0))
     counts: dict[str, Any] = {}
     levels: dict[str, float] = {}
+    methods: dict[str, dict[str, Any]] = {}
     for key, value in ours.items():
+        if key.startswith(METHOD_KEY_PREFIX):
+            method, _, rest = key[len(METHOD_KEY_PREFIX) :].partition(":")
+            name, _, reason = rest.partition(":")
+            if name not in METHOD_COUNTER_FIELDS:
+                continue  # a count a later release added
+            mine = methods.setdefault(method, {})
+            if reason:
+                mine.setdefault(name, {})[reason] = int(value)
+            else:
+                mine[name] = int(value)
+            continue
         name, _, reason = key[len(KEY_PREFIX) :].partition(":")
         if reason:
             counts.setdefault(name, {})[reason] = int(value)
@@ -140,8 +164,22 @@ def pop_snapshot(metrics: dict[str, Any]) -> Snapshot | None:
             counts[name] = int(value)
     known = {name: value for name, value in counts.items() if name in COUNTER_FIELDS}
     bypassed = sum(known.get("bypass_reasons", {}).values())
-    stats = CacheStats(**known, bypassed=bypassed, **{name: int(value) for name, value in levels.items()})
+    for mine in methods.values():  # a count by reason with no reason left is sent as nothing
+        for name in METHOD_COUNTER_FIELDS:
+            mine.setdefault(name, {} if name in _BY_REASON else 0)
+        mine.update({name: _most_common(mine[name]) for name in _BY_REASON})
+    stats = CacheStats(
+        **known, bypassed=bypassed, methods=methods, **{name: int(value) for name, value in levels.items()}
+    )
     return Snapshot(epoch, sequence, stats, levels)
+
+
+#: A method's counts that are kept by reason.
+_BY_REASON = ("bypass_reasons", "row_bypass_reasons", "whole_call_reasons")
+
+
+def _most_common(reasons: Mapping[str, int]) -> dict[str, int]:
+    return dict(sorted(reasons.items(), key=lambda item: -item[1]))
 
 
 # --- worker: attach the snapshot -------------------------------------------------------------
@@ -281,6 +319,17 @@ class PromptEmbedCacheMetrics:
             "or a row layout whose rows differed from the uncached call (check=row_layout, rows turned off).",
             "check",
         )
+        self.method_queries = counter(
+            "method_queries", "Calls of one cached pipeline method (label method): hits, misses and bypasses.", "method"
+        )
+        self.method_hits = counter("method_hits", "Calls of one cached method served without encoding.", "method")
+        self.method_misses = counter("method_misses", "Calls of one cached method that ran the encoder.", "method")
+        self.method_bypassed = counter(
+            "method_bypassed", "Calls of one cached method that did not use the cache, by reason.", "method", "reason"
+        )
+        self.method_rows_encoded = counter(
+            "method_rows_encoded", "Prompt rows one cached method sent to the text encoder.", "method"
+        )
         self.host_hits = counter("host_hits", "Device-memory misses served from the host-memory tier.")
         self.host_misses = counter("host_misses", "Device-memory misses the host-memory tier did not hold.")
         self.host_demotions = counter(
@@ -317,6 +366,7 @@ class PromptEmbedCacheMetrics:
         self.max_bytes = gauge("max_bytes", "Byte budget (no series when unbounded).")
         self._last: dict[tuple[tuple[str, str, str], int], Snapshot] = {}  # by (labels, epoch)
         self._labelled: set[tuple[str, str, str]] = set()
+        self._methods_labelled: set[tuple[tuple[str, str, str], str]] = set()
         self._lock = threading.Lock()
 
     def record(self, labels: tuple[str, str, str], now: Snapshot) -> None:
@@ -350,6 +400,18 @@ class PromptEmbedCacheMetrics:
             ):
                 for reason, amount in reasons.items():
                     advance(family, amount, reason)
+            for method, counts in delta.methods.items():
+                reasons = counts.get("bypass_reasons", {})
+                calls = counts.get("hits", 0) + counts.get("misses", 0) + sum(reasons.values())
+                if (labels, method) not in self._methods_labelled:
+                    self._methods_labelled.add((labels, method))
+                    for family in (self.method_queries, *(getattr(self, name) for name in COUNTED_BY_METHOD)):
+                        family.labels(*labels, method)
+                advance(self.method_queries, calls, method)
+                for family, count in COUNTED_BY_METHOD.items():
+                    advance(getattr(self, family), counts.get(count, 0), method)
+                for reason, amount in reasons.items():
+                    advance(self.method_bypassed, amount, method, reason)
             collisions = delta.bypass_reasons.get(COLLISION_REASON, 0) + delta.row_bypass_reasons.get(
                 COLLISION_REASON, 0
             )

@@ -16,11 +16,12 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import ROW_LAYOUTS, PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.config import METHODS, ROW_LAYOUTS, PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 from vllm_omni_prompt_cache.vllm_omni.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import StatsLogger, watch_weight_loads
+from vllm_omni_prompt_cache.vllm_omni.methods import resolve_declared_methods
 from vllm_omni_prompt_cache.vllm_omni.settings import stage_settings
 from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache
 
@@ -117,6 +118,7 @@ def install_for_stage(
         host_bytes=settings.host_bytes,
         directory=directory,
         directory_bytes=settings.directory_bytes,
+        methods=resolve_declared_methods(settings.methods, settings.sources.get(METHODS.name, "the stage's settings")),
     )
     if cache is not None:
         watch_weight_loads(pipeline)

@@ -1,0 +1,159 @@
+"""Which of a pipeline's methods encode prompts, and which of them must never be cached.
+
+The cache wraps ``encode_prompt`` on every pipeline. Some pipelines encode through another method
+that their ``forward`` calls instead, so wrapping ``encode_prompt`` alone leaves them uncached
+(verl-omni's SD3 and LTX-2 adapters, vLLM-Omni's MAGI-2). Others read input that is not an
+argument (verl-omni's MiniMax-H3 adapter reads the request's token ids from instance state): any
+cache keyed on arguments would give every prompt the first prompt's embedding.
+
+A method is recognised by the name of the class that defines it, wherever that class lives, so a
+subclass inherits the decision and a faithful stand-in of an adapter is treated as the adapter
+is. A class that defines the method again below the one listed has code nobody checked here:
+:data:`KNOWN_METHODS` then does not apply (a user may still declare it), while a
+:data:`HIDDEN_INPUTS` refusal still does (an override usually calls the method it replaces).
+Nothing here imports vLLM-Omni or verl-omni.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError
+
+#: The method every pipeline has its prompts encoded by, wrapped wherever it is callable.
+ENCODE_PROMPT = "encode_prompt"
+
+
+@dataclass(frozen=True)
+class KnownMethod:
+    """An encode method other than ``encode_prompt`` that a pipeline's ``forward`` calls."""
+
+    owner: str  # ``__name__`` of the class that defines it
+    method: str
+    where: str  # whose code it is and how forward reaches it (for docs and logs)
+
+
+@dataclass(frozen=True)
+class HiddenInput:
+    """An encode method whose result depends on an attribute its caller set, not on its arguments."""
+
+    owner: str
+    method: str
+    attribute: str
+    set_by: str  # the method that sets the attribute before each call
+
+    @property
+    def reason(self) -> str:
+        """Return the bypass reason every call of the method is counted under."""
+        return (
+            f"{self.method} reads self.{self.attribute} (set by {self.set_by}), which is not an argument: "
+            "calls with equal arguments may need different embeddings, so none is cached"
+        )
+
+
+#: Encode methods read in the code that calls them (verl-omni main a1139baf, vLLM-Omni 0.30).
+KNOWN_METHODS: tuple[KnownMethod, ...] = (
+    KnownMethod(
+        "SD3TokenIdPromptMixin",
+        "encode_prompt_from_token_ids",
+        "verl-omni's SD3 FlowGRPO adapter (sd3_flow_grpo/common.py): every token-ID request, CLIP-L, CLIP-G and T5",
+    ),
+    KnownMethod(
+        "LTX23PipelineWithLogProb",
+        "_encode_token_ids",
+        "verl-omni's LTX-2 FlowGRPO adapter: each request's ids and its negative's, injected as prompt_embeds",
+    ),
+    KnownMethod(
+        "Magi2Pipeline",
+        "_encode_prompts",
+        "vLLM-Omni's MAGI-2 pipeline: its forward encodes through it and never calls encode_prompt",
+    ),
+)
+
+#: Encode methods that read hidden input: refused, whatever else would cache them.
+HIDDEN_INPUTS: tuple[HiddenInput, ...] = (
+    HiddenInput("MiniMaxH3RolloutWeightSyncMixin", "encode_prompt", "_h3_prompt_ids", "_ensure_prompt_text"),
+)
+
+
+@dataclass(frozen=True)
+class EncodeMethod:
+    """One method the cache wraps on a pipeline: its name, why, and the refusal that applies, if any."""
+
+    name: str
+    source: str
+    refusal: str | None = None  # a bypass reason for every call; None: the method is cached
+
+
+def _defining_class(kind: type, method: str) -> type | None:
+    """Return the class in ``kind``'s MRO whose definition of ``method`` ``kind`` uses, or None."""
+    return next((ancestor for ancestor in kind.__mro__ if method in vars(ancestor)), None)
+
+
+def _class_path(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def find_encode_methods(pipeline: Any, declared: Mapping[str, tuple[str, ...]] | None = None) -> list[EncodeMethod]:
+    """Return the methods of ``pipeline`` to wrap, ``encode_prompt`` first, each with its source.
+
+    ``declared``: the user's methods by class path (the ``prompt_embed_cache_methods`` setting); a
+    declaration for a base class applies to its subclasses.
+    """
+    kind = type(pipeline)
+    found: dict[str, str] = {}
+    if callable(getattr(pipeline, ENCODE_PROMPT, None)):
+        found[ENCODE_PROMPT] = "every pipeline's"
+    for known in KNOWN_METHODS:
+        owner = _defining_class(kind, known.method)
+        if owner is not None and owner.__name__ == known.owner and known.method not in found:
+            found[known.method] = f"known: {known.where}"
+    for ancestor in kind.__mro__:
+        for name in (declared or {}).get(_class_path(ancestor), ()):
+            if name not in found:
+                found[name] = f"declared for {_class_path(ancestor)} by the {METHODS.name} setting"
+    methods = []
+    for name, source in found.items():
+        hidden = hidden_input(kind, name)
+        methods.append(EncodeMethod(name, source, None if hidden is None else hidden.reason))
+    return methods
+
+
+def hidden_input(kind: type, method: str) -> HiddenInput | None:
+    """Return the hidden input ``kind.method`` reads, if a class in its MRO is known to read one."""
+    names = {ancestor.__name__ for ancestor in kind.__mro__ if method in vars(ancestor)}
+    return next((hidden for hidden in HIDDEN_INPUTS if hidden.method == method and hidden.owner in names), None)
+
+
+def resolve_declared_methods(declared: Mapping[str, tuple[str, ...]], source: str) -> dict[str, tuple[str, ...]]:
+    """Return ``declared`` once each class imports and has each method, callable.
+
+    Raises PromptEmbedCacheConfigError naming the setting, ``source`` and what is wrong.
+    """
+    for class_path, names in declared.items():
+        where = f"invalid {METHODS.name} entry {class_path}={'+'.join(names)} from {source}"
+        module_name, _, qualname = class_path.rpartition(".")
+        found: Any = None
+        while module_name:  # the longest importable prefix is the module; the rest is the qualified name
+            try:
+                found = importlib.import_module(module_name)
+                break
+            except ImportError:
+                module_name, _, outer = module_name.rpartition(".")
+                qualname = f"{outer}.{qualname}"
+        try:
+            for part in qualname.split("."):
+                found = getattr(found, part)
+        except AttributeError:
+            found = None
+        if not isinstance(found, type):
+            raise PromptEmbedCacheConfigError(f"{where}: {class_path} is not an importable class")
+        for name in names:
+            if not callable(getattr(found, name, None)):
+                raise PromptEmbedCacheConfigError(
+                    f"{where}: {class_path} has no method {name!r}; expected methods of it that encode prompts"
+                )
+    return dict(declared)
