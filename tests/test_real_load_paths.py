@@ -43,6 +43,7 @@ from vllm_omni_prompt_cache.config import (
     HOST_BYTES,
     MAX_BYTES,
     MAX_SIZE,
+    METHODS,
     ROW_LAYOUTS,
     SETTINGS,
     VERIFY,
@@ -302,6 +303,7 @@ def test_deploy_config_extras_resolve_in_the_worker(tmp_path: Path, monkeypatch:
         **{name: f"{STAGE_SOURCE} {name}" for name in named},
         VERIFY.name: f"environment variable {VERIFY.env}",
         ROW_LAYOUTS.name: "default",
+        METHODS.name: "default",
         DIRECTORY_BYTES.name: "default",
     }
 
