@@ -268,3 +268,28 @@ def test_the_tiers_below_device_memory_have_their_own_series(tmp_path) -> None:
     assert sample(registry, "host_max_bytes") == 2.0**20
     assert sample(registry, "dir_bytes") == stats.dir_bytes > 0
     assert sample(registry, "dir_max_bytes") == 16.0 * 2**30
+
+
+def test_each_cached_method_has_its_own_series() -> None:
+    """Calls of another encode method count on its own ``method`` series, and in the totals."""
+    registry = CollectorRegistry()
+    families = PromptEmbedCacheMetrics(registry)
+    cache = PromptEmbedCache(max_size=8)
+    labels = tuple(LABELS.values())
+    cache.get_or_compute(key(1), lambda: embedding(1))
+    cache.get_or_compute(key(2), lambda: embedding(2), method="encode_prompt_from_token_ids")
+    cache.get_or_compute(key(2), lambda: pytest.fail("cached"), method="encode_prompt_from_token_ids")
+    cache.record_bypass("encode_prompt reads self._hidden", method="encode_prompt_from_token_ids")
+    families.record(labels, pop_snapshot(cache_snapshot(cache)))
+    token_path = {"method": "encode_prompt_from_token_ids"}
+    assert sample(registry, "method_queries_total", **token_path) == 3.0
+    assert (
+        sample(registry, "method_hits_total", **token_path),
+        sample(registry, "method_misses_total", **token_path),
+    ) == (1.0, 1.0)
+    assert sample(registry, "method_bypassed_total", reason="encode_prompt reads self._hidden", **token_path) == 1.0
+    assert sample(registry, "method_queries_total", method="encode_prompt") == 1.0
+    assert (sample(registry, "queries_total"), sample(registry, "hits_total")) == (4.0, 1.0)  # the sums
+    cache.get_or_compute(key(2), lambda: pytest.fail("cached"), method="encode_prompt_from_token_ids")
+    families.record(labels, pop_snapshot(cache_snapshot(cache)))
+    assert sample(registry, "method_hits_total", **token_path) == 2.0  # advanced by the difference
