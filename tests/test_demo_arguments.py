@@ -43,10 +43,12 @@ from vllm_omni_prompt_cache.store import CacheStats
         (["--replicas", "2", "--lb-policy", "fastest"], "unknown policy(ies) ['fastest']"),
         (["--replicas", "2", "--lb-policy", "random,random"], "policy listed twice in 'random,random'"),
         (["--arrival", "bursty"], "argument --arrival: invalid choice: 'bursty'"),
-        (["--model", "flux"], "argument --model: expected one of qwen-image, wan2.2 or a model directory path"),
+        (["--model", "flux"], "argument --model: expected one of qwen-image, wan2.2, sd3 or a model directory path"),
         (["--model", "wan2.2", "--size", "48"], "argument --size: Wan2.2 needs a multiple of 32 pixels, got 48"),
         (["--model", "wan2.2", "--max-num-seqs", "1,8"], "serves one request per forward; got 1,8"),
         (["--model", "wan2.2", "--step-execution"], "Wan2.2 adapter has no step-execution path"),
+        (["--model", "sd3", "--size", "40"], "argument --size: SD3.5 needs a multiple of 16 pixels, got 40"),
+        (["--model", "sd3", "--step-execution"], "SD3.5 adapter has no step-execution path"),
     ],
 )
 def test_bad_arguments_get_a_clear_error_not_a_traceback(arguments, message, capsys) -> None:
@@ -179,9 +181,10 @@ def test_replicas_default_to_our_cache_under_every_policy_at_max_num_seqs_1() ->
 
 
 def test_each_model_gets_its_own_size_and_batching_defaults() -> None:
-    qwen, wan = _parsed(), _parsed("--model", "wan2.2")
+    qwen, wan, sd3 = _parsed(), _parsed("--model", "wan2.2"), _parsed("--model", "sd3")
     assert (qwen.model, qwen.size, qwen.max_num_seqs) == ("qwen-image", 64, (1, 8))
     assert (wan.model, wan.size, wan.max_num_seqs) == ("wan2.2", 32, (1,))
+    assert (sd3.model, sd3.size, sd3.max_num_seqs) == ("sd3", 64, (1, 8))  # verl-omni's SD3 adapter batches
     assert command._model("./saved-qwen-image") == Path("./saved-qwen-image")  # a path, whatever its name
 
 

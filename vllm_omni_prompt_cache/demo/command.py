@@ -93,8 +93,9 @@ def _model(text: str) -> str | Path:
 
 
 #: The size each model's pixels must be a multiple of (its VAE's downsampling times its patch size).
-SIZE_MULTIPLE = {"qwen-image": 16, "wan2.2": 32}
-DEFAULT_SIZE = {"qwen-image": 64, "wan2.2": 32}
+SIZE_MULTIPLE = {"qwen-image": 16, "wan2.2": 32, "sd3": 16}
+DEFAULT_SIZE = {"qwen-image": 64, "wan2.2": 32, "sd3": 64}
+LABELS = {"qwen-image": "Qwen-Image", "wan2.2": "Wan2.2", "sd3": "SD3.5"}
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -125,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size",
         type=positive_int,
         default=None,
-        help="image or video height and width in pixels (default 64 for qwen-image, 32 for wan2.2)",
+        help="image or video height and width in pixels (default 64 for qwen-image and sd3, 32 for wan2.2)",
     )
     parser.add_argument(
         "--modes",
@@ -177,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         type=_model,
         default="qwen-image",
-        help="qwen-image (the default) or wan2.2: a small random-weight model of that architecture, built on "
+        help="qwen-image (the default), wan2.2 or sd3: a small random-weight model of that architecture, built on "
         "first use and cached; or the path of a saved Qwen-Image diffusers pipeline directory",
     )
     parser.add_argument("--out", type=Path, default=None, help="write report.md, results.json and time.png here")
@@ -194,11 +195,12 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.lb_policy = LB_POLICIES
     if args.modes is None:
         args.modes = ("ours",) if replicated else MODES
-    one_per_forward = model_name(args) == "wan2.2"  # verl-omni's Wan2.2 adapter serves one request per forward
+    name = model_name(args)
+    one_per_forward = name == "wan2.2"  # verl-omni's Wan2.2 adapter serves one request per forward
     if args.max_num_seqs is None:
         args.max_num_seqs = (1,) if replicated or one_per_forward else (1, 8)
-    if one_per_forward and args.step_execution:
-        parser.error("argument --step-execution: verl-omni's Wan2.2 adapter has no step-execution path")
+    if name in ("wan2.2", "sd3") and args.step_execution:
+        parser.error(f"argument --step-execution: verl-omni's {LABELS[name]} adapter has no step-execution path")
     if one_per_forward and args.max_num_seqs != (1,):
         parser.error(
             "argument --max-num-seqs: wan2.2 runs verl-omni's DanceGRPO adapter, which serves one request per "
@@ -208,12 +210,12 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(
             f"argument --prompts: at most {len(DEFAULT_PROMPTS)} distinct prompts are built in, got {args.prompts}"
         )
-    name = model_name(args)
     if args.size is None:
         args.size = DEFAULT_SIZE[name]
     if args.size % SIZE_MULTIPLE[name]:
-        label = {"qwen-image": "Qwen-Image", "wan2.2": "Wan2.2"}[name]
-        parser.error(f"argument --size: {label} needs a multiple of {SIZE_MULTIPLE[name]} pixels, got {args.size}")
+        parser.error(
+            f"argument --size: {LABELS[name]} needs a multiple of {SIZE_MULTIPLE[name]} pixels, got {args.size}"
+        )
     if isinstance(args.model, Path):
         from vllm_omni_prompt_cache.tiny.qwen_image import check_model_dir
 
@@ -283,6 +285,10 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
             from vllm_omni_prompt_cache.tiny.wan22 import ensure_tiny_wan22
 
             model_dir = ensure_tiny_wan22()
+        elif name == "sd3":
+            from vllm_omni_prompt_cache.tiny.sd3 import ensure_tiny_sd3
+
+            model_dir = ensure_tiny_sd3()
         else:
             model_dir = ensure_tiny_qwen_image(DEMO_MODEL)
     spec = RolloutSpec(

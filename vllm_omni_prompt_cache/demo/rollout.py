@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,10 +43,13 @@ ARRIVALS = ("interleaved", "grouped", "shuffled")
 TOKEN_ID_PIPELINE = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
 DEFAULT_PROMPTS = SAMPLE_PROMPTS
 NEGATIVE_PROMPT = SAMPLE_NEGATIVE_PROMPT
-#: The models a rollout can run: Qwen-Image (FlowGRPO-shaped token-ID pipeline, images) and Wan2.2
-#: (verl-omni's DanceGRPO adapter's shape, videos; vLLM-Omni builds it from a registered pipeline).
-MODELS = ("qwen-image", "wan2.2")
+#: The models a rollout can run: Qwen-Image (FlowGRPO-shaped token-ID pipeline, images), Wan2.2
+#: (verl-omni's DanceGRPO adapter's shape, videos; vLLM-Omni builds it from a registered pipeline) and
+#: SD3.5 (verl-omni's FlowGRPO adapter's shape: CLIP and T5 ids per request, images).
+MODELS = ("qwen-image", "wan2.2", "sd3")
 WAN22_PIPELINE = "vllm_omni_prompt_cache.tiny.wan22_adapter.DanceGrpoWan22Pipeline"
+SD3_PIPELINE = "vllm_omni_prompt_cache.tiny.sd3_adapter.StableDiffusion3PipelineWithLogProb"
+PIPELINES = {"qwen-image": TOKEN_ID_PIPELINE, "wan2.2": WAN22_PIPELINE, "sd3": SD3_PIPELINE}
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str 
         raise ValueError(f"unknown cache mode {mode!r}: expected one of {', '.join(MODES)}")
     kwargs: dict[str, Any] = {
         "model": str(spec.model_dir),
-        "custom_pipeline_args": {"pipeline_class": WAN22_PIPELINE if spec.model == "wan2.2" else TOKEN_ID_PIPELINE},
+        "custom_pipeline_args": {"pipeline_class": PIPELINES[spec.model]},
         "worker_extension_cls": WORKER_EXTENSION,
         "enable_prompt_embed_cache": mode != "off",
         "prompt_embed_cache_size": cache_size,
@@ -202,30 +206,16 @@ async def send_rollout(
     """Send every request of ``spec`` concurrently; return what came back."""
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-    tokenizer = load_tokenizer(spec.model_dir)
-    if spec.model == "wan2.2":  # verl-omni's DanceGRPO sends the plain ids, end-of-sequence token included
-
-        def token_ids(text: str) -> list[int]:
-            return tokenizer(text)["input_ids"]
-
-    else:
-
-        def token_ids(text: str) -> list[int]:
-            return prompt_token_ids(tokenizer, text)
-
-    prompt_ids = [token_ids(prompt) for prompt in spec.prompts]
-    negative_ids = None if spec.negative_prompt is None else token_ids(spec.negative_prompt)
+    by_prompt = _request_dicts(spec)
 
     async def one(index: int, prompt_index: int, seed: int) -> tuple[int, Any]:
-        request: dict[str, Any] = {"prompt_token_ids": list(prompt_ids[prompt_index])}  # verl-omni's key
-        if negative_ids is not None:
-            request["negative_prompt_ids"] = list(negative_ids)
-        by_model: dict[str, Any] = (
+        request = copy.deepcopy(by_prompt[prompt_index])  # each request its own lists, as sent over the wire
+        by_model: dict[str, Any] = {
+            "qwen-image": {"true_cfg_scale": spec.true_cfg_scale},
             # Wan2.2: guidance_scale is its CFG scale; "np" output, as verl-omni's rollout asks for it.
-            {"num_frames": spec.frames, "guidance_scale": spec.true_cfg_scale, "output_type": "np"}
-            if spec.model == "wan2.2"
-            else {"true_cfg_scale": spec.true_cfg_scale}
-        )
+            "wan2.2": {"num_frames": spec.frames, "guidance_scale": spec.true_cfg_scale, "output_type": "np"},
+            "sd3": {"guidance_scale": spec.true_cfg_scale},
+        }[spec.model]
         params = OmniDiffusionSamplingParams(
             height=spec.height,
             width=spec.width,
@@ -249,6 +239,32 @@ async def send_rollout(
         image_sizes={_size(image) for _, output in finished for image in output.images},
         replica_by_request={index: getattr(output, "replica_id", None) for index, output in finished},
     )
+
+
+def _request_dicts(spec: RolloutSpec) -> list[dict[str, Any]]:
+    """Return each prompt's request as verl-omni's rollout sends it to this model's adapter (its keys)."""
+    if spec.model == "sd3":  # one id list per text encoder's tokenizer
+        from vllm_omni_prompt_cache.tiny.sd3 import load_tokenizers, rollout_request
+
+        tokenizers = load_tokenizers(spec.model_dir)
+        return [rollout_request(tokenizers, prompt, spec.negative_prompt) for prompt in spec.prompts]
+    tokenizer = load_tokenizer(spec.model_dir)
+    if spec.model == "wan2.2":  # verl-omni's DanceGRPO sends the plain ids, end-of-sequence token included
+
+        def token_ids(text: str) -> list[int]:
+            return tokenizer(text)["input_ids"]
+
+    else:
+
+        def token_ids(text: str) -> list[int]:
+            return prompt_token_ids(tokenizer, text)
+
+    requests: list[dict[str, Any]] = [{"prompt_token_ids": token_ids(prompt)} for prompt in spec.prompts]
+    if spec.negative_prompt is not None:
+        negative_ids = token_ids(spec.negative_prompt)
+        for request in requests:
+            request["negative_prompt_ids"] = list(negative_ids)
+    return requests
 
 
 def _size(image: Any) -> tuple[int, int]:

@@ -1,0 +1,201 @@
+"""verl-omni's SD3.5 FlowGRPO adapter (stand-in) through the real AsyncOmni engine on CPU.
+
+2 prompts x 4 siblings (own seeds), CFG with no negative ids, sent as verl-omni's rollout sends
+them: ``{"prompt_token_ids": [...], "extra_prompt_ids": {"clip": [...], "t5": [...]}}``. Every
+forward encodes its prompts through ``encode_prompt_from_token_ids`` and, under CFG, its negatives
+through the text ``encode_prompt(prompt=[""] * batch, ...)``: 8 prompt rows and 8 negative rows
+reach CLIP-L without a cache, 3 are distinct (2 prompts and ""). The adapter batches requests
+(``supports_request_batch``): four engines, cache off and on, at ``max_num_seqs`` 1 and 4, same
+seeds. Batched, the cache checks each encode method's first batched call against its rows once
+(uncached); those rows are the only extra encoding. The engine's warm-up request ("dummy run",
+guidance 0, text path) is counted before the rollout and left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from engine_support import GROUP_SIZE, PROMPTS, run
+
+from vllm_omni_prompt_cache.demo.rollout import cache_stats, open_engine, worker_value
+from vllm_omni_prompt_cache.store import CacheStats
+from vllm_omni_prompt_cache.tiny.sd3 import ensure_tiny_sd3, load_tokenizers, rollout_request
+from vllm_omni_prompt_cache.tiny.sd3_adapter import SD3_FLOW_GRPO_PIPELINE
+from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
+
+pytestmark = pytest.mark.engine
+
+CACHE_SIZE = 64
+SIZE = 64
+STEPS = 2
+GUIDANCE_SCALE = 4.5  # > 1: CFG on, so every forward encodes its negatives too
+BASE_SEED = 1234
+#: verl-omni's FlowGRPO knobs (its SD3 OCR script's values); only the SDE path, left out here, reads them.
+ALGO_ARGS = {"noise_level": 0.8, "sde_type": "cps", "sde_window_size": 3, "sde_window_range": [0, 5], "logprobs": True}
+REQUESTS = len(PROMPTS) * GROUP_SIZE
+DISTINCT_ROWS = len(PROMPTS) + 1  # each prompt, and the empty negative
+
+
+@dataclass
+class Sd3Rollout:
+    """What one engine returned and counted for the rollout (the engine's warm-up excluded)."""
+
+    image_sizes: dict[int, list[tuple[int, int]]]
+    latents: dict[int, torch.Tensor]
+    errors: dict[int, Any]
+    rows_at_start: int
+    #: Latents of each prompt's first request sent again as text (``{"prompt": ...}``, same seed), after counting.
+    text_latents: dict[int, torch.Tensor]
+    encoder_runs: int
+    encoder_rows: int
+    stats: CacheStats | None
+    init_seconds: float
+    seconds: float
+
+
+def engine_kwargs(cache: bool, max_num_seqs: int) -> dict[str, Any]:
+    """Return the ``AsyncOmni`` kwargs: the tiny SD3.5, the adapter, our counters, fp32, cache on or off."""
+    kwargs: dict[str, Any] = {
+        "model": str(ensure_tiny_sd3()),
+        "custom_pipeline_args": {"pipeline_class": SD3_FLOW_GRPO_PIPELINE},
+        "worker_extension_cls": WORKER_EXTENSION,
+        "dtype": "float32",
+        "log_stats": False,
+        "enable_prompt_embed_cache": cache,
+        "max_num_seqs": max_num_seqs,
+    }
+    if cache:
+        kwargs["prompt_embed_cache_size"] = CACHE_SIZE
+    if max_num_seqs > 1:
+        kwargs["request_batch_max_wait_ms"] = 10  # as verl-omni's SD3 scripts
+    return kwargs
+
+
+def requests() -> list[tuple[int, dict[str, Any], int]]:
+    """Return ``(index, request dict, seed)``: one sibling of every prompt, then the next round."""
+    tokenizers = load_tokenizers(ensure_tiny_sd3())
+    order = [prompt for _ in range(GROUP_SIZE) for prompt in range(len(PROMPTS))]
+    return [
+        (index, rollout_request(tokenizers, PROMPTS[prompt]), BASE_SEED + index) for index, prompt in enumerate(order)
+    ]
+
+
+async def send_rollout(cache: bool, max_num_seqs: int, text_twins: bool = False) -> Sd3Rollout:
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    started = time.perf_counter()
+    async with open_engine(engine_kwargs(cache, max_num_seqs)) as engine:
+        init_seconds = time.perf_counter() - started
+        before = await worker_value(engine, "text_encoder_counters")
+        stats_before = await cache_stats(engine)
+
+        async def one(index: int, request: dict[str, Any], seed: int, label: str = "sd3") -> tuple[int, Any]:
+            params = OmniDiffusionSamplingParams(
+                height=SIZE,
+                width=SIZE,
+                num_inference_steps=STEPS,
+                guidance_scale=GUIDANCE_SCALE,
+                max_sequence_length=256,
+                output_type="image",
+                seed=seed,
+                extra_args=dict(ALGO_ARGS),
+                return_trajectory_latents=True,
+            )
+            final = None
+            async for output in engine.generate(request, params, request_id=f"{label}-{index}"):
+                final = output
+            return index, final
+
+        finished = await asyncio.gather(*(one(*request) for request in requests()))
+        after = await worker_value(engine, "text_encoder_counters")
+        stats_after = await cache_stats(engine)
+        twins = [one(i, {"prompt": PROMPTS[i]}, BASE_SEED + i, "text") for i in range(len(PROMPTS)) if text_twins]
+        text_latents = {index: output.trajectory_latents for index, output in await asyncio.gather(*twins)}
+    return Sd3Rollout(
+        image_sizes={index: [image.size for image in output.images] for index, output in finished},
+        latents={index: output.trajectory_latents for index, output in finished},
+        errors={index: output.error for index, output in finished if output.error},
+        rows_at_start=before["encoder_rows"],
+        text_latents=text_latents,
+        encoder_runs=after["encoder_runs"] - before["encoder_runs"],
+        encoder_rows=after["encoder_rows"] - before["encoder_rows"],
+        stats=None if stats_after is None else stats_after.since(stats_before or CacheStats()),
+        init_seconds=init_seconds,
+        seconds=time.perf_counter() - started,
+    )
+
+
+@pytest.fixture(scope="module")
+def uncached() -> Sd3Rollout:
+    return run(send_rollout(cache=False, max_num_seqs=1, text_twins=True))
+
+
+@pytest.fixture(scope="module")
+def cached() -> Sd3Rollout:
+    return run(send_rollout(cache=True, max_num_seqs=1))
+
+
+@pytest.fixture(scope="module")
+def uncached_batched() -> Sd3Rollout:
+    return run(send_rollout(cache=False, max_num_seqs=4))
+
+
+@pytest.fixture(scope="module")
+def cached_batched() -> Sd3Rollout:
+    return run(send_rollout(cache=True, max_num_seqs=4))
+
+
+def test_every_request_returns_an_image(uncached, cached, uncached_batched, cached_batched) -> None:
+    for rollout in (uncached, cached, uncached_batched, cached_batched):
+        assert rollout.errors == {}
+        assert rollout.image_sizes == {index: [(SIZE, SIZE)] for index in range(REQUESTS)}
+        assert rollout.latents.keys() == rollout.image_sizes.keys()
+
+
+def test_without_a_cache_every_prompt_and_negative_row_reaches_the_encoder(uncached, uncached_batched) -> None:
+    # The warm-up encoded "dummy run" once, through the text path (guidance 0: no negative).
+    assert uncached.rows_at_start == uncached_batched.rows_at_start == 1
+    assert uncached.stats is None and uncached_batched.stats is None
+    assert (uncached.encoder_runs, uncached.encoder_rows) == (2 * REQUESTS, 2 * REQUESTS)
+    # Batched: fewer, larger calls, the same rows.
+    assert uncached_batched.encoder_rows == 2 * REQUESTS
+
+
+def test_with_the_cache_each_distinct_row_is_encoded_once(cached, cached_batched) -> None:
+    stats = cached.stats
+    assert stats is not None and stats.enabled, stats
+    assert cached.encoder_rows == DISTINCT_ROWS, stats
+    calls = 2 * REQUESTS  # one request per forward: each call is one row
+    assert (stats.misses, stats.hits, stats.bypassed) == (DISTINCT_ROWS, calls - DISTINCT_ROWS, 0), stats
+    assert set(stats.methods) == {"encode_prompt", "encode_prompt_from_token_ids"}, stats.methods
+    # Batched: each encode method's first batched call is checked against its rows, uncached, once.
+    stats = cached_batched.stats
+    assert stats is not None and stats.layout_mismatches == 0, stats
+    assert all(counts["layout_checks"] <= 1 for counts in stats.methods.values()), stats.methods
+    # What reached the encoder: the distinct rows, and the checks' uncached calls.
+    assert cached_batched.encoder_rows == DISTINCT_ROWS + stats.layout_check_rows, stats
+
+
+def test_token_ids_give_the_text_paths_latents(uncached) -> None:
+    # The ids path pads as the stock text path tokenizes, so each prompt's embeddings, and the
+    # latents denoised from them with the same seed, are bit for bit the text request's.
+    assert uncached.text_latents.keys() == set(range(len(PROMPTS)))
+    for index, latents in uncached.text_latents.items():
+        assert torch.equal(latents, uncached.latents[index]), index
+
+
+def test_cached_latents_match_uncached(uncached, cached, uncached_batched, cached_batched) -> None:
+    for index, latents in uncached.latents.items():
+        assert torch.equal(cached.latents[index], latents), index
+    # Batched: which requests share a forward depends on timing, and a batch's matmuls round
+    # differently: within 1e-5 of each request's largest value.
+    for index, latents in uncached_batched.latents.items():
+        gap = (cached_batched.latents[index] - latents).abs().max() / latents.abs().max()
+        assert gap <= 1e-5, (index, gap.item())
+    # Siblings of one prompt differ (their own seeds), so the equalities above compare real outputs.
+    assert not torch.equal(uncached.latents[0], uncached.latents[len(PROMPTS)])
