@@ -1,0 +1,206 @@
+"""verl-omni's LTX-2.3 FlowGRPO adapter (stand-in) through the real AsyncOmni engine on CPU.
+
+2 prompts x 4 siblings (own seeds), CFG on (guidance 4.0, verl-omni's LTX-2.3 recipe), sent as
+verl-omni's rollout sends them: ``{"prompt_token_ids": [...], "negative_prompt_ids": [...]}``, both
+tokenized by its LTX agent loop (raw text, ``<bos>`` added, no padding) and no masks. The recipe's
+negative prompt is empty, so every request's negative ids are the same ``[<bos>]``. The adapter
+serves one request per forward and calls ``_encode_token_ids`` twice in each, the prompt and then
+the negative: 16 rows reach Gemma without a cache, 3 are distinct (2 prompts and the empty
+negative). Left-padding to the one ``max_sequence_length`` every request carries does not split
+them further. The stock ``encode_prompt`` then receives the injected embeddings and encodes
+nothing. Two engines, cache off and on, same seeds. The adapter refuses request batching
+(``supports_request_batch = False``), and so does the engine: with ``max_num_seqs`` 4 it does not start.
+The LTX-2 family skips the engine's warm-up request, so nothing runs before the rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from engine_support import GROUP_SIZE, PROMPTS, run
+
+from vllm_omni_prompt_cache.demo.rollout import cache_stats, open_engine, worker_value
+from vllm_omni_prompt_cache.store import CacheStats
+from vllm_omni_prompt_cache.tiny.ltx2 import TINY_FRAME_RATE, TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, ensure_tiny_ltx2
+from vllm_omni_prompt_cache.tiny.ltx2_adapter import LTX2_FLOW_GRPO_PIPELINE
+from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
+
+pytestmark = pytest.mark.engine
+
+CACHE_SIZE = 64
+STEPS = 2  # LTX's floor
+GUIDANCE_SCALE = 4.0  # verl-omni's LTX-2.3 recipe: CFG on, so every request encodes its negative too
+PROMPT_LENGTH = 1024  # the recipe's data.max_prompt_length: the agent loop truncates to it
+MAX_SEQUENCE_LENGTH = 128  # what every request pads to: the tiny tokenizer's length (the recipe sends 1024)
+NEGATIVE_PROMPT = ""  # the LTX-2 example data's negative prompt
+BASE_SEED = 1234
+#: verl-omni's FlowGRPO knobs from its LTX-2.3 script; only the SDE path, left out here, reads them.
+ALGO_ARGS = {
+    "noise_level": 0.8,
+    "sde_type": "cps",
+    "sde_window_range": [0, 10],
+    "sde_window_size": 3,
+    "sde_contiguous": False,
+    "sde_window_seed": 42,
+    "logprobs": True,
+}
+REQUESTS = len(PROMPTS) * GROUP_SIZE
+DISTINCT_ROWS = len(PROMPTS) + 1  # each prompt, and the shared empty negative
+
+
+@dataclass
+class LtxRollout:
+    """What one engine returned and counted for the rollout."""
+
+    videos: dict[int, torch.Tensor]
+    audios: dict[int, torch.Tensor]
+    latents: dict[int, torch.Tensor]
+    errors: dict[int, Any]
+    rows_at_start: int
+    encoder_runs: int
+    encoder_rows: int
+    stats: CacheStats | None
+    init_seconds: float
+    seconds: float
+
+
+def engine_kwargs(cache: bool, max_num_seqs: int = 1) -> dict[str, Any]:
+    """Return the ``AsyncOmni`` kwargs: the tiny LTX-2.3, the adapter, our counters, fp32, cache on or off."""
+    kwargs: dict[str, Any] = {
+        "model": str(ensure_tiny_ltx2()),
+        "custom_pipeline_args": {"pipeline_class": LTX2_FLOW_GRPO_PIPELINE},
+        "worker_extension_cls": WORKER_EXTENSION,
+        "dtype": "float32",
+        "log_stats": False,
+        "enable_prompt_embed_cache": cache,
+        "max_num_seqs": max_num_seqs,
+    }
+    if cache:
+        kwargs["prompt_embed_cache_size"] = CACHE_SIZE
+    return kwargs
+
+
+def agent_loop_ids(tokenizer: Any, text: str) -> list[int]:
+    """Return ``text``'s ids as verl-omni's LTX agent loop makes them (``apply_chat_template``)."""
+    return tokenizer(text, padding=False, truncation=True, max_length=PROMPT_LENGTH, add_special_tokens=True)[
+        "input_ids"
+    ]
+
+
+def requests() -> list[tuple[int, dict[str, Any], int]]:
+    """Return ``(index, request dict, seed)``: one sibling of every prompt, then the next round."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_ltx2() / "tokenizer")
+    prompt_ids = [agent_loop_ids(tokenizer, prompt) for prompt in PROMPTS]
+    negative_ids = agent_loop_ids(tokenizer, NEGATIVE_PROMPT)
+    order = [prompt for _ in range(GROUP_SIZE) for prompt in range(len(PROMPTS))]
+    return [
+        (index, {"prompt_token_ids": list(prompt_ids[prompt]), "negative_prompt_ids": list(negative_ids)}, seed)
+        for index, (prompt, seed) in enumerate(zip(order, range(BASE_SEED, BASE_SEED + len(order)), strict=True))
+    ]
+
+
+async def send_rollout(cache: bool) -> LtxRollout:
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    started = time.perf_counter()
+    async with open_engine(engine_kwargs(cache)) as engine:
+        init_seconds = time.perf_counter() - started
+        before = await worker_value(engine, "text_encoder_counters")
+        stats_before = await cache_stats(engine)
+
+        async def one(index: int, request: dict[str, Any], seed: int) -> tuple[int, Any]:
+            params = OmniDiffusionSamplingParams(
+                height=TINY_HEIGHT,
+                width=TINY_WIDTH,
+                num_frames=TINY_FRAMES,
+                frame_rate=TINY_FRAME_RATE,
+                num_inference_steps=STEPS,
+                guidance_scale=GUIDANCE_SCALE,
+                max_sequence_length=MAX_SEQUENCE_LENGTH,
+                output_type="pt",  # as verl-omni's LTX-2.3 script asks for it
+                seed=seed,
+                extra_args=dict(ALGO_ARGS),
+                return_trajectory_latents=True,
+            )
+            final = None
+            async for output in engine.generate(request, params, request_id=f"ltx2-{index}"):
+                final = output
+            return index, final
+
+        finished = await asyncio.gather(*(one(*request) for request in requests()))
+        after = await worker_value(engine, "text_encoder_counters")
+        stats_after = await cache_stats(engine)
+    return LtxRollout(
+        videos={index: output.images[0] for index, output in finished if output.images},
+        audios={index: output.multimodal_output.get("audio") for index, output in finished},
+        latents={index: output.trajectory_latents for index, output in finished},
+        errors={index: output.error for index, output in finished if output.error},
+        rows_at_start=before["encoder_rows"],
+        encoder_runs=after["encoder_runs"] - before["encoder_runs"],
+        encoder_rows=after["encoder_rows"] - before["encoder_rows"],
+        stats=None if stats_after is None else stats_after.since(stats_before or CacheStats()),
+        init_seconds=init_seconds,
+        seconds=time.perf_counter() - started,
+    )
+
+
+@pytest.fixture(scope="module")
+def uncached() -> LtxRollout:
+    return run(send_rollout(cache=False))
+
+
+@pytest.fixture(scope="module")
+def cached() -> LtxRollout:
+    return run(send_rollout(cache=True))
+
+
+def test_every_request_returns_a_video_and_its_audio(uncached, cached) -> None:
+    for rollout in (uncached, cached):
+        assert rollout.errors == {}
+        assert rollout.videos.keys() == rollout.audios.keys() == rollout.latents.keys() == set(range(REQUESTS))
+        for index in range(REQUESTS):
+            assert rollout.videos[index].shape == (1, TINY_FRAMES, 3, TINY_HEIGHT, TINY_WIDTH), index
+            audio = rollout.audios[index]  # [1, channels, samples] at the vocoder's 48 kHz
+            assert audio is not None and audio.ndim == 3 and audio.shape[0] == 1 and audio.shape[-1] > 0, index
+
+
+def test_without_a_cache_every_prompt_and_negative_row_reaches_the_encoder(uncached) -> None:
+    assert uncached.rows_at_start == 0  # no warm-up request for the LTX-2 family
+    assert uncached.stats is None
+    assert (uncached.encoder_runs, uncached.encoder_rows) == (2 * REQUESTS, 2 * REQUESTS)
+
+
+def test_with_the_cache_each_distinct_row_is_encoded_once(cached) -> None:
+    stats = cached.stats
+    assert stats is not None and stats.enabled, stats
+    assert (cached.encoder_runs, cached.encoder_rows) == (DISTINCT_ROWS, DISTINCT_ROWS), stats
+    token_calls = stats.methods.get("_encode_token_ids", {})
+    assert (token_calls.get("misses"), token_calls.get("hits")) == (DISTINCT_ROWS, 2 * REQUESTS - DISTINCT_ROWS), stats
+    # Each request's stock encode_prompt got the injected embeddings and passed them through.
+    assert stats.bypassed == REQUESTS, stats
+
+
+def test_cached_outputs_are_bit_identical_to_uncached(uncached, cached) -> None:
+    for index in range(REQUESTS):
+        assert torch.equal(cached.latents[index], uncached.latents[index]), index
+        assert torch.equal(cached.videos[index], uncached.videos[index]), index
+        assert torch.equal(cached.audios[index], uncached.audios[index]), index
+    # Siblings of one prompt differ (their own seeds), so the equalities above compare real outputs.
+    assert not torch.equal(uncached.latents[0], uncached.latents[len(PROMPTS)])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the failed start's thread
+def test_the_engine_refuses_request_batching_for_the_adapter() -> None:
+    async def start() -> None:
+        async with open_engine(engine_kwargs(cache=True, max_num_seqs=4)):
+            pass
+
+    with pytest.raises(RuntimeError, match="does not support request-level batching"):
+        run(start())

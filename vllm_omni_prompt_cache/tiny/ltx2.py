@@ -1,0 +1,237 @@
+"""A tiny LTX-2.3 text-to-audio-video checkpoint: the real diffusers / transformers architectures, random weights.
+
+:func:`ensure_tiny_ltx2` builds it once per :class:`TinyLTX2Spec` into a cache directory and reuses it
+afterwards. It is laid out as the diffusers LTX-2.3 checkpoint is (``LTX2Pipeline`` model index), so
+vLLM-Omni 0.30 detects version 2.3 (from the vocoder class) and loads it as its ``LTX2Pipeline``: the
+one-stage 2.3 recipe (CFG, STG and modality guidance on) and the 2.3 component profile. Every part
+the pipeline loads is here:
+
+* the Gemma 3 text stack and its tokenizer, taken from the coverage builders
+  (:mod:`vllm_omni_prompt_cache.coverage.builders_clip_t5`: hidden 32, two layers, a byte-fallback
+  ``GemmaTokenizer`` with 128 positions), so the packed text features are 32 x 3 wide; the tokenizer
+  is saved adding ``<bos>`` as Gemma 3's does, which verl-omni's LTX agent loop relies on;
+* ``LTX2TextConnectors`` as 2.3 has them (per-modality projections, gated attention, learnable
+  registers), projecting straight to the transformer's cross-attention widths;
+* diffusers' ``LTX2VideoTransformer3DModel`` with 2.3's switches (gated attention, cross-attention
+  modulation, perturbed attention, no caption projection); vLLM-Omni builds its own transformer
+  from this config and loads these weights into it;
+* ``AutoencoderKLLTX2Video`` (4x4 patchify and one spatio-temporal level: 8x spatial, 2x temporal),
+  ``AutoencoderKLLTX2Audio``, ``LTX2VocoderWithBWE`` (16 kHz vocoder, 48 kHz bandwidth extension);
+* a ``FlowMatchEulerDiscreteScheduler`` config with LTX's dynamic shifting and terminal shift (vLLM-Omni
+  refuses a regular checkpoint without them).
+
+Nothing is downloaded: configs are written here, weights come from fixed seeds. Weights are saved in
+the spec's dtype (fp32 on a CPU, see ``qwen_image.native_dtype``); vLLM-Omni loads every LTX component
+in the engine's dtype, so give it ``dtype="float32"`` on a CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_omni_prompt_cache.tiny.qwen_image import build_once, default_cache_dir, native_dtype
+
+BUILD_FORMAT = 1  # bump when the layout written below, or the coverage builders' Gemma 3, changes
+
+#: The video VAE's compression (4x4 patchify, then one spatio-temporal 2x level).
+VAE_SCALE_FACTOR_SPATIAL = 8
+VAE_SCALE_FACTOR_TEMPORAL = 2
+#: The request the tests send. The smallest the pipeline accepts is 32x32 (LTX's check wants height and
+#: width divisible by 32), one frame (num_frames = temporal factor x k + 1) and two steps (fewer are
+#: raised to two); that runs too. Five frames are three latent frames and 5/24 s of audio is five audio
+#: latent frames, so the temporal VAE path runs as well, for about the same cost.
+TINY_HEIGHT = 32
+TINY_WIDTH = 32
+TINY_FRAMES = 5
+TINY_FRAME_RATE = 24.0
+
+
+@dataclass(frozen=True)
+class TinyLTX2Spec:
+    """Sizes of the tiny checkpoint; every field changes the cache directory it is built in."""
+
+    heads: int = 2
+    head_dim: int = 8  # video inner width 16: the video cross-attention width the connectors project to
+    audio_heads: int = 2
+    audio_head_dim: int = 4  # audio inner width 8
+    transformer_layers: int = 2
+    connector_layers: int = 1
+    learnable_registers: int = 32  # must divide the padded prompt length (the tokenizer's 128)
+    latent_channels: int = 4
+    vae_channels: int = 8
+    seed: int = 0
+    #: The weights' dtype, which the engine must be given too (see ``qwen_image.checkpoint_dtype``).
+    dtype: str = dataclasses.field(default_factory=lambda: native_dtype())
+
+    def digest(self) -> str:
+        """Return a short stable name for this spec (used as the directory name)."""
+        payload = json.dumps({"format": BUILD_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def ensure_tiny_ltx2(spec: TinyLTX2Spec | None = None, cache_dir: Path | None = None) -> Path:
+    """Return the directory of the tiny LTX-2.3 checkpoint for ``spec``, building it on first use."""
+    spec = spec or TinyLTX2Spec()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return build_once(root / "models" / f"tiny-ltx2-{spec.digest()}", lambda out: _build(spec, out))
+
+
+def _build(spec: TinyLTX2Spec, out: Path) -> None:
+    import diffusers
+    import torch
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
+    from vllm_omni_prompt_cache.coverage.builders_clip_t5 import _gemma3, _gemma_tokenizer
+
+    dtype = getattr(torch, spec.dtype)
+    # Gemma 3's own tokenizer puts <bos> first; verl-omni's LTX agent loop relies on it (add_special_tokens).
+    tokenizer = copy.deepcopy(_gemma_tokenizer())
+    tokenizer.add_bos_token = True
+    tokenizer.save_pretrained(out / "tokenizer")
+    text_encoder = _gemma3()
+    _save(text_encoder, dtype, out / "text_encoder")
+    text_config = text_encoder.config.text_config
+    video_width = spec.heads * spec.head_dim
+    audio_width = spec.audio_heads * spec.audio_head_dim
+
+    torch.manual_seed(spec.seed)
+    connectors = LTX2TextConnectors(
+        caption_channels=text_config.hidden_size,
+        text_proj_in_factor=text_config.num_hidden_layers + 1,  # every layer's states, and the embeddings
+        video_connector_num_attention_heads=spec.heads,
+        video_connector_attention_head_dim=spec.head_dim,
+        video_connector_num_layers=spec.connector_layers,
+        video_connector_num_learnable_registers=spec.learnable_registers,
+        video_gated_attn=True,
+        audio_connector_num_attention_heads=spec.audio_heads,
+        audio_connector_attention_head_dim=spec.audio_head_dim,
+        audio_connector_num_layers=spec.connector_layers,
+        audio_connector_num_learnable_registers=spec.learnable_registers,
+        audio_gated_attn=True,
+        rope_type="split",
+        per_modality_projections=True,
+        video_hidden_dim=video_width,
+        audio_hidden_dim=audio_width,
+        proj_bias=True,
+    )
+    _save(connectors, dtype, out / "connectors")
+
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4,
+        output_channels=2,
+        ch_mult=(1,),
+        num_res_blocks=1,
+        in_channels=2,
+        resolution=32,
+        latent_channels=2,
+        mel_bins=8,
+    )
+    audio_latent_width = audio_vae.config.latent_channels * (
+        audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
+    )
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=spec.latent_channels,
+        out_channels=spec.latent_channels,
+        num_attention_heads=spec.heads,
+        attention_head_dim=spec.head_dim,
+        cross_attention_dim=video_width,
+        vae_scale_factors=(VAE_SCALE_FACTOR_TEMPORAL, VAE_SCALE_FACTOR_SPATIAL, VAE_SCALE_FACTOR_SPATIAL),
+        gated_attn=True,
+        cross_attn_mod=True,
+        audio_in_channels=audio_latent_width,
+        audio_out_channels=audio_latent_width,
+        audio_num_attention_heads=spec.audio_heads,
+        audio_attention_head_dim=spec.audio_head_dim,
+        audio_cross_attention_dim=audio_width,
+        audio_gated_attn=True,
+        audio_cross_attn_mod=True,
+        num_layers=spec.transformer_layers,
+        caption_channels=text_config.hidden_size,
+        rope_type="split",
+        use_prompt_embeddings=False,  # 2.3: the connectors project to the cross-attention widths
+        perturbed_attn=True,
+    )
+    _save(transformer, dtype, out / "transformer")
+
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=spec.latent_channels,
+        block_out_channels=(spec.vae_channels,),
+        decoder_block_out_channels=(spec.vae_channels,),
+        layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False),
+        downsample_type=("spatiotemporal",),
+        upsample_type=("spatiotemporal",),
+        upsample_residual=(False,),
+        upsample_factor=(1,),
+        patch_size=VAE_SCALE_FACTOR_SPATIAL // 2,
+        patch_size_t=1,
+        decoder_causal=False,
+    )
+    _save(vae, dtype, out / "vae")
+    _save(audio_vae, dtype, out / "audio_vae")
+
+    bwe_mel_bins = 8  # the mel spectrogram the bandwidth extension computes from the 16 kHz waveform
+    vocoder = LTX2VocoderWithBWE(
+        in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins,
+        hidden_channels=8,
+        upsample_kernel_sizes=[8, 11, 16],
+        upsample_factors=[4, 5, 8],  # 160 samples a mel frame: the audio VAE's hop at 16 kHz
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]],
+        bwe_in_channels=audio_vae.config.output_channels * bwe_mel_bins,
+        bwe_hidden_channels=8,
+        bwe_upsample_kernel_sizes=[12, 11, 16],
+        bwe_upsample_factors=[6, 5, 8],  # 240 = the BWE hop (80) x the 48k / 16k ratio
+        bwe_resnet_kernel_sizes=[3],
+        bwe_resnet_dilations=[[1, 3, 5]],
+        num_mel_channels=bwe_mel_bins,
+    )
+    _save(vocoder, dtype, out / "vocoder")
+
+    FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.95,
+        max_shift=2.05,
+        base_image_seq_len=1024,
+        max_image_seq_len=4096,
+        shift_terminal=0.1,
+    ).save_pretrained(out / "scheduler")
+
+    index = {
+        "_class_name": "LTX2Pipeline",
+        "_diffusers_version": diffusers.__version__,
+        "audio_vae": ["diffusers", "AutoencoderKLLTX2Audio"],
+        "connectors": ["ltx2", "LTX2TextConnectors"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"],
+        "tokenizer": ["transformers", "GemmaTokenizer"],
+        "transformer": ["diffusers", "LTX2VideoTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLLTX2Video"],
+        "vocoder": ["ltx2", "LTX2VocoderWithBWE"],
+    }
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    (out / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
+
+
+def _save(module, dtype, target: Path) -> None:
+    """Write a module's weights in ``dtype``; a copy is cast, as the coverage builders share their encoder."""
+    import torch
+
+    (module if dtype == torch.float32 else copy.deepcopy(module).to(dtype)).save_pretrained(target)
