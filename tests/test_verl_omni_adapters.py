@@ -1,0 +1,36 @@
+"""Every verl-omni adapter has a row in docs/verl-omni-adapters.md, and the cache knows its encode method."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from vllm_omni_prompt_cache.coverage.verl_omni import ADAPTERS
+from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT, HIDDEN_INPUTS, KNOWN_METHODS
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "verl-omni-adapters.md"
+
+
+def test_the_eleven_adapters_of_the_commit_read_are_listed_once() -> None:
+    directories = [adapter.directory for adapter in ADAPTERS]
+    assert len(directories) == len(set(directories)) == 11
+
+
+def test_every_adapter_has_a_row_in_the_doc() -> None:
+    rows = [line for line in DOC.read_text().splitlines() if line.startswith("| ")]
+    for adapter in ADAPTERS:
+        matching = [row for row in rows if f"`{adapter.directory}`" in row]
+        assert len(matching) == 1, f"{adapter.directory}: {len(matching)} rows in {DOC.name}"
+        if adapter.method is not None:
+            assert re.search(rf"`{re.escape(adapter.method)}[`(]", matching[0]), adapter
+
+
+def test_the_cache_wraps_refuses_or_has_nothing_to_do_for_each_adapters_encode_method() -> None:
+    known = {(entry.owner, entry.method) for entry in KNOWN_METHODS}
+    hidden = {(entry.owner, entry.method) for entry in HIDDEN_INPUTS}
+    for adapter in ADAPTERS:
+        if adapter.method is None:
+            continue  # no separate text encoder (Bagel)
+        assert re.fullmatch(r"[A-Za-z_]\w*", adapter.owner or "")
+        assert adapter.method == ENCODE_PROMPT or (adapter.owner, adapter.method) in known, adapter
+    assert {(a.owner, a.method) for a in ADAPTERS} & hidden == hidden  # every refusal is an adapter's
