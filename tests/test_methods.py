@@ -223,12 +223,8 @@ class H3StylePipeline(MiniMaxH3RolloutWeightSyncMixin):
 
 
 def test_an_encode_that_reads_hidden_input_is_never_served_from_the_cache(encoder, caplog) -> None:
-    (hidden,) = HIDDEN_INPUTS
-    assert (hidden.owner, hidden.method, hidden.attribute) == (
-        MiniMaxH3RolloutWeightSyncMixin.__name__,
-        "encode_prompt",
-        "_h3_prompt_ids",
-    )
+    hidden = HIDDEN_INPUTS[0]
+    assert (hidden.owner, hidden.method) == (MiniMaxH3RolloutWeightSyncMixin.__name__, "encode_prompt")
     pipeline = H3StylePipeline(encoder)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache"):
         cache = install_prompt_embed_cache(pipeline, max_size=8)
@@ -242,7 +238,7 @@ def test_an_encode_that_reads_hidden_input_is_never_served_from_the_cache(encode
     stats = cache.stats()
     assert (stats["hits"], stats["misses"], len(cache)) == (0, 0, 0)
     assert stats["bypass_reasons"] == {hidden.reason: 3}
-    assert "self._h3_prompt_ids (set by _ensure_prompt_text)" in hidden.reason
+    assert hidden.reason.startswith("encode_prompt reads self._h3_prompt_ids (set by _ensure_prompt_text), which")
 
 
 def test_without_the_refusal_the_hidden_input_pattern_would_get_a_wrong_embedding(encoder) -> None:
@@ -256,6 +252,22 @@ def test_without_the_refusal_the_hidden_input_pattern_would_get_a_wrong_embeddin
     first = pipeline.forward({"prompt_token_ids": ids(11, 9)})[0]
     second = pipeline.forward({"prompt_token_ids": ids(12, 9)})[0]
     assert torch.equal(first, second)  # served the first prompt's embedding: the hazard the refusal prevents
+
+
+def test_a_subclass_of_both_hidden_input_classes_names_the_adapters_attribute() -> None:
+    """verl-omni's adapter subclasses vLLM-Omni's MiniMaxH3Pipeline, whose encode_prompt is refused too."""
+    from vllm_omni_prompt_cache.vllm_omni.methods import hidden_input
+
+    class MiniMaxH3Pipeline:
+        def encode_prompt(self, prepared):
+            return prepared
+
+    class Adapter(MiniMaxH3RolloutWeightSyncMixin, MiniMaxH3Pipeline):
+        pass
+
+    assert "self._h3_prompt_ids" in hidden_input(Adapter, "encode_prompt").reason
+    assert "by broadcast from rank 0" in hidden_input(MiniMaxH3Pipeline, "encode_prompt").reason
+    assert hidden_input(MiniMaxH3Pipeline, "encode_prompt_from_token_ids") is None
 
 
 def test_the_registries_name_real_classes_and_methods() -> None:

@@ -38,18 +38,18 @@ class KnownMethod:
 
 @dataclass(frozen=True)
 class HiddenInput:
-    """An encode method whose result depends on an attribute its caller set, not on its arguments."""
+    """An encode method whose result depends on input that is not an argument (state its caller set,
+    or tensors another rank broadcasts)."""
 
     owner: str
     method: str
-    attribute: str
-    set_by: str  # the method that sets the attribute before each call
+    hidden: str  # what it reads, as the bypass reason names it
 
     @property
     def reason(self) -> str:
         """Return the bypass reason every call of the method is counted under."""
         return (
-            f"{self.method} reads self.{self.attribute} (set by {self.set_by}), which is not an argument: "
+            f"{self.method} reads {self.hidden}, which is not an argument: "
             "calls with equal arguments may need different embeddings, so none is cached"
         )
 
@@ -73,9 +73,20 @@ KNOWN_METHODS: tuple[KnownMethod, ...] = (
     ),
 )
 
-#: Encode methods that read hidden input: refused, whatever else would cache them.
+#: Encode methods that read hidden input: refused, whatever else would cache them. The first that
+#: applies to a class names the reason (verl-omni's MiniMax-H3 adapter subclasses vLLM-Omni's).
 HIDDEN_INPUTS: tuple[HiddenInput, ...] = (
-    HiddenInput("MiniMaxH3RolloutWeightSyncMixin", "encode_prompt", "_h3_prompt_ids", "_ensure_prompt_text"),
+    # verl-omni's MiniMax-H3 DiffusionNFT adapter: the request's ids, behind encode_prompt(prompt="[pretokenized]").
+    HiddenInput("MiniMaxH3RolloutWeightSyncMixin", "encode_prompt", "self._h3_prompt_ids (set by _ensure_prompt_text)"),
+    # vLLM-Omni 0.30: rank 0 encodes the prepared inputs; every other DiT rank is called with
+    # prepared=None and receives them by broadcast, so a hit there would skip rank 0's collectives.
+    HiddenInput(
+        "MiniMaxH3Pipeline", "encode_prompt", "its inputs by broadcast from rank 0 on every other rank (prepared=None)"
+    ),
+    # vLLM-Omni 0.30's Ming pipelines: forward stashes each request's thinker conditioning, then
+    # calls encode_prompt with the same arguments for every request.
+    HiddenInput("MingImagePipeline", "encode_prompt", "self._pending_prompt_embeds (set by forward)"),
+    HiddenInput("MingImageDiffusionPipeline", "encode_prompt", "self._pending_prompt_embeds (set by forward)"),
 )
 
 
