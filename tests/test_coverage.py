@@ -1,8 +1,9 @@
-"""The coverage matrix in docs/coverage.md holds: each claimed row re-runs and gives the same verdict.
+"""The coverage matrix in docs/coverage.md holds: each claimed row re-runs and gives the same verdict,
+and its rows are exactly the classes the installed vLLM-Omni ships with an encode method the cache wraps.
 
 The cases run in a subprocess, as the script does: several text stacks need vLLM's tensor-parallel
 layers, whose one-rank process group would outlive them and break the in-process engines of later
-tests.
+tests. The same process enumerates the classes (``coverage/classes.py``), after the cases.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 pytest.importorskip("vllm_omni", reason="the coverage matrix runs vLLM-Omni's pipelines")
 
 from vllm_omni_prompt_cache.coverage.__main__ import all_cases
+from vllm_omni_prompt_cache.coverage.harness import NotBuilt
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
 ROW = re.compile(r"^\| `(?P<pipeline>\w+)` \| (?P<verdict>[^|]+) \| [^|]* \| (?P<whole>[^|]*) \| (?P<rows>[^|]*) \|")
@@ -53,8 +55,28 @@ def measured() -> dict:
 
 
 def test_the_table_lists_every_case_and_at_least_twenty_pipelines() -> None:
+    assert len(set(PIPELINES)) == len(PIPELINES), "a class with two cases"
     assert sorted(CLAIMED) == PIPELINES
     assert len(CLAIMED) >= 20
+
+
+def test_every_class_vllm_omni_ships_has_a_case_and_every_case_a_class(measured) -> None:
+    enumerated = measured["enumerated"]["classes"]
+    missing = sorted(set(enumerated) - set(PIPELINES))
+    assert not missing, f"classes with neither a Case nor a NotBuilt: {[enumerated[name] for name in missing]}"
+    assert not sorted(set(PIPELINES) - set(enumerated)), "cases naming no class the installed vLLM-Omni ships"
+
+
+def test_every_not_built_class_says_why() -> None:
+    unexplained = [case.pipeline for case in all_cases() if isinstance(case, NotBuilt) and not case.reason.strip()]
+    assert not unexplained
+
+
+def test_no_module_the_enumeration_could_not_import_defines_an_encode_method(measured) -> None:
+    unimportable = measured["enumerated"]["unimportable"]
+    hiding = {module: broken for module, broken in unimportable.items() if broken["encode_methods"]}
+    assert not hiding, f"modules that did not import here would add classes: {hiding}"
+    assert len(unimportable) <= 3, f"more model modules fail to import than expected: {sorted(unimportable)}"
 
 
 def test_every_claimed_row_holds(measured) -> None:

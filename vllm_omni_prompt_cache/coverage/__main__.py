@@ -1,7 +1,9 @@
 """``python -m vllm_omni_prompt_cache.coverage [--write docs/coverage.md | --json]``: run every case, print the table.
 
 Run it in a process of its own: some text stacks (vLLM's tensor-parallel layers) set up a one-rank
-process group that stays for the life of the process.
+process group that stays for the life of the process. The classes the table must list are
+enumerated from the installed vLLM-Omni (``classes.py``) after the cases ran, so that importing
+every model module cannot change what a case measures.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import pkgutil
 import sys
 from pathlib import Path
 
+from vllm_omni_prompt_cache.coverage.classes import PACKAGE, Enumeration, enumerate_classes
 from vllm_omni_prompt_cache.coverage.harness import NOT_BUILT, VERDICTS, Case, NotBuilt, Verdict, judge
 from vllm_omni_prompt_cache.coverage.paths import build_path
+from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT
 
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 COMMAND = "python -m vllm_omni_prompt_cache.coverage --write docs/coverage.md"
@@ -46,7 +50,8 @@ def table(verdicts: list[Verdict], paths: dict[str, str]) -> str:
     for verdict in verdicts:
         gap = "" if verdict.gap is None else "exact" if verdict.gap == 0 else f"gap {verdict.gap:.1e}"
         yes = {True: "yes", False: "no"}
-        why = "; ".join(part for part in (verdict.reason, verdict.note) if part)
+        through = f"drives `{verdict.method}`" if verdict.method != ENCODE_PROMPT else ""
+        why = "; ".join(part for part in (through, verdict.reason, verdict.note) if part)
         lines.append(
             f"| `{verdict.pipeline}` | {verdict.verdict} | {verdict.inputs} | "
             f"{yes[verdict.whole_call_hit] if verdict.verdict != NOT_BUILT else ''} | "
@@ -54,6 +59,27 @@ def table(verdicts: list[Verdict], paths: dict[str, str]) -> str:
             f"{paths.get(verdict.pipeline, '')} | {why.replace('|', '/')} |"
         )
     return "\n".join(lines)
+
+
+def enumerated(classes: Enumeration) -> str:
+    """Say where the table's class list comes from, and what the enumeration left out and why."""
+    import vllm_omni
+
+    said = (
+        f"The {len(classes.classes)} classes are enumerated from the installed vLLM-Omni {vllm_omni.__version__} "
+        f"(every module under `{PACKAGE}`, `vllm_omni_prompt_cache/coverage/classes.py`); "
+        "`tests/test_coverage.py` fails when one has no row or a row names no such class."
+    )
+    if classes.bases:
+        said += " Left out as bases (unregistered, only inherited from): " + _names(classes.bases) + "."
+    for module, broken in classes.unimportable.items():
+        defines = ", ".join(f"`{name}`" for name in broken.encode_methods) or "no encode method"
+        said += f" Not importable here: `{module}` ({broken.reason.replace('|', '/')}); its source defines {defines}."
+    return said
+
+
+def _names(classes: dict[str, str]) -> str:
+    return ", ".join(f"`{name}`" for name in classes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(judge(case))
         paths[case.pipeline] = build_path(case.pipeline)
         print(f"{verdicts[-1].pipeline}: {verdicts[-1].verdict} {verdicts[-1].reason}", file=sys.stderr)
+    classes = enumerate_classes()
     if args.json:
-        print(json.dumps({"verdicts": [dataclasses.asdict(v) for v in verdicts], "paths": paths}))
+        listed = {"verdicts": [dataclasses.asdict(v) for v in verdicts], "paths": paths}
+        print(json.dumps({**listed, "enumerated": dataclasses.asdict(classes)}))
         return 0
-    rendered = table(verdicts, paths)
+    rendered = f"{table(verdicts, paths)}\n\n{enumerated(classes)}"
     print(rendered)
     if args.write is not None:
         text = args.write.read_text()

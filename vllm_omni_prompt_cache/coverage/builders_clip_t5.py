@@ -289,10 +289,11 @@ def _od_config() -> Any:
 # --- FLUX.1 -----------------------------------------------------------------------------------
 
 
-def _flux() -> Any:
-    from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
+def _flux(name: str = "FluxPipeline") -> Any:
+    """FLUX.1 pipeline class ``name`` (``FluxPipeline`` or its DMD2 subclass) with CLIP-L and vLLM-Omni's T5."""
+    from vllm_omni.diffusion.models.flux import pipeline_flux
 
-    pipeline = _bare(FluxPipeline)
+    pipeline = _bare(getattr(pipeline_flux, name))
     pipeline.device = CPU
     pipeline.tokenizer, pipeline.text_encoder = _clip_tokenizer(), _clip("L", projection=False)
     pipeline.tokenizer_2, pipeline.text_encoder_2 = _t5_tokenizer(), _vllm_omni_t5()
@@ -496,6 +497,13 @@ _LTX2_CLASSES = {
 
 CASES: list[Case | NotBuilt] = [
     Case("FluxPipeline", _flux, _flux_call, PROMPTS, note="vLLM-Omni's T5EncoderModel in a one-rank gloo group"),
+    Case(
+        "FluxDMD2Pipeline",
+        functools.partial(_flux, "FluxDMD2Pipeline"),
+        _flux_call,
+        PROMPTS,
+        note="DMD2 strips the negative prompt and true CFG: positive only, the call of FluxPipeline's case",
+    ),
     Case(
         "FluxKontextPipeline",
         _flux_kontext,

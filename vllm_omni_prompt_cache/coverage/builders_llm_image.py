@@ -8,13 +8,15 @@ Families and what each shares (nothing is downloaded; every tokenizer is trained
 * Qwen2.5-VL (LongCat-Image, LongCat-Image-Edit, OmniGen2): one ``Qwen2_5_VLForConditionalGeneration``
   with a one-block vision tower, and a ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor`` around the
   same tokenizer.
-* Qwen3-VL (Boogu-Image, Krea 2): one ``Qwen3VLModel`` and a ``Qwen3VLProcessor``; Krea 2 gets a copy
-  without the vision tower, as its ``__init__`` deletes it.
+* Qwen3-VL (Boogu-Image and its Turbo, Krea 2): one ``Qwen3VLModel`` and a ``Qwen3VLProcessor``; Krea 2
+  gets a copy without the vision tower, as its ``__init__`` deletes it.
 * Mistral (FLUX.2, ERNIE-Image): one ``Mistral3Config``; FLUX.2 builds vLLM-Omni's own
   ``MistralEncoderModel`` (vLLM parallel layers, inside a one-process gloo TP group) behind a
   ``PixtralProcessor``, ERNIE-Image the transformers ``Mistral3Model``; both share one BPE tokenizer.
 * T5: GLM-Image's glyph encoder, a ``T5EncoderModel`` over the byte-level ``ByT5Tokenizer``;
   Anima's second tokenizer, a unigram ``T5Tokenizer`` trained here.
+* None (Ming-flash-omni image generation, Ming-Image): Z-Image subclasses whose ``encode_prompt`` hands
+  back the conditioning their forward computed from another stage's hidden states.
 
 Each pipeline object is made with ``Kind.__new__(Kind)`` + ``torch.nn.Module.__init__`` and given the
 attributes its stock ``__init__`` (or ``load_weights``) sets that its ``encode_prompt`` reads. Layer
@@ -29,6 +31,7 @@ import copy
 import functools
 import json
 import string
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -761,10 +764,11 @@ def _boogu_transformer() -> Any:
     return _randomize_vllm_module(transformer)
 
 
-def _boogu_image() -> Any:
+def _boogu_image(name: str = "BooguImagePipeline") -> Any:
+    """Boogu-Image pipeline class ``name`` (the base or Turbo) on the tiny Qwen3-VL and Boogu transformer."""
     from vllm_omni.diffusion.models.boogu_image import pipeline_boogu_image as boogu
 
-    pipeline = _blank(boogu.BooguImagePipeline)
+    pipeline = _blank(getattr(boogu, name))
     pipeline._execution_device = CPU
     pipeline.mllm = _qwen3_vl()
     pipeline.processor = _qwen3_vl_processor()
@@ -788,6 +792,78 @@ def _boogu_call(pipeline: Any, prompts: Sequence[str]) -> Any:
         max_sequence_length=1280,
         input_images=None,
     )
+
+
+def _boogu_turbo_call(pipeline: Any, prompts: Sequence[str]) -> Any:
+    """As BooguImageTurboPipeline.forward calls it: guidance must be 1.0, so no negative instruction."""
+    return pipeline.encode_prompt(
+        list(prompts),
+        do_classifier_free_guidance=False,
+        negative_prompt=None,
+        num_images_per_prompt=1,
+        device=pipeline._execution_device,
+        max_sequence_length=1280,
+        input_images=None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ming: Z-Image pipelines whose conditioning comes from another stage
+# ---------------------------------------------------------------------------------------------
+
+
+def _ming_condition(prompt: str) -> torch.Tensor:
+    """The conditioning one request brings to a Ming diffusion stage: random, fixed by ``prompt``.
+
+    It stands for what Ming's forward computes from the thinker stage's hidden states (its condition
+    encoder's output), which its encode_prompt only hands back.
+    """
+    generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
+    return torch.randn(8, 32, generator=generator)
+
+
+def _ming_call(pipeline: Any, prompts: Sequence[str], *, guidance: bool) -> tuple[Any, ...]:
+    """As Ming's forward runs, one request per forward: stash its conditioning, then call as ZImagePipeline.forward.
+
+    Ming's inner request always has the prompt "", so every request's call has the same arguments.
+    """
+    served = []
+    for prompt in prompts:
+        pipeline._pending_prompt_embeds = [_ming_condition(prompt)]
+        pipeline._pending_negative_prompt_embeds = [torch.zeros(8, 32)]
+        served.append(
+            pipeline.encode_prompt(
+                prompt=[""],
+                negative_prompt=None,
+                do_classifier_free_guidance=guidance,
+                prompt_embeds=None,
+                negative_prompt_embeds=None,
+                device=CPU,
+                max_sequence_length=512,
+            )
+        )
+        pipeline._pending_prompt_embeds = pipeline._pending_negative_prompt_embeds = None  # forward's finally
+    return tuple(served)
+
+
+def _ming_image() -> Any:
+    from vllm_omni.diffusion.models.ming_flash_omni.pipeline_ming_imagegen import MingImagePipeline
+
+    return _blank(MingImagePipeline)
+
+
+def _ming_image_diffusion() -> Any:
+    from vllm_omni.diffusion.models.ming_image.pipeline import MingImageDiffusionPipeline
+
+    return _blank(MingImageDiffusionPipeline)
+
+
+#: Why the Ming rows are not covered: what encode_prompt returns depends on none of its arguments.
+MING_HIDDEN_INPUT = (
+    "encode_prompt returns self._pending_prompt_embeds, which forward sets from the request's thinker hidden "
+    'states before each call, and forward calls it with prompt [""] for every request: its output depends on '
+    "no argument. One request a forward; random conditioning stands in for the condition encoder's output"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -886,6 +962,29 @@ CASES: list[Case | NotBuilt] = [
         _boogu_call,
         PROMPTS,
         note="a one-layer Boogu transformer built for its instruction_feature_configs",
+    ),
+    Case(
+        "BooguImageTurboPipeline",
+        functools.partial(_boogu_image, "BooguImageTurboPipeline"),
+        _boogu_turbo_call,
+        PROMPTS,
+        note="Turbo: guidance 1.0, no negative instruction; one request a forward, the batched calls pass a list",
+    ),
+    Case(
+        "MingImagePipeline",
+        _ming_image,
+        functools.partial(_ming_call, guidance=True),
+        PROMPTS,
+        inputs="thinker conditioning",
+        note=f"Ming-flash-omni image generation, CFG on; {MING_HIDDEN_INPUT}",
+    ),
+    Case(
+        "MingImageDiffusionPipeline",
+        _ming_image_diffusion,
+        functools.partial(_ming_call, guidance=False),
+        PROMPTS,
+        inputs="thinker conditioning",
+        note=f"Ming-Image, default guidance 1.0: CFG off; {MING_HIDDEN_INPUT}",
     ),
     Case(
         "AnimaPipeline",

@@ -54,6 +54,12 @@ def _qwen_image_layered() -> Any:
     return _text_pipeline(QwenImageLayeredPipeline)
 
 
+def _qwen_image_dmd2() -> Any:
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImageDMD2Pipeline
+
+    return _text_pipeline(QwenImageDMD2Pipeline)
+
+
 def _forward_call(pipeline: Any, prompts: Sequence[str]) -> Any:
     """As QwenImagePipeline.forward calls it: keywords, no precomputed embeddings."""
     return pipeline.encode_prompt(
@@ -80,6 +86,13 @@ def _layered_call(pipeline: Any, prompts: Sequence[str]) -> Any:
 CASES: list[Case | NotBuilt] = [
     Case("QwenImagePipeline", _qwen_image, _forward_call, PROMPTS),
     Case("QwenImageLayeredPipeline", _qwen_image_layered, _layered_call, PROMPTS),
+    Case(
+        "QwenImageDMD2Pipeline",
+        _qwen_image_dmd2,
+        _forward_call,
+        PROMPTS,
+        note="DMD2 strips the negative prompt and true CFG: positive only, the call of QwenImagePipeline's case",
+    ),
     NotBuilt(
         "QwenImageEditPipeline",
         "its encode_prompt runs the Qwen2.5-VL processor on the condition image; the tiny model has no "

@@ -1,16 +1,20 @@
 """Video pipelines' text stacks (Wan2.2, Helios, HunyuanVideo-1.5, SANA-Video, LingBot, LongCat, MAGI-2), built tiny.
 
+MiniMax-H3 is listed, not built (its case says why).
+
 Only the text path is built: each pipeline object is made without its ``__init__`` and given the
 attributes that ``__init__`` sets and ``encode_prompt`` reads, nothing of its transformer or VAE.
 The stacks (random weights from a fixed seed, tokenizers made here, nothing downloaded):
 
-* UMT5 (Wan2.2 T2V / I2V / S2V, Helios, LongCat-Video-Avatar): the encoder and T5 unigram
-  tokenizer of the tiny Wan2.2 checkpoint (``tiny/wan22.py``), shared by all five.
+* UMT5 (Wan2.2 T2V / I2V / S2V / VACE and the DMD2 T2V / I2V, Helios, LongCat-Video-Avatar,
+  LingBot-World): the encoder and T5 unigram tokenizer of the tiny Wan2.2 checkpoint
+  (``tiny/wan22.py``), shared by all nine.
 * HunyuanVideo-1.5 (T2V and I2V share it): a ``Qwen2_5_VLTextModel`` behind a byte-level BPE
   ``Qwen2Tokenizer`` with a Qwen chat template, and for quoted glyph text ``ByT5Tokenizer`` (no files)
   with vLLM-Omni's own tensor-parallel ``T5EncoderModel``, loaded from a random transformers T5 through
   its ``load_weights`` in a one-rank gloo group, as its loader would.
-* SANA-Video: a ``Gemma2Model`` behind a ``GemmaTokenizer`` built from a BPE trained here.
+* SANA-Video (text- and image-to-video): a ``Gemma2Model`` behind a ``GemmaTokenizer`` built from a
+  BPE trained here.
 * LingBot-Video: a ``Qwen3VLForConditionalGeneration`` (one-block vision tower, never run on text)
   behind a ``Qwen3VLProcessor`` of the same BPE tokenizer and default image / video processors.
 * MAGI-2: its ``Magi2Qwen35TextEncoder``, built by its own ``__init__`` from a tiny ``Qwen3_5TextModel``
@@ -22,6 +26,7 @@ prompt tokenizes without unknowns. Prompts are texts, called with the keywords e
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import string
@@ -113,6 +118,32 @@ def _wan22_i2v() -> Any:
     return _umt5_pipeline(Wan22I2VPipeline)
 
 
+def _wan_t2v_dmd2() -> Any:
+    from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import WanT2VDMD2Pipeline
+
+    return _umt5_pipeline(WanT2VDMD2Pipeline)
+
+
+def _wan_i2v_dmd2() -> Any:
+    from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2_i2v import WanI2VDMD2Pipeline
+
+    return _umt5_pipeline(WanI2VDMD2Pipeline)
+
+
+def _wan22_vace() -> Any:
+    from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2_vace import Wan22VACEPipeline
+
+    return _umt5_pipeline(Wan22VACEPipeline)
+
+
+def _lingbot_world() -> Any:
+    from vllm_omni.diffusion.models.lingbot_world.pipeline import LingBotWorldCausalDMDPipeline
+
+    pipeline = _umt5_pipeline(LingBotWorldCausalDMDPipeline)
+    pipeline._prompt_embeds_cache = collections.OrderedDict()  # its own LRU of encodes, as __init__ makes it
+    return pipeline
+
+
 def _wan22_s2v() -> Any:
     from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2_s2v import Wan22S2VPipeline
 
@@ -149,6 +180,27 @@ def _wan_call(pipeline: Any, prompts: Sequence[str]) -> Any:
         device=pipeline.device,
         dtype=DTYPE,
     )
+
+
+def _wan_dmd2_call(pipeline: Any, prompts: Sequence[str]) -> Any:
+    """As Wan22Pipeline / Wan22I2VPipeline.forward call it under DMD2: guidance forced to 1.0, so CFG off."""
+    return pipeline.encode_prompt(
+        prompt=list(prompts),
+        negative_prompt=None,
+        do_classifier_free_guidance=False,
+        num_videos_per_prompt=1,
+        max_sequence_length=512,
+        device=pipeline.device,
+        dtype=DTYPE,
+    )
+
+
+def _lingbot_world_call(pipeline: Any, prompts: Sequence[str]) -> tuple[Any, ...]:
+    """As LingBotWorldCausalDMDPipeline.forward calls it: one prompt (a str) a request, 512 positions.
+
+    Its encode_prompt takes no list, so a batch is one call per prompt, in order.
+    """
+    return tuple(pipeline.encode_prompt(prompt, max_sequence_length=512, dtype=DTYPE) for prompt in prompts)
 
 
 def _s2v_call(pipeline: Any, prompts: Sequence[str]) -> Any:
@@ -361,10 +413,11 @@ def _gemma_stack() -> tuple[Any, Any]:
     return tokenizer, transformers.Gemma2Model(config).eval()
 
 
-def _sana_video() -> Any:
-    from vllm_omni.diffusion.models.sana_video.pipeline_sana_video import SanaVideoPipeline
+def _sana_video(name: str = "SanaVideoPipeline") -> Any:
+    """SANA-Video pipeline class ``name`` (text-to-video, or its image-to-video subclass) on the Gemma 2 stack."""
+    from vllm_omni.diffusion.models import sana_video
 
-    pipeline = _bare(SanaVideoPipeline)
+    pipeline = _bare(getattr(sana_video, name))
     pipeline.tokenizer, pipeline.text_encoder = _gemma_stack()
     pipeline.device = CPU
     pipeline._guidance_scale = 6.0  # forward's default, read back through do_classifier_free_guidance
@@ -388,6 +441,22 @@ def _sana_call(pipeline: Any, prompts: Sequence[str]) -> Any:
         clean_caption=False,
         max_sequence_length=300,
         complex_human_instruction=list(SANA_VIDEO_COMPLEX_HUMAN_INSTRUCTION),
+    )
+
+
+def _sana_i2v_call(pipeline: Any, prompts: Sequence[str]) -> Any:
+    """As SanaImageToVideoPipeline._generate_i2v calls it: an empty negative prompt, its own instruction."""
+    from vllm_omni.diffusion.models.sana_video.pipeline_sana_video_i2v import SANA_VIDEO_I2V_COMPLEX_HUMAN_INSTRUCTION
+
+    return pipeline.encode_prompt(
+        _one_or_many(prompts),
+        pipeline.do_classifier_free_guidance,
+        negative_prompt="",
+        num_videos_per_prompt=1,
+        device=pipeline.device,
+        clean_caption=False,
+        max_sequence_length=300,
+        complex_human_instruction=list(SANA_VIDEO_I2V_COMPLEX_HUMAN_INSTRUCTION),
     )
 
 
@@ -537,6 +606,7 @@ def _magi2_call(pipeline: Any, prompts: Sequence[str]) -> Any:
 
 
 ONE_PROMPT = "its forward takes one prompt a request; the batched calls pass a list"
+DMD2_CFG_OFF = "DMD2 forces guidance 1.0: CFG off, no negative encoded"
 
 CASES: list[Case | NotBuilt] = [
     Case("Wan22Pipeline", _wan22, _wan_call, PROMPTS),
@@ -577,7 +647,48 @@ CASES: list[Case | NotBuilt] = [
         _magi2,
         _magi2_call,
         PROMPTS,
-        note="its forward encodes through _encode_prompts((prompt, negative)), which the cache does not wrap; "
-        "encode_prompt (one string) is a wrapper no forward calls",
+        note="its forward encodes through _encode_prompts((prompt, negative)), a known method the cache wraps; "
+        "encode_prompt (one string) is a wrapper no forward calls; the batched calls pass (A, B, negative)",
+        method="_encode_prompts",
+    ),
+    Case("WanT2VDMD2Pipeline", _wan_t2v_dmd2, _wan_dmd2_call, PROMPTS, note=DMD2_CFG_OFF),
+    Case(
+        "WanI2VDMD2Pipeline",
+        _wan_i2v_dmd2,
+        _wan_dmd2_call,
+        PROMPTS,
+        note=f"{DMD2_CFG_OFF}; text path only (the image goes to encode_image)",
+    ),
+    Case(
+        "Wan22VACEPipeline",
+        _wan22_vace,
+        _wan_call,
+        PROMPTS,
+        note="text-to-video mode, default guidance 5.0: CFG on; reference images and videos are encoded apart",
+    ),
+    Case(
+        "SanaImageToVideoPipeline",
+        functools.partial(_sana_video, "SanaImageToVideoPipeline"),
+        _sana_i2v_call,
+        PROMPTS,
+        note=f"{ONE_PROMPT}; its own complex human instruction; the image is encoded apart",
+    ),
+    Case(
+        "LingBotWorldCausalDMDPipeline",
+        _lingbot_world,
+        _lingbot_world_call,
+        PROMPTS,
+        note="encode_prompt takes one str (no rows): a batch here is one call per prompt; it already keeps its "
+        "own 4-entry LRU of encodes, keyed by normalised text, length and dtype, in front of which the cache sits",
+    ),
+    NotBuilt(
+        "MiniMaxH3Pipeline",
+        "its encode_prompt takes one PreparedEncoderInputs (prompt, task, condition labels, images, videos and "
+        "their timestamps), a dataclass the key builder refuses (unsupported type), so every rank-0 call would "
+        "bypass; building it needs MiniMaxH3Qwen3VLEncoder (vLLM-Omni's own TP Qwen3-VL with a vision tower) "
+        "loaded through its weight-name mapping. It reads no per-request hidden state (the request is all in "
+        "`prepared`; self holds the tokenizer, processor, encoder and its TP group), but on DiT ranks other than 0 "
+        "it is called with prepared=None and gets the ids by broadcast from rank 0, so a hit there would skip rank "
+        "0's collectives: refused (HIDDEN_INPUTS), every call a bypass",
     ),
 ]

@@ -1,8 +1,9 @@
 """What a coverage case is, and how one is judged against the pipeline's own uncached calls.
 
-A :class:`Case` builds a vLLM-Omni pipeline object whose real ``encode_prompt`` runs on a tiny
-random-weight text stack and says how that pipeline's forward calls it. :func:`judge` runs the
-same calls on two fresh builds, one cached and one not:
+A :class:`Case` builds a vLLM-Omni pipeline object whose real encode method (``encode_prompt``, or
+the one its forward calls instead) runs on a tiny random-weight text stack, and says how that
+pipeline's forward calls it. :func:`judge` runs the same calls on two fresh builds, one cached and
+one not, and reads the counts and the row layout of that method alone:
 
 1. prompt A, twice: the second call must be a whole-call hit, equal to the uncached call;
 2. prompts [A, B]: the first batched call (a row layout is checked here, served uncached);
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.proofs import class_path, compare_outputs, refuted_layouts
+from vllm_omni_prompt_cache.proofs import compare_outputs, refuted_layouts
+from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT
 
 COVERED = "covered"
 COVERED_WITHOUT_ROWS = "covered without rows"
@@ -38,14 +40,15 @@ VERDICTS = (COVERED, COVERED_WITHOUT_ROWS, NOT_COVERED, NOT_BUILT)
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One pipeline class, built tiny, and how its forward calls ``encode_prompt``."""
+    """One pipeline class, built tiny, and how its forward calls its encode method."""
 
     pipeline: str  # the vLLM-Omni class name, as its registry names it
     build: Callable[[], Any]  # a fresh pipeline with the same (seeded) weights every time
-    encode: Callable[[Any, Sequence[Any]], Any]  # pipeline.encode_prompt(...) for these prompts, as forward calls it
+    encode: Callable[[Any, Sequence[Any]], Any]  # pipeline.<method>(...) for these prompts, as forward calls it
     prompts: tuple[Any, Any]  # two distinct prompts, in the form ``encode`` takes
     inputs: str = "text"  # what the prompts are: "text", "token ids", "text + image", ...
     note: str = ""  # anything the table should say about how the case was built
+    method: str = ENCODE_PROMPT  # the wrapped method ``encode`` drives: its counts and layout are judged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Verdict:
     gap: float | None = None  # the largest relative difference from the uncached calls (0.0: bit-identical)
     reason: str = ""  # why rows, or anything, are missing
     note: str = ""
+    method: str = ENCODE_PROMPT  # the encode method judged
 
 
 def judge(case: Case) -> Verdict:
@@ -79,6 +83,7 @@ def judge(case: Case) -> Verdict:
 
 def _judge(case: Case) -> Verdict:
     first, second = case.prompts
+    verdict = functools.partial(Verdict, case.pipeline, inputs=case.inputs, method=case.method)
     try:
         reference = case.build()
         expected = {
@@ -89,23 +94,24 @@ def _judge(case: Case) -> Verdict:
         pipeline = case.build()
         cache = install_prompt_embed_cache(pipeline, max_size=64)
     except Exception as error:  # a builder that no longer fits vLLM-Omni: the table says so
-        why = _failure("building or the uncached calls", error)
-        return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=why)
+        return verdict(NOT_COVERED, reason=_failure("building or the uncached calls", error))
     if cache is None:
-        return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason="install_prompt_embed_cache installed nothing")
+        return verdict(NOT_COVERED, reason="install_prompt_embed_cache installed nothing")
+    if case.method not in pipeline._prompt_embed_cache_layouts:
+        return verdict(NOT_COVERED, reason=f"the cache does not wrap {case.method}", note=case.note)
     try:
         served = [case.encode(pipeline, [first]), case.encode(pipeline, [first])]
-        after_single = cache.snapshot()
+        after_single = _method_counts(cache, case.method)
         served_batch = case.encode(pipeline, [first, second])
-        before_rows = cache.snapshot()
+        before_rows = _method_counts(cache, case.method)
         served_rows = case.encode(pipeline, [second, first])
-        after_rows = cache.snapshot()
+        after_rows = _method_counts(cache, case.method)
     except Exception as error:  # the cached path must never fail where the uncached one worked
-        return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=_failure("a cached call", error))
+        return verdict(NOT_COVERED, reason=_failure("a cached call", error))
 
-    bypassed = dict(after_rows.bypass_reasons)
+    bypassed = dict(after_rows["bypass_reasons"])
     if bypassed:
-        return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=f"bypassed: {', '.join(bypassed)}")
+        return verdict(NOT_COVERED, reason=f"bypassed: {', '.join(bypassed)}", note=case.note)
     gaps = []
     for got, want, what in (
         (served[0], expected["A"], "A"),
@@ -115,33 +121,36 @@ def _judge(case: Case) -> Verdict:
     ):
         why, gap = compare_outputs(got, want)
         if why is not None:
-            return Verdict(case.pipeline, NOT_COVERED, case.inputs, reason=f"{what} differs from uncached: {why}")
+            return verdict(NOT_COVERED, reason=f"{what} differs from uncached: {why}", note=case.note)
         gaps.append(gap)
-    whole_hit = after_single.hits >= 1
-    encoded_again = after_rows.rows_encoded - before_rows.rows_encoded
-    rows_served = encoded_again == 0 and after_rows.row_hits >= before_rows.row_hits + 2
+    whole_hit = after_single["hits"] >= 1
+    encoded_again = after_rows["rows_encoded"] - before_rows["rows_encoded"]
+    rows_served = encoded_again == 0 and after_rows["row_hits"] >= before_rows["row_hits"] + 2
     gap = max(gaps)
     if whole_hit and rows_served:
-        return Verdict(case.pipeline, COVERED, case.inputs, True, True, gap, note=case.note)
-    return Verdict(
-        case.pipeline,
+        return verdict(COVERED, whole_call_hit=True, rows=True, gap=gap, note=case.note)
+    return verdict(
         COVERED_WITHOUT_ROWS if whole_hit else NOT_COVERED,
-        case.inputs,
-        whole_hit,
-        False,
-        gap if whole_hit else None,
-        reason=_why_no_rows(pipeline, after_rows) if whole_hit else "the repeated call was not a hit",
+        whole_call_hit=whole_hit,
+        gap=gap if whole_hit else None,
+        reason=_why_no_rows(pipeline, case.method, after_rows) if whole_hit else "the repeated call was not a hit",
         note=case.note,
     )
 
 
-def _why_no_rows(pipeline: Any, stats: Any) -> str:
-    proof = pipeline._prompt_embed_cache_layout
-    refuted = refuted_layouts(class_path(type(pipeline)))
+def _method_counts(cache: Any, method: str) -> dict[str, Any]:
+    """Return ``method``'s counts now, as ``cache.stats()["methods"][method]`` holds them (zeros before a call)."""
+    counts = cache.snapshot().methods.get(method, {})
+    return {"hits": 0, "rows_encoded": 0, "row_hits": 0, "bypass_reasons": {}, "whole_call_reasons": {}, **counts}
+
+
+def _why_no_rows(pipeline: Any, method: str, counts: dict[str, Any]) -> str:
+    proof = pipeline._prompt_embed_cache_layouts[method]
+    refuted = refuted_layouts(proof.owner)
     if refuted:
         return "layout refuted: " + "; ".join(refuted.values())
-    if stats.whole_call_reasons:
-        return "calls keyed whole: " + ", ".join(stats.whole_call_reasons)
+    if counts["whole_call_reasons"]:
+        return "calls keyed whole: " + ", ".join(counts["whole_call_reasons"])
     return f"no row layout ({proof.source})"
 
 
