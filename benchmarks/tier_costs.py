@@ -136,9 +136,7 @@ def main() -> None:
     demo_pipeline = DemoEncoderPipeline(encoder)
     demo_pipeline.tokenizer = load_tokenizer(model_dir)
     started = time.perf_counter()
-    pipeline_fingerprint(
-        demo_pipeline, code_and_configuration(demo_pipeline, {"encode_prompt": demo_pipeline.encode_prompt}, "demo")
-    )
+    pipeline_fingerprint(demo_pipeline, code_and_configuration(demo_pipeline, demo_pipeline.encode_prompt, "demo"))
     demo_s = time.perf_counter() - started
     big = torch.nn.Linear(16384, 32768, bias=False, dtype=torch.bfloat16)  # 1 GiB of weights
     started = time.perf_counter()

@@ -235,6 +235,8 @@ def test_row_layout_declarations_parse_from_text_and_mappings_and_the_env_wins()
         "",
         0,
         -1,
+        {"pkg.mod.Adapter": [1]},  # a method that is not a name
+        {"pkg.mod.Adapter": []},
     ],
 )
 def test_a_bad_methods_value_names_the_setting_its_source_and_the_form(value) -> None:

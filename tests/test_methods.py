@@ -49,6 +49,10 @@ def _padded(ids: list[list[int]], length: int) -> torch.Tensor:
 class SD3TokenIdPromptMixin:
     """Token-ID SD3 encoding, shaped like verl-omni's (see the module docstring)."""
 
+    # The cache recognises the method by its class's name and package: this class stands where
+    # verl-omni's is (a same-named class elsewhere is not recognised, see below).
+    __module__ = "verl_omni.pipelines.sd3_flow_grpo.common"
+
     text_encoder: torch.nn.Module
     encoder_rows: int
 
@@ -162,6 +166,13 @@ def test_a_declared_method_is_resolved_with_clear_errors() -> None:
     assert resolve_declared_methods({path: ("encode_prompt_from_token_ids",)}, "a test") == {
         path: ("encode_prompt_from_token_ids",)
     }
+    # A path through a re-export resolves to where the class is defined, which its MRO names.
+    assert resolve_declared_methods({"torch.nn.Linear": ("forward",)}, "a test") == {
+        "torch.nn.modules.linear.Linear": ("forward",)
+    }
+    linear = torch.nn.Linear(2, 2)
+    declared = resolve_declared_methods({"torch.nn.Linear": ("forward",)}, "a test")
+    assert [m.name for m in find_encode_methods(linear, declared)] == ["forward"]
     with pytest.raises(PromptEmbedCacheConfigError) as raised:
         resolve_declared_methods({path: ("encode_from_ids",)}, "a test")
     assert str(raised.value) == (
@@ -172,6 +183,20 @@ def test_a_declared_method_is_resolved_with_clear_errors() -> None:
         resolve_declared_methods({"no_such_package.mod.Pipeline": ("encode",)}, "a test")
     with pytest.raises(PromptEmbedCacheConfigError, match=r"torch\.nn\.NoSuchModule is not an importable class"):
         resolve_declared_methods({"torch.nn.NoSuchModule": ("forward",)}, "a test")
+
+
+def test_a_same_named_class_of_another_package_is_not_taken_for_the_adapter(encoder) -> None:
+    """A fork's class of the adapter's name, defined elsewhere, has code nobody read: not cached."""
+    fork = type("SD3TokenIdPromptMixin", (), dict(vars(SD3TokenIdPromptMixin)) | {"__module__": "my_fork.sd3"})
+    pipeline = type("ForkPipeline", (fork, TextPipeline), {})(encoder)
+    assert [m.name for m in find_encode_methods(pipeline)] == ["encode_prompt"]
+
+    class SameNameOverride(SD3StylePipeline):  # defines it again, even under the owner's own name
+        def encode_prompt_from_token_ids(self, *args, **kwargs):  # type: ignore[override]
+            return super().encode_prompt_from_token_ids(*args, **kwargs)
+
+    SameNameOverride.__name__ = "SD3TokenIdPromptMixin"
+    assert [m.name for m in find_encode_methods(SameNameOverride(encoder))] == ["encode_prompt"]
 
 
 def test_a_known_method_that_a_subclass_replaced_is_not_cached_unless_declared(encoder) -> None:
@@ -270,9 +295,73 @@ def test_a_subclass_of_both_hidden_input_classes_names_the_adapters_attribute() 
     assert hidden_input(MiniMaxH3Pipeline, "encode_prompt_from_token_ids") is None
 
 
+def test_a_wrapped_method_called_by_another_runs_inside_the_outer_call(encoder) -> None:
+    """MAGI-2's encode_prompt calls its _encode_prompts (both wrapped): one encode is one call and one entry."""
+
+    class Magi2Pipeline(TextPipeline):
+        __module__ = "vllm_omni.diffusion.models.magi2.pipeline_magi2"  # where the known method lives
+
+        def _encode_prompts(self, prompts: tuple[str, ...]) -> torch.Tensor:
+            return TextPipeline.encode_prompt(self, list(prompts))
+
+        def encode_prompt(self, prompt: str) -> torch.Tensor:  # type: ignore[override]
+            return self._encode_prompts((prompt,))
+
+    pipeline = Magi2Pipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=8)
+    first = pipeline.encode_prompt("a fox")
+    assert torch.equal(pipeline.encode_prompt("a fox"), first)
+    assert torch.equal(pipeline._encode_prompts(("a fox",)), first)  # as its forward calls it: its own entry
+    assert pipeline._encode_prompts(("a fox",)) is not None
+    stats = cache.stats()
+    assert pipeline.encoder_rows == 2  # encode_prompt's miss (through _encode_prompts), _encode_prompts' miss
+    assert (stats["hits"], stats["misses"], stats["bypassed"], len(cache)) == (2, 2, 0, 2)
+    by_method = stats["methods"]
+    assert (by_method["encode_prompt"]["hits"], by_method["encode_prompt"]["misses"]) == (1, 1)
+    assert (by_method["_encode_prompts"]["hits"], by_method["_encode_prompts"]["misses"]) == (1, 1)
+
+
+def test_upstream_counter_assignment_moves_encode_prompts_share_and_zero_resets_all(encoder) -> None:
+    pipeline = SD3StylePipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=8)
+    pipeline.encode_prompt("a")
+    pipeline.encode_prompt("a")
+    pipeline.encode_prompt_from_token_ids([ids(1, 4)], [ids(2, 4)])
+    assert (cache.hits, cache.misses) == (1, 2)
+    cache.hits += 1  # as upstream's wrapper counts
+    assert cache.stats()["methods"]["encode_prompt"]["hits"] == 2 and cache.hits == 2
+    cache.hits = cache.misses = cache.bypassed = 0
+    assert (cache.hits, cache.misses, cache.bypassed) == (0, 0, 0)
+    assert all(counts["hits"] == counts["misses"] == 0 for counts in cache.stats()["methods"].values())
+
+
 def test_the_registries_name_real_classes_and_methods() -> None:
     assert {(known.owner, known.method) for known in KNOWN_METHODS} >= {
         ("SD3TokenIdPromptMixin", "encode_prompt_from_token_ids"),
         ("LTX23PipelineWithLogProb", "_encode_token_ids"),
         ("Magi2Pipeline", "_encode_prompts"),
     }
+
+
+def test_the_worker_install_resolves_the_setting_and_names_a_bad_class(encoder, monkeypatch) -> None:
+    """``prompt_embed_cache_methods`` from the environment, as a diffusion worker reads it."""
+    from vllm_omni_prompt_cache.config import resolve_prompt_embed_cache_settings
+    from vllm_omni_prompt_cache.vllm_omni import runner
+
+    path = f"{TextPipeline.__module__}.{TextPipeline.__qualname__}"
+    monkeypatch.setenv(METHODS.env, f"{path}=encode_prompt_from_token_ids")  # declared on a base class
+    settings = resolve_prompt_embed_cache_settings(enable=True)
+
+    class Adapter(TextPipeline):  # defines the method in a class nobody listed
+        encode_prompt_from_token_ids = SD3TokenIdPromptMixin.encode_prompt_from_token_ids
+
+    with pytest.raises(PromptEmbedCacheConfigError, match=f"{path} has no method 'encode_prompt_from_token_ids'"):
+        runner.install_for_stage(Adapter(encoder), settings, "tiny")
+    monkeypatch.setenv(METHODS.env, f"{__name__}.SD3StylePipeline=encode_prompt_from_token_ids")
+    settings = resolve_prompt_embed_cache_settings(enable=True)
+    pipeline = SD3StylePipeline(encoder)
+    cache = runner.install_for_stage(pipeline, settings, "tiny")
+    assert set(cache.stats()["methods"]) == {"encode_prompt", "encode_prompt_from_token_ids"}
+    monkeypatch.setenv(METHODS.env, "no_such_package.Pipeline=encode")
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"no_such_package\.Pipeline is not an importable class"):
+        runner.install_for_stage(SD3StylePipeline(encoder), resolve_prompt_embed_cache_settings(enable=True), "tiny")

@@ -18,6 +18,7 @@ CollectorRegistry = prometheus_client.CollectorRegistry
 
 from vllm_omni_prompt_cache.keys import CallKeyBuilder  # noqa: E402
 from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache  # noqa: E402
+from vllm_omni_prompt_cache.vllm_omni.methods import HIDDEN_INPUTS  # noqa: E402
 from vllm_omni_prompt_cache.vllm_omni.metrics import (  # noqa: E402  (after the skip)
     KEY_PREFIX,
     OUTPUT_ATTRIBUTE,
@@ -279,7 +280,8 @@ def test_each_cached_method_has_its_own_series() -> None:
     cache.get_or_compute(key(1), lambda: embedding(1))
     cache.get_or_compute(key(2), lambda: embedding(2), method="encode_prompt_from_token_ids")
     cache.get_or_compute(key(2), lambda: pytest.fail("cached"), method="encode_prompt_from_token_ids")
-    cache.record_bypass("encode_prompt reads self._hidden", method="encode_prompt_from_token_ids")
+    cache.record_bypass(HIDDEN_INPUTS[0].reason, method="encode_prompt_from_token_ids")  # a reason with ':'
+    assert ":" in HIDDEN_INPUTS[0].reason
     families.record(labels, pop_snapshot(cache_snapshot(cache)))
     token_path = {"method": "encode_prompt_from_token_ids"}
     assert sample(registry, "method_queries_total", **token_path) == 3.0
@@ -287,7 +289,7 @@ def test_each_cached_method_has_its_own_series() -> None:
         sample(registry, "method_hits_total", **token_path),
         sample(registry, "method_misses_total", **token_path),
     ) == (1.0, 1.0)
-    assert sample(registry, "method_bypassed_total", reason="encode_prompt reads self._hidden", **token_path) == 1.0
+    assert sample(registry, "method_bypassed_total", reason=HIDDEN_INPUTS[0].reason, **token_path) == 1.0
     assert sample(registry, "method_queries_total", method="encode_prompt") == 1.0
     assert (sample(registry, "queries_total"), sample(registry, "hits_total")) == (4.0, 1.0)  # the sums
     cache.get_or_compute(key(2), lambda: pytest.fail("cached"), method="encode_prompt_from_token_ids")

@@ -138,10 +138,13 @@ _METHOD_NAME = re.compile(r"^[A-Za-z_]\w*$")
 def _methods(value: Any) -> dict[str, tuple[str, ...]] | None:
     """Parse ``CLASS=METHOD[+METHOD...][,CLASS=...]`` (or a mapping): class paths to method names."""
     if isinstance(value, Mapping):
-        pairs = [
-            (name, "+".join(methods) if isinstance(methods, (list, tuple)) else methods)
-            for name, methods in value.items()
-        ]
+        pairs = []
+        for name, methods in value.items():
+            if isinstance(methods, (list, tuple)):
+                if not methods or not all(isinstance(method, str) for method in methods):
+                    return None
+                methods = "+".join(methods)
+            pairs.append((name, methods))
     elif isinstance(value, str):
         items = [item.strip() for item in value.split(",") if item.strip()]
         if not items or not all(item.count("=") == 1 for item in items):

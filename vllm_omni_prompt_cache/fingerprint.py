@@ -22,7 +22,7 @@ import contextlib
 import importlib.metadata
 import inspect
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -137,32 +137,28 @@ def processor_digest(processor: Any) -> str:
     return hasher.hexdigest()
 
 
-def code_and_configuration(
-    pipeline: Any, encode_fns: Mapping[str, Callable[..., Any]], model_tag: str
-) -> dict[str, Any]:
+def code_and_configuration(pipeline: Any, encode_fn: Callable[..., Any] | None, model_tag: str) -> dict[str, Any]:
     """Return the part of the fingerprint that new weights do not change: code, configuration,
-    tokenizers, versions, and the signature of each cached method (``encode_fns`` by name). Taken
-    once, at install, before any call: public counters a pipeline keeps (calls, rows) are still at
-    their start then, in every process."""
+    tokenizers, versions, ``encode_prompt``'s signature (``encode_fn``; None when the pipeline has
+    none). Which other methods are cached stays out: declaring one must not hide the files of the
+    others (each method's keys differ anyway, and the class's code is in). Taken once, at install,
+    before any call: public counters a pipeline keeps (calls, rows) are still at their start then,
+    in every process."""
     tokenizers = {
         name: processor_digest(value)
         for name, value in _attributes(pipeline)
         if name.startswith(("tokenizer", "processor")) and value is not None and not isinstance(value, torch.nn.Module)
     }
-    signatures = {}
-    for name, encode_fn in encode_fns.items():
-        try:
-            signatures[name] = str(inspect.signature(encode_fn))
-        except (TypeError, ValueError):
-            signatures[name] = "unknown"
+    try:
+        signature = "none" if encode_fn is None else str(inspect.signature(encode_fn))
+    except (TypeError, ValueError):
+        signature = "unknown"
     return {
         "pipeline": f"{type(pipeline).__module__}.{type(pipeline).__qualname__}",
         "code": code_digest(type(pipeline)),
         "configuration": configuration(pipeline),
         "model_tag": model_tag,
-        # encode_prompt's alone under its own name, as before other methods were cached
-        **({"encode_prompt": signatures.pop("encode_prompt")} if "encode_prompt" in signatures else {}),
-        **({"methods": signatures} if signatures else {}),
+        "encode_prompt": signature,
         "tokenizers": dict(sorted(tokenizers.items())),
         "versions": {package: _version(package) for package in _PACKAGES},
     }

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache.rows import RowLayout, RowOutput, RowSplit
+from vllm_omni_prompt_cache.store import DEFAULT_METHOD
 
 logger = logging.getLogger(__name__)
 
@@ -224,11 +225,12 @@ class LayoutProof:
         *,
         may_infer: bool,
         trusted: bool = False,
-        method: str = "encode_prompt",
+        method: str = DEFAULT_METHOD,
     ) -> None:
         # Refutations are kept per class and method: another method's calls have other layouts.
         self.method = method
-        self.owner = class_path(pipeline_class) + ("" if method == "encode_prompt" else f".{method}")
+        self.owner = class_path(pipeline_class) + ("" if method == DEFAULT_METHOD else f".{method}")
+        self.subject = f"{class_path(pipeline_class)}.{method}"  # what logs name: the class's method
         self.source = source
         self.trusted = trusted
         refuted = refuted_layouts(self.owner)
@@ -271,7 +273,7 @@ class LayoutProof:
             if layout is None or not self.may_infer:
                 return
             self.layout, self.source, self.may_infer = layout, INFERRED_SOURCE, False
-        logger.info("Prompt-embed cache: %s's %s rows follow %r (checked).", self.owner, self.method, layout.name)
+        logger.info("Prompt-embed cache: %s rows follow %r (checked).", self.subject, layout.name)
 
     def refute(self, layout: RowLayout, why: str, *, inferred: bool = False) -> None:
         """Turn rows off for this class with ``layout``, in this process, with one warning."""
@@ -287,12 +289,11 @@ class LayoutProof:
             _REFUTED.setdefault(refuted, why)
         if first:
             logger.warning(
-                "Prompt-embed cache: row layout %r (%s) does not match %s%s: %s. That call was "
+                "Prompt-embed cache: row layout %r (%s) does not match %s: %s. That call was "
                 "served from the uncached call; from now on its calls are keyed whole.",
                 layout.name,
                 source,
-                self.owner,
-                ".encode_prompt" if self.method == "encode_prompt" else "",
+                self.subject,
                 why,
             )
 

@@ -416,38 +416,52 @@ class PromptEmbedCache:
         self.directory = directory
 
     # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
-    # under ``cache._lock``): readable and assignable here too, without taking the lock.
+    # under ``cache._lock``): readable and assignable here too, without taking the lock. They are
+    # every method's sums; an assignment moves encode_prompt's share by the difference (that is
+    # where upstream's wrapper counts), and assigning 0 resets every method's.
     @property
     def hits(self) -> int:
         """Calls served from the cache, every method's."""
-        return sum(counts.hits for counts in self._counts_by_method.values())
+        return sum(counts.hits for counts in list(self._counts_by_method.values()))
 
     @hits.setter
     def hits(self, value: int) -> None:
-        self._counts.hits += value - self.hits
+        if value == 0:
+            for counts in list(self._counts_by_method.values()):
+                counts.hits = 0
+        else:
+            self._counts.hits += value - self.hits
 
     @property
     def misses(self) -> int:
         """Calls that ran the encoder and offered its result to the cache, every method's."""
-        return sum(counts.misses for counts in self._counts_by_method.values())
+        return sum(counts.misses for counts in list(self._counts_by_method.values()))
 
     @misses.setter
     def misses(self, value: int) -> None:
-        self._counts.misses += value - self.misses
+        if value == 0:
+            for counts in list(self._counts_by_method.values()):
+                counts.misses = 0
+        else:
+            self._counts.misses += value - self.misses
 
     @property
     def bypassed(self) -> int:
         """Calls that did not use the cache, whatever the reason or method."""
-        return sum(sum(counts.bypass_reasons.values()) for counts in self._counts_by_method.values())
+        return sum(sum(counts.bypass_reasons.values()) for counts in list(self._counts_by_method.values()))
 
     @bypassed.setter
     def bypassed(self, value: int) -> None:
-        self._counts.bypass_reasons[UNSPECIFIED_REASON] += value - self.bypassed
+        if value == 0:
+            for counts in list(self._counts_by_method.values()):
+                counts.bypass_reasons.clear()
+        else:
+            self._counts.bypass_reasons[UNSPECIFIED_REASON] += value - self.bypassed
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def counting(self, method: str) -> Counters:
+    def method_counters(self, method: str) -> Counters:
         """Return the counters of ``method`` (made at zero on first use, so stats list it from then on)."""
         with self._lock:
             return self._counter(method)
@@ -623,7 +637,7 @@ class PromptEmbedCache:
         ``row``: the call is one row of a row layout, counted as a call and as a row. ``method``:
         the pipeline method whose call it is, for its counters.
         """
-        counts = self.counting(method)
+        counts = self.method_counters(method)
         while True:
             with self._lock:
                 outcome, claimed = self._claim(key)
@@ -679,7 +693,7 @@ class PromptEmbedCache:
         the caller counts the call itself (:meth:`record_call`). ``method``: whose counters.
         """
         values: list[Any] = [MISS] * len(keys)
-        counts = self.counting(method)
+        counts = self.method_counters(method)
         pending, copies = self._distinct_rows(keys)
         encoded = 0  # rows this call sent to the encoder, including one that raised
         succeeded = False

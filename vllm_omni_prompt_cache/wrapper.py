@@ -20,6 +20,7 @@ import functools
 import inspect
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ from vllm_omni_prompt_cache.proofs import (
     infer_layout,
 )
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, UnstackableRows
-from vllm_omni_prompt_cache.store import PromptEmbedCache
+from vllm_omni_prompt_cache.store import DEFAULT_METHOD, PromptEmbedCache
 
 if TYPE_CHECKING:
     from vllm_omni_prompt_cache.vllm_omni.methods import EncodeMethod
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: The method every pipeline encodes prompts with (upstream's one cached method).
-ENCODE_PROMPT = "encode_prompt"
+ENCODE_PROMPT = DEFAULT_METHOD
 DISABLED_REASON = "cache disabled"
 #: Whole-call reason for the call that found its row layout not to match the function's outputs
 #: (the calls after it have no layout: they are keyed whole like any pipeline's).
@@ -83,7 +84,9 @@ def install_prompt_embed_cache(
     """Wrap ``pipeline``'s encode methods with one content-keyed cache; return the cache or None.
 
     The methods: ``encode_prompt``, the encode methods known for the pipeline's classes, and
-    ``methods[class path]`` (a user's declarations, for classes they cannot edit). Each has its
+    ``methods[class path]`` (a user's declarations, for classes they cannot edit; the path is
+    ``module.qualname`` where the class is defined, as
+    :func:`~.vllm_omni.methods.resolve_declared_methods` returns it). Each has its
     own keys, row layout and counters (``stats()["methods"]``); a method known to read input that
     is not an argument is wrapped only to count every call as a bypass with that reason.
 
@@ -119,9 +122,8 @@ def install_prompt_embed_cache(
     directory_tier = None
     if directory is not None:
         try:
-            fixed: dict[str, Any] | str = code_and_configuration(
-                pipeline, {method.name: encode_fn for method, encode_fn, _ in wrapped}, tag
-            )
+            encode_prompt = next((fn for method, fn, _ in wrapped if method.name == ENCODE_PROMPT), None)
+            fixed: dict[str, Any] | str = code_and_configuration(pipeline, encode_prompt, tag)
         except Exception as error:  # a tokenizer or processor we cannot read: no directory, no error
             fixed = f"its code and configuration could not be fingerprinted ({type(error).__qualname__}: {error})"
         directory_tier = DirectoryTier(
@@ -140,6 +142,7 @@ def install_prompt_embed_cache(
     )
     originals: dict[str, Callable[..., Any]] = {}
     proofs: dict[str, LayoutProof] = {}
+    inside = threading.local()  # set while a wrapped method of this pipeline runs on this thread
     for method, encode_fn, signature in wrapped:
         if method.name == ENCODE_PROMPT:
             proof = _layout_proof(pipeline, signature, tag, row_layout, row_layouts)
@@ -147,7 +150,7 @@ def install_prompt_embed_cache(
         else:  # another method: its own keys (never an encode_prompt entry), layout and counters
             proof = _method_layout_proof(pipeline, method.name, signature, tag)
             method_tag = f"{tag}.{method.name}"
-        cache.counting(method.name)  # listed in stats() from now on
+        cache.method_counters(method.name)  # listed in stats() from now on
         calls = _CachedCalls(
             cache,
             encode_fn,
@@ -157,7 +160,7 @@ def install_prompt_embed_cache(
             method=method.name,
             refusal=method.refusal,
         )
-        _set_attribute(pipeline, method.name, _cached(calls, encode_fn, cache, report))
+        _set_attribute(pipeline, method.name, _cached(calls, encode_fn, cache, report, inside))
         originals[method.name] = encode_fn
         proofs[method.name] = proof
     object.__setattr__(pipeline, "_prompt_embed_cache", cache)
@@ -221,12 +224,24 @@ def _cached(
     encode_fn: Callable[..., Any],
     cache: PromptEmbedCache,
     report: Callable[[PromptEmbedCache], None] | None,
+    inside: threading.local,
 ) -> Callable[..., Any]:
-    """Return the function that replaces ``encode_fn`` on the pipeline."""
+    """Return the function that replaces ``encode_fn`` on the pipeline.
+
+    A wrapped method called from inside another (MAGI-2's ``encode_prompt`` calls its
+    ``_encode_prompts``) runs straight through: the outer call is the one keyed, counted and
+    stored, so one encode is one entry and one call in the counts.
+    """
 
     @functools.wraps(encode_fn)
     def cached_encode(*args: Any, **kwargs: Any) -> Any:
-        result = calls(args, kwargs)
+        if getattr(inside, "active", False):
+            return encode_fn(*args, **kwargs)
+        inside.active = True
+        try:
+            result = calls(args, kwargs)
+        finally:
+            inside.active = False
         if report is not None:
             report(cache)
         return result

@@ -24,7 +24,7 @@ import pkgutil
 import re
 from pathlib import Path
 
-from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT, KNOWN_METHODS
+from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT, KNOWN_METHODS, known_methods
 
 PACKAGE = "vllm_omni.diffusion.models"
 
@@ -48,12 +48,7 @@ class Enumeration:
 
 def encode_methods(kind: type) -> tuple[str, ...]:
     """Return the methods of ``kind`` the cache would wrap (``encode_prompt`` first); empty if none."""
-    found = [ENCODE_PROMPT] if callable(getattr(kind, ENCODE_PROMPT, None)) else []
-    for known in KNOWN_METHODS:
-        owner = next((ancestor for ancestor in kind.__mro__ if known.method in vars(ancestor)), None)
-        if owner is not None and owner.__name__ == known.owner and known.method not in found:
-            found.append(known.method)
-    return tuple(found)
+    return tuple(known_methods(kind))
 
 
 @functools.cache

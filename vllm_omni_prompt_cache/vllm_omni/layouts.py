@@ -140,20 +140,18 @@ PROVEN_LAYOUTS: Mapping[str, ProvenLayout] = {
 }
 
 
-def _defined_by(owner: str, method: str) -> Callable[[type], bool]:
-    """Return a rule matching classes whose ``method`` is the one a class named ``owner`` defines."""
+def _known(owner: str, method: str) -> Callable[[type], bool]:
+    """Return the rule by which the cache recognises ``owner.method`` (see :mod:`.methods`)."""
+    from vllm_omni_prompt_cache.vllm_omni.methods import KNOWN_METHODS
 
-    def matches(kind: type) -> bool:
-        defining = next((ancestor for ancestor in kind.__mro__ if method in vars(ancestor)), None)
-        return defining is not None and defining.__name__ == owner
-
-    return matches
+    (known,) = [entry for entry in KNOWN_METHODS if (entry.owner, entry.method) == (owner, method)]
+    return known.defined_by
 
 
 #: Layouts written against an encode method other than ``encode_prompt``, by method name.
 PROVEN_METHOD_LAYOUTS: Mapping[str, tuple[ProvenLayout, ...]] = {
     "encode_prompt_from_token_ids": (
-        ProvenLayout(SD3_TOKEN_IDS, _defined_by("SD3TokenIdPromptMixin", "encode_prompt_from_token_ids")),
+        ProvenLayout(SD3_TOKEN_IDS, _known("SD3TokenIdPromptMixin", "encode_prompt_from_token_ids")),
     ),
 }
 

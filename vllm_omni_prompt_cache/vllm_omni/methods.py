@@ -6,12 +6,12 @@ that their ``forward`` calls instead, so wrapping ``encode_prompt`` alone leaves
 argument (verl-omni's MiniMax-H3 adapter reads the request's token ids from instance state): any
 cache keyed on arguments would give every prompt the first prompt's embedding.
 
-A method is recognised by the name of the class that defines it, wherever that class lives, so a
-subclass inherits the decision and a faithful stand-in of an adapter is treated as the adapter
-is. A class that defines the method again below the one listed has code nobody checked here:
-:data:`KNOWN_METHODS` then does not apply (a user may still declare it), while a
-:data:`HIDDEN_INPUTS` refusal still does (an override usually calls the method it replaces).
-Nothing here imports vLLM-Omni or verl-omni.
+A method is recognised by the class that defines it: its name, and the package it lives in
+(verl-omni's or vLLM-Omni's, or this package's stand-ins of that code, :data:`STAND_IN_PACKAGE`),
+so a subclass inherits the decision. A class that defines the method again below the one listed,
+under any name, has code nobody checked here: :data:`KNOWN_METHODS` then does not apply (a user
+may still declare it), while a :data:`HIDDEN_INPUTS` refusal, matched by name alone, still does (an
+override usually calls the method it replaces). Nothing here imports vLLM-Omni or verl-omni.
 """
 
 from __future__ import annotations
@@ -22,9 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.proofs import class_path
+from vllm_omni_prompt_cache.store import DEFAULT_METHOD
 
 #: The method every pipeline has its prompts encoded by, wrapped wherever it is callable.
-ENCODE_PROMPT = "encode_prompt"
+ENCODE_PROMPT = DEFAULT_METHOD
+#: Where this package's stand-ins of verl-omni's adapters live: recognised as the code they mirror.
+STAND_IN_PACKAGE = "vllm_omni_prompt_cache.tiny"
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,21 @@ class KnownMethod:
 
     owner: str  # ``__name__`` of the class that defines it
     method: str
+    package: str  # where that class is defined (a module or package prefix)
     where: str  # whose code it is and how forward reaches it (for docs and logs)
+
+    def defined_by(self, kind: type) -> bool:
+        """Return True when ``kind``'s ``method`` is the one this entry was read in (or its stand-in)."""
+        owner = defining_class(kind, self.method)
+        return (
+            owner is not None
+            and owner.__name__ == self.owner
+            and any(_within(owner.__module__, package) for package in (self.package, STAND_IN_PACKAGE))
+        )
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
 
 
 @dataclass(frozen=True)
@@ -59,16 +77,19 @@ KNOWN_METHODS: tuple[KnownMethod, ...] = (
     KnownMethod(
         "SD3TokenIdPromptMixin",
         "encode_prompt_from_token_ids",
+        "verl_omni.pipelines",
         "verl-omni's SD3 FlowGRPO adapter (sd3_flow_grpo/common.py): every token-ID request, CLIP-L, CLIP-G and T5",
     ),
     KnownMethod(
         "LTX23PipelineWithLogProb",
         "_encode_token_ids",
+        "verl_omni.pipelines",
         "verl-omni's LTX-2 FlowGRPO adapter: each request's ids and its negative's, injected as prompt_embeds",
     ),
     KnownMethod(
         "Magi2Pipeline",
         "_encode_prompts",
+        "vllm_omni.diffusion.models",
         "vLLM-Omni's MAGI-2 pipeline: its forward encodes through it and never calls encode_prompt",
     ),
 )
@@ -99,33 +120,35 @@ class EncodeMethod:
     refusal: str | None = None  # a bypass reason for every call; None: the method is cached
 
 
-def _defining_class(kind: type, method: str) -> type | None:
+def defining_class(kind: type, method: str) -> type | None:
     """Return the class in ``kind``'s MRO whose definition of ``method`` ``kind`` uses, or None."""
     return next((ancestor for ancestor in kind.__mro__ if method in vars(ancestor)), None)
 
 
-def _class_path(kind: type) -> str:
-    return f"{kind.__module__}.{kind.__qualname__}"
+def known_methods(kind: type) -> dict[str, str]:
+    """Return the methods of class ``kind`` the cache wraps without being told, by name, with why."""
+    found = {ENCODE_PROMPT: "every pipeline's"} if callable(getattr(kind, ENCODE_PROMPT, None)) else {}
+    for known in KNOWN_METHODS:
+        if known.method not in found and known.defined_by(kind):
+            found[known.method] = f"known: {known.where}"
+    return found
 
 
 def find_encode_methods(pipeline: Any, declared: Mapping[str, tuple[str, ...]] | None = None) -> list[EncodeMethod]:
     """Return the methods of ``pipeline`` to wrap, ``encode_prompt`` first, each with its source.
 
-    ``declared``: the user's methods by class path (the ``prompt_embed_cache_methods`` setting); a
-    declaration for a base class applies to its subclasses.
+    ``declared``: the user's methods by class path, as :func:`resolve_declared_methods` returns
+    them (the ``prompt_embed_cache_methods`` setting); a declaration for a base class applies to
+    its subclasses.
     """
     kind = type(pipeline)
-    found: dict[str, str] = {}
-    if callable(getattr(pipeline, ENCODE_PROMPT, None)):
-        found[ENCODE_PROMPT] = "every pipeline's"
-    for known in KNOWN_METHODS:
-        owner = _defining_class(kind, known.method)
-        if owner is not None and owner.__name__ == known.owner and known.method not in found:
-            found[known.method] = f"known: {known.where}"
+    found = known_methods(kind)
+    if not callable(getattr(pipeline, ENCODE_PROMPT, None)):
+        found.pop(ENCODE_PROMPT, None)  # an instance may hide what its class has
     for ancestor in kind.__mro__:
-        for name in (declared or {}).get(_class_path(ancestor), ()):
+        for name in (declared or {}).get(class_path(ancestor), ()):
             if name not in found:
-                found[name] = f"declared for {_class_path(ancestor)} by the {METHODS.name} setting"
+                found[name] = f"declared for {class_path(ancestor)} by the {METHODS.name} setting"
     methods = []
     for name, source in found.items():
         hidden = hidden_input(kind, name)
@@ -140,31 +163,45 @@ def hidden_input(kind: type, method: str) -> HiddenInput | None:
 
 
 def resolve_declared_methods(declared: Mapping[str, tuple[str, ...]], source: str) -> dict[str, tuple[str, ...]]:
-    """Return ``declared`` once each class imports and has each method, callable.
+    """Return ``declared`` keyed by each class's own path (``module.qualname``, where a pipeline's MRO
+    finds it, whatever module re-exported it), once each class imports and has each method.
 
-    Raises PromptEmbedCacheConfigError naming the setting, ``source`` and what is wrong.
+    Imports the classes: called where the pipeline loads (the diffusion worker), not in the
+    process that only configures the engine. Raises PromptEmbedCacheConfigError naming the
+    setting, ``source`` and what is wrong.
     """
-    for class_path, names in declared.items():
-        where = f"invalid {METHODS.name} entry {class_path}={'+'.join(names)} from {source}"
-        module_name, _, qualname = class_path.rpartition(".")
-        found: Any = None
-        while module_name:  # the longest importable prefix is the module; the rest is the qualified name
-            try:
-                found = importlib.import_module(module_name)
-                break
-            except ImportError:
-                module_name, _, outer = module_name.rpartition(".")
-                qualname = f"{outer}.{qualname}"
+    resolved: dict[str, tuple[str, ...]] = {}
+    for given_path, names in declared.items():
+        where = f"invalid {METHODS.name} entry {given_path}={'+'.join(names)} from {source}"
         try:
-            for part in qualname.split("."):
-                found = getattr(found, part)
-        except AttributeError:
-            found = None
+            found = _import_class(given_path)
+        except Exception as error:  # a module that fails on import here: the setting's fault to report
+            raise PromptEmbedCacheConfigError(
+                f"{where}: importing it raised {type(error).__qualname__}: {error}"
+            ) from error
         if not isinstance(found, type):
-            raise PromptEmbedCacheConfigError(f"{where}: {class_path} is not an importable class")
+            raise PromptEmbedCacheConfigError(f"{where}: {given_path} is not an importable class")
         for name in names:
             if not callable(getattr(found, name, None)):
                 raise PromptEmbedCacheConfigError(
-                    f"{where}: {class_path} has no method {name!r}; expected methods of it that encode prompts"
+                    f"{where}: {given_path} has no method {name!r}; expected methods of it that encode prompts"
                 )
-    return dict(declared)
+        resolved[class_path(found)] = tuple(dict.fromkeys((*resolved.get(class_path(found), ()), *names)))
+    return resolved
+
+
+def _import_class(path: str) -> Any:
+    """Return what ``pkg.module.Qual.Name`` names (None if nothing): the longest importable prefix is the module."""
+    module_name, _, qualname = path.rpartition(".")
+    while module_name:
+        try:
+            found: Any = importlib.import_module(module_name)
+            break
+        except ModuleNotFoundError:
+            module_name, _, outer = module_name.rpartition(".")
+            qualname = f"{outer}.{qualname}"
+    else:
+        return None
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found

@@ -30,7 +30,6 @@ from typing import Any
 from vllm_omni_prompt_cache.config import (
     ENABLE,
     MAX_SIZE,
-    METHODS,
     ROW_LAYOUTS,
     SETTINGS,
     PromptEmbedCacheConfigError,
@@ -39,7 +38,6 @@ from vllm_omni_prompt_cache.config import (
 )
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 from vllm_omni_prompt_cache.vllm_omni.layouts import resolve_declared_layouts
-from vllm_omni_prompt_cache.vllm_omni.methods import resolve_declared_methods
 
 #: Where a deploy-config stage names our settings: ``engine_args.extras.prompt_embed_cache``.
 EXTRAS_KEY = "prompt_embed_cache"
@@ -65,9 +63,10 @@ def _carrying_our_settings(original: classmethod) -> classmethod:
         # vLLM-Omni refuses keyword arguments it does not know; its own two stay.
         kwargs = {name: value for name, value in kwargs.items() if name not in given or name in _UPSTREAM_SETTINGS}
         settings = resolve_settings(given, source=KWARG_SOURCE)
-        # A layout reference or a class that names nothing fails here, before any stage loads.
+        # A layout reference that names nothing fails here, before any stage loads. Declared methods'
+        # classes are imported where the pipeline loads, in the worker (importing an adapter here
+        # could patch or need what only the worker has).
         resolve_declared_layouts(settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, KWARG_SOURCE))
-        resolve_declared_methods(settings.methods, settings.sources.get(METHODS.name, KWARG_SOURCE))
         engine_args, *rest = original_function(cls, kwargs)
         engine_args["extras"] = {**(engine_args.get("extras") or {}), RESOLVED_KEY: settings.as_dict()}
         return (engine_args, *rest)
@@ -112,7 +111,6 @@ def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -
         where = f"{KWARG_SOURCE} for diffusion stage {stage_id}"
         settings = resolve_settings(given, source=where)  # a bad value fails here, at construction
         resolve_declared_layouts(settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, where))
-        resolve_declared_methods(settings.methods, settings.sources.get(METHODS.name, where))
         for name in _UPSTREAM_SETTINGS:
             if given[name] is not None:
                 result[f"{prefix}{name}"] = given[name]
