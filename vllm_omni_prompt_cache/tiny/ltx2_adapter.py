@@ -57,9 +57,6 @@ vLLM-Omni.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import time
 from typing import Any
 
 import torch
@@ -68,19 +65,12 @@ from vllm_omni.diffusion.models.ltx2.pipeline_ltx2 import LTX2Pipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
+from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
+
 LTX2_FLOW_GRPO_PIPELINE = "vllm_omni_prompt_cache.tiny.ltx2_adapter.LTX23PipelineWithLogProb"
 
 
-@dataclasses.dataclass
-class EncoderCounters:
-    """What reached the Gemma text encoder's forward (a cache hit never does)."""
-
-    encoder_runs: int = 0  # forwards
-    encoder_rows: int = 0  # prompt rows those forwards encoded
-    encode_seconds: float = 0.0
-
-
-class LTX23PipelineWithLogProb(LTX2Pipeline):
+class LTX23PipelineWithLogProb(CountsEncoderRuns, LTX2Pipeline):
     """LTX-2 that encodes pre-tokenized prompts as verl-omni's FlowGRPO adapter does (see the module)."""
 
     supports_request_batch = False
@@ -88,25 +78,9 @@ class LTX23PipelineWithLogProb(LTX2Pipeline):
     def __init__(self, *, od_config: OmniDiffusionConfig, prefix: str = "") -> None:
         super().__init__(od_config=od_config, prefix=prefix)
         self.set_progress_bar_config(disable=True)  # one bar per request is noise in a rollout
-        self.counters = EncoderCounters()
-        self._encoder_started = 0.0
         self._final_video_latents: torch.Tensor | None = None
         # Hooks on the module itself count every path into the encoder, this class's and the stock one's.
-        self.text_encoder.register_forward_pre_hook(self._count_encoder_call, with_kwargs=True)
-        self.text_encoder.register_forward_hook(self._time_encoder_call)
-
-    def text_encoder_counters(self) -> dict[str, float]:
-        """Return the :class:`EncoderCounters` fields, and the process they were counted in (``pid``)."""
-        return {**dataclasses.asdict(self.counters), "pid": os.getpid()}
-
-    def _count_encoder_call(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        self.counters.encoder_runs += 1
-        self.counters.encoder_rows += int(input_ids.shape[0]) if isinstance(input_ids, torch.Tensor) else 0
-        self._encoder_started = time.perf_counter()
-
-    def _time_encoder_call(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self.counters.encode_seconds += time.perf_counter() - self._encoder_started
+        self.count_encoder_calls(self.text_encoder)
 
     def _encode_token_ids(
         self,

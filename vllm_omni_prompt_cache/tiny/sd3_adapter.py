@@ -64,8 +64,6 @@ three encoders add up ``encode_seconds``.
 from __future__ import annotations
 
 import logging
-import os
-import time
 from typing import Any
 
 import torch
@@ -73,6 +71,8 @@ from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 from vllm_omni.diffusion.request import DUMMY_DIFFUSION_REQUEST_ID, OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch, split_diffusion_output_by_request
+
+from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 
 SD3_FLOW_GRPO_PIPELINE = "vllm_omni_prompt_cache.tiny.sd3_adapter.StableDiffusion3PipelineWithLogProb"
 
@@ -141,41 +141,15 @@ class SD3TokenIdPromptMixin:
         return states.repeat(1, copies, 1).view(rows * copies, length, -1)
 
 
-class StableDiffusion3PipelineWithLogProb(SD3TokenIdPromptMixin, StableDiffusion3Pipeline):
+class StableDiffusion3PipelineWithLogProb(CountsEncoderRuns, SD3TokenIdPromptMixin, StableDiffusion3Pipeline):
     """SD3.5 that encodes pre-tokenized prompts as verl-omni's FlowGRPO adapter does (see the module)."""
 
     supports_request_batch = True
 
     def __init__(self, *, od_config: OmniDiffusionConfig, prefix: str = "") -> None:
         super().__init__(od_config=od_config, prefix=prefix)
-        self.encoder_runs = 0  # calls that reached CLIP-L (cache hits do not)
-        self.encoder_rows = 0  # prompt rows those calls encoded
-        self.encode_seconds = 0.0  # time inside the three text encoders
-        self.text_encoder.register_forward_pre_hook(self._count_clip_l_call, with_kwargs=True)
-        for encoder in (self.text_encoder, self.text_encoder_2, self.text_encoder_3):
-            if encoder is not None:
-                encoder.register_forward_pre_hook(self._start_clock)
-                encoder.register_forward_hook(self._stop_clock)
-
-    def text_encoder_counters(self) -> dict[str, float]:
-        """Return how often, for how many rows and how long the text encoders ran (and in which process)."""
-        return {
-            "encoder_runs": self.encoder_runs,
-            "encoder_rows": self.encoder_rows,
-            "encode_seconds": self.encode_seconds,
-            "pid": os.getpid(),
-        }
-
-    def _count_clip_l_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        ids = args[0] if args else kwargs["input_ids"]
-        self.encoder_runs += 1
-        self.encoder_rows += int(ids.shape[0])
-
-    def _start_clock(self, module: torch.nn.Module, args: tuple) -> None:
-        module._encode_started = time.perf_counter()
-
-    def _stop_clock(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self.encode_seconds += time.perf_counter() - module._encode_started
+        # Runs and rows of CLIP-L (both paths call it once per encode), time of all three encoders.
+        self.count_encoder_calls(self.text_encoder, timed=(self.text_encoder_2, self.text_encoder_3))
 
     def forward(self, req: OmniDiffusionRequest | DiffusionRequestBatch) -> DiffusionOutput | list[DiffusionOutput]:
         batch = req if isinstance(req, DiffusionRequestBatch) else DiffusionRequestBatch(requests=[req])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import time
 from typing import Any, ClassVar
 
@@ -31,6 +30,7 @@ from vllm_omni.diffusion.worker.utils import StepRequestState
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 from vllm_omni_prompt_cache.rows import RowLayout
+from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
 
 PIPELINE_CLASS = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
@@ -63,7 +63,7 @@ def _images_per_prompt(sampling: OmniDiffusionSamplingParams) -> int:
     return sampling.num_outputs_per_prompt if sampling.num_outputs_per_prompt > 0 else 1
 
 
-class TokenIdQwenImagePipeline(QwenImagePipeline):
+class TokenIdQwenImagePipeline(CountsEncoderRuns, QwenImagePipeline):
     """Qwen-Image that encodes pre-tokenized prompts (template already applied by the client)."""
 
     # prepare_encode below replaces the stock one, which calls encode_prompt with the text signature.
@@ -75,18 +75,6 @@ class TokenIdQwenImagePipeline(QwenImagePipeline):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.set_progress_bar_config(disable=True)  # one bar per request is noise in a rollout
-        self.encoder_runs = 0  # calls that reached the text encoder (cache hits do not)
-        self.encoder_rows = 0  # prompt rows those calls encoded: batching shows here, not in encoder_runs
-        self.encode_seconds = 0.0
-
-    def text_encoder_counters(self) -> dict[str, float]:
-        """Return how often, for how many rows and how long the text encoder ran (and in which process)."""
-        return {
-            "encoder_runs": self.encoder_runs,
-            "encoder_rows": self.encoder_rows,
-            "encode_seconds": self.encode_seconds,
-            "pid": os.getpid(),
-        }
 
     def encode_prompt(
         self,

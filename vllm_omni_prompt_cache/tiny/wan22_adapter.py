@@ -38,7 +38,6 @@ scheduler, decoding is the stock VAE path. The training side
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -60,6 +59,8 @@ from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import (
 )
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch, split_diffusion_output_by_request
 
+from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
+
 WAN22_DANCE_GRPO_PIPELINE = "vllm_omni_prompt_cache.tiny.wan22_adapter.DanceGrpoWan22Pipeline"
 
 #: The prompt vLLM-Omni's start-up warm-up request carries (``DiffusionEngine._make_dummy_request``).
@@ -69,24 +70,12 @@ DEFAULT_GUIDANCE_SCALE = 5.0
 DEFAULT_BOUNDARY_RATIO = 0.875
 
 
-class DanceGrpoWan22Pipeline(Wan22Pipeline):
+class DanceGrpoWan22Pipeline(CountsEncoderRuns, Wan22Pipeline):
     """Wan2.2 that encodes pre-tokenized prompts as verl-omni's DanceGRPO adapter does (see the module)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.set_progress_bar_config(disable=True)  # one bar per request is noise in a rollout
-        self.encoder_runs = 0  # calls that reached the text encoder (cache hits do not)
-        self.encoder_rows = 0  # prompt rows those calls encoded
-        self.encode_seconds = 0.0
-
-    def text_encoder_counters(self) -> dict[str, float]:
-        """Return how often, for how many rows and how long the text encoder ran (and in which process)."""
-        return {
-            "encoder_runs": self.encoder_runs,
-            "encoder_rows": self.encoder_rows,
-            "encode_seconds": self.encode_seconds,
-            "pid": os.getpid(),
-        }
 
     def encode_prompt(  # type: ignore[override]
         self,
