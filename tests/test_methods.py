@@ -312,7 +312,7 @@ def test_a_wrapped_method_called_by_another_runs_inside_the_outer_call(encoder) 
     first = pipeline.encode_prompt("a fox")
     assert torch.equal(pipeline.encode_prompt("a fox"), first)
     assert torch.equal(pipeline._encode_prompts(("a fox",)), first)  # as its forward calls it: its own entry
-    assert pipeline._encode_prompts(("a fox",)) is not None
+    pipeline._encode_prompts(("a fox",))  # and again: a hit
     stats = cache.stats()
     assert pipeline.encoder_rows == 2  # encode_prompt's miss (through _encode_prompts), _encode_prompts' miss
     assert (stats["hits"], stats["misses"], stats["bypassed"], len(cache)) == (2, 2, 0, 2)
@@ -365,3 +365,16 @@ def test_the_worker_install_resolves_the_setting_and_names_a_bad_class(encoder, 
     monkeypatch.setenv(METHODS.env, "no_such_package.Pipeline=encode")
     with pytest.raises(PromptEmbedCacheConfigError, match=r"no_such_package\.Pipeline is not an importable class"):
         runner.install_for_stage(SD3StylePipeline(encoder), resolve_prompt_embed_cache_settings(enable=True), "tiny")
+
+
+def test_an_encode_prompt_set_on_the_instance_is_wrapped(encoder) -> None:
+    """Upstream's contract reads ``pipeline.encode_prompt``: one given to the instance only is cached too."""
+    from types import SimpleNamespace
+
+    text = TextPipeline(encoder)
+    pipeline = SimpleNamespace(encode_prompt=text.encode_prompt)
+    cache = install_prompt_embed_cache(pipeline, max_size=4)
+    assert cache is not None and [m.name for m in find_encode_methods(pipeline)] == ["encode_prompt"]
+    first = pipeline.encode_prompt("a fox")
+    assert torch.equal(pipeline.encode_prompt("a fox"), first) and text.encoder_rows == 1
+    assert (cache.hits, cache.misses) == (1, 1)

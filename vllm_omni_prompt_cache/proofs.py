@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache.rows import RowLayout, RowOutput, RowSplit
-from vllm_omni_prompt_cache.store import DEFAULT_METHOD
+from vllm_omni_prompt_cache.store import ENCODE_PROMPT
 
 logger = logging.getLogger(__name__)
 
@@ -225,11 +225,11 @@ class LayoutProof:
         *,
         may_infer: bool,
         trusted: bool = False,
-        method: str = DEFAULT_METHOD,
+        method: str = ENCODE_PROMPT,
     ) -> None:
         # Refutations are kept per class and method: another method's calls have other layouts.
         self.method = method
-        self.owner = class_path(pipeline_class) + ("" if method == DEFAULT_METHOD else f".{method}")
+        self.owner = class_path(pipeline_class) + ("" if method == ENCODE_PROMPT else f".{method}")
         self.subject = f"{class_path(pipeline_class)}.{method}"  # what logs name: the class's method
         self.source = source
         self.trusted = trusted

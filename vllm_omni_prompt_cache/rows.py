@@ -190,48 +190,47 @@ class RowLayout:
         return value
 
     def is_single_row(self, arguments: Mapping[str, Any]) -> bool:
-        """Return True when the call is one ``[1, ...]`` tensor row, one copy, nothing to trim.
+        """Return True when the call is its own only row (see :meth:`single_row_key`)."""
+        return self.single_row_key(arguments) is not None
 
-        Such a call is its own only row (every call at ``max_num_seqs`` 1): its row key reads the
-        arguments as given. A cheap test, so that case costs about what a whole call costs; False
-        sends the call through :meth:`split`.
+    def single_row_key(self, arguments: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """Return the arguments a call's row key reads when the call is its own only row, else None.
+
+        That is one ``[1, ...]`` tensor row, or one prompt's token ids in a list of one, with one copy
+        and nothing to trim (every call at ``max_num_seqs`` 1). Tensor rows are keyed as given (the
+        arguments come back, not copied); a list of one holds its bare item there, as when the row
+        is cut from a batch (:meth:`RowSplit.key_arguments`). A cheap test, so that case costs about
+        what a whole call costs; None sends the call through :meth:`split`.
         """
         if self.copies is not None and (type(copies := arguments[self.copies]) is not int or copies != 1):
-            return False
+            return None
         width = None
-        listed = False  # a row argument is one prompt's token ids in a list of one
+        listed = None  # row arguments given as one prompt's token ids in a list of one
         for name in self.rows:
             value = arguments[name]
             if value is None:
                 continue
             if type(value) is list or type(value) is tuple:
                 if len(value) != 1 or not _token_list(value[0]):
-                    return False
-                listed = True
+                    return None
+                listed = [*(listed or ()), name]
                 continue
             if type(value) is not torch.Tensor or value.dim() < 2 or value.shape[0] != 1:
-                return False
+                return None
             width = value.shape[1] if width is None else width
             if value.shape[1] != width:
-                return False
-        if listed:
-            return width is None and self.mask is None  # nothing to trim: the ids are as the caller cut them
-        if width is None or self.mask is None:
-            return width is not None
-        mask = arguments[self.mask]  # a [1, width, ...] tensor if not None: it is one of the rows
+                return None
+        if listed:  # nothing to trim: the ids are as the caller cut them
+            single = width is None and self.mask is None
+            return {**arguments, **{name: arguments[name][0] for name in listed}} if single else None
+        if width is None:
+            return None
+        mask = None if self.mask is None else arguments[self.mask]  # a [1, width, ...] tensor: one of the rows
         if mask is None:
-            return True
-        if mask.dim() != 2 or width == 0:
-            return False
-        return bool(_mask_array(mask[:, -1:])[0, 0])
-
-    def single_row_key_arguments(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
-        """Return a call :meth:`is_single_row` accepted as its row's key reads it: a list of one holds
-        its bare item there, as when the row is cut from a batch (:meth:`RowSplit.key_arguments`)."""
-        return {
-            name: value[0] if name in self.rows and (type(value) is list or type(value) is tuple) else value
-            for name, value in arguments.items()
-        }
+            return arguments
+        if mask.dim() != 2 or width == 0 or not _mask_array(mask[:, -1:])[0, 0]:
+            return None
+        return arguments
 
     def batch_size(self, arguments: Mapping[str, Any]) -> int | None:
         """Return how many rows the call holds, or None when its row arguments do not say."""

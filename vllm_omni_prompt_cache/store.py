@@ -48,8 +48,9 @@ REENTRANT_REASON = "re-entrant call for a key being computed by the same thread"
 #: Bypass reason for bypasses counted by code that assigns ``cache.bypassed`` itself, as
 #: upstream's wrapper does; it knows no reason.
 UNSPECIFIED_REASON = "counted by the caller, no reason given"
-#: The method a count belongs to when its caller names none: upstream's one cached method.
-DEFAULT_METHOD = "encode_prompt"
+#: The method every pipeline encodes prompts with, upstream's one cached method: a count belongs to
+#: it when its caller names none.
+ENCODE_PROMPT = "encode_prompt"
 
 
 class _Miss:
@@ -114,6 +115,50 @@ TIER_COUNTERS = {
 
 #: The counters, by name: what snapshots copy, ``since`` subtracts and ``merged`` adds.
 COUNTER_FIELDS = tuple(field.name for field in dataclasses.fields(Counters)) + tuple(TIER_COUNTERS)
+
+
+class MethodCounters:
+    """Every cached method's :class:`Counters`, by method: each count is made under the method whose
+    call made it, and a store's totals are their sums. A method's counters are made on first use."""
+
+    def __init__(self) -> None:
+        self._by_method: dict[str, Counters] = {ENCODE_PROMPT: Counters()}
+        self._lock = threading.Lock()  # taken only to add a method
+
+    def of(self, method: str) -> Counters:
+        """Return ``method``'s counters (made at zero on first use, so snapshots list it from then on)."""
+        counts = self._by_method.get(method)  # on every call: a read needs no lock
+        if counts is None:
+            with self._lock:
+                counts = self._by_method.setdefault(method, Counters())
+        return counts
+
+    def total(self, name: str) -> Any:
+        """Return the sum of one :class:`Counters` field over every method (a Counter for counts by reason)."""
+        values = [getattr(counts, name) for counts in list(self._by_method.values())]
+        return sum(values, Counter()) if isinstance(values[0], Counter) else sum(values)
+
+    def assign(self, name: str, total: int, *, reason: str = "") -> None:
+        """Make the sum of ``name`` ``total``, as upstream's code assigns ``cache.hits``: 0 resets every
+        method's; another value moves encode_prompt's share (under ``reason`` for a count by reason)."""
+        default = self._by_method[ENCODE_PROMPT]
+        if total == 0:
+            for counts in list(self._by_method.values()):
+                setattr(counts, name, Counter() if isinstance(getattr(counts, name), Counter) else 0)
+        elif isinstance(kept := getattr(default, name), Counter):
+            kept[reason] += total - sum(self.total(name).values())
+        else:
+            setattr(default, name, kept + total - self.total(name))
+
+    def by_method(self) -> dict[str, dict[str, Any]]:
+        """Return each method's counts as plain values, reasons most common first."""
+        return {
+            method: {
+                name: ranked_reasons(value) if isinstance(value := getattr(counts, name), Counter) else value
+                for name in METHOD_COUNTER_FIELDS
+            }
+            for method, counts in list(self._by_method.items())
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,12 +234,7 @@ class CacheStats:
 
     def since(self, earlier: CacheStats) -> CacheStats:
         """Return the counts between ``earlier`` and this snapshot; levels stay as now."""
-        counts = {
-            name: _reasons_since(getattr(self, name), getattr(earlier, name))
-            if isinstance(getattr(self, name), Mapping)
-            else getattr(self, name) - getattr(earlier, name)
-            for name in COUNTER_FIELDS
-        }
+        counts = _counts_since(self._fields(COUNTER_FIELDS), earlier._fields(COUNTER_FIELDS))
         methods = {
             method: _counts_since(mine, earlier.methods.get(method, {})) for method, mine in self.methods.items()
         }
@@ -208,13 +248,8 @@ class CacheStats:
         if not snapshots:
             raise ValueError("no snapshots to merge")
         first = snapshots[0]
-        summed: dict[str, Any] = {}
-        for name in (*COUNTER_FIELDS, "size", "max_size", "bytes", "bypassed", "host_entries", "host_bytes"):
-            values = [getattr(each, name) for each in snapshots]
-            if isinstance(values[0], Mapping):
-                summed[name] = _ranked(sum((Counter(value) for value in values), Counter()))
-            else:
-                summed[name] = sum(values)
+        added = (*COUNTER_FIELDS, "size", "max_size", "bytes", "bypassed", "host_entries", "host_bytes")
+        summed = functools.reduce(_counts_added, (each._fields(added) for each in snapshots), {})
         methods: dict[str, dict[str, Any]] = {}
         for each in snapshots:
             for method, counts in each.methods.items():
@@ -229,6 +264,9 @@ class CacheStats:
             methods=methods,
             **summed,
         )
+
+    def _fields(self, names: Iterable[str]) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in names}
 
     def as_dict(self) -> dict[str, Any]:
         """Return upstream's ``stats()`` keys (size, max_size, hits, misses, bypassed) and ours, ``hit_rate`` too."""
@@ -270,7 +308,7 @@ class CacheStats:
             for method, counts in self.methods.items()
             if counts.get("hits") or counts.get("misses") or counts.get("bypass_reasons")
         }
-        if len(used) > 1 or (used and DEFAULT_METHOD not in used):
+        if len(used) > 1 or (used and ENCODE_PROMPT not in used):
             tiers += "; by method: " + ", ".join(
                 f"{method} {counts.get('hits', 0)} hits {counts.get('misses', 0)} misses "
                 f"{sum(counts.get('bypass_reasons', {}).values())} bypassed"
@@ -286,6 +324,8 @@ class CacheStats:
 
 #: The counts a :attr:`CacheStats.methods` entry holds (every :class:`Counters` field).
 METHOD_COUNTER_FIELDS = tuple(field.name for field in dataclasses.fields(Counters))
+#: Those of them kept by reason.
+REASON_FIELDS = tuple(field.name for field in dataclasses.fields(Counters) if field.default_factory is Counter)
 
 
 def _counts_since(now: Mapping[str, Any], earlier: Mapping[str, Any]) -> dict[str, Any]:
@@ -303,7 +343,7 @@ def _counts_added(total: Mapping[str, Any], more: Mapping[str, Any]) -> dict[str
     added = dict(total)
     for name, value in more.items():
         if isinstance(value, Mapping):
-            added[name] = _ranked(Counter(total.get(name, {})) + Counter(value))
+            added[name] = ranked_reasons(Counter(total.get(name, {})) + Counter(value))
         else:
             added[name] = total.get(name, 0) + value
     return added
@@ -312,10 +352,10 @@ def _counts_added(total: Mapping[str, Any], more: Mapping[str, Any]) -> dict[str
 def _reasons_since(now: Mapping[str, int], earlier: Mapping[str, int]) -> dict[str, int]:
     reasons = Counter(now)
     reasons.subtract(earlier)
-    return _ranked(reasons)
+    return ranked_reasons(reasons)
 
 
-def _ranked(reasons: Counter[str]) -> dict[str, int]:
+def ranked_reasons(reasons: Counter[str]) -> dict[str, int]:
     """Return the non-zero counts, most common first (the order every snapshot shows reasons in)."""
     return {reason: count for reason, count in reasons.most_common() if count}
 
@@ -408,8 +448,8 @@ class PromptEmbedCache:
         self._flights: dict[Hashable, _Flight] = {}
         self._lock = threading.Lock()
         self._bytes = 0
-        self._counts_by_method: dict[str, Counters] = {DEFAULT_METHOD: Counters()}
-        self._counts = self._counts_by_method[DEFAULT_METHOD]  # what upstream's counters and get/put count in
+        self._counters = MethodCounters()
+        self._counts = self._counters.of(ENCODE_PROMPT)  # what upstream's counters and get/put count in
         self._max_gap = 0.0
         self._generation = 0  # bumped by clear(): results computed before it are not stored
         self.host = None if host_bytes is None else HostTier(host_bytes)
@@ -417,61 +457,40 @@ class PromptEmbedCache:
 
     # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
     # under ``cache._lock``): readable and assignable here too, without taking the lock. They are
-    # every method's sums; an assignment moves encode_prompt's share by the difference (that is
-    # where upstream's wrapper counts), and assigning 0 resets every method's.
+    # every method's sums (see MethodCounters.assign for an assignment).
     @property
     def hits(self) -> int:
         """Calls served from the cache, every method's."""
-        return sum(counts.hits for counts in list(self._counts_by_method.values()))
+        return self._counters.total("hits")
 
     @hits.setter
     def hits(self, value: int) -> None:
-        if value == 0:
-            for counts in list(self._counts_by_method.values()):
-                counts.hits = 0
-        else:
-            self._counts.hits += value - self.hits
+        self._counters.assign("hits", value)
 
     @property
     def misses(self) -> int:
         """Calls that ran the encoder and offered its result to the cache, every method's."""
-        return sum(counts.misses for counts in list(self._counts_by_method.values()))
+        return self._counters.total("misses")
 
     @misses.setter
     def misses(self, value: int) -> None:
-        if value == 0:
-            for counts in list(self._counts_by_method.values()):
-                counts.misses = 0
-        else:
-            self._counts.misses += value - self.misses
+        self._counters.assign("misses", value)
 
     @property
     def bypassed(self) -> int:
         """Calls that did not use the cache, whatever the reason or method."""
-        return sum(sum(counts.bypass_reasons.values()) for counts in list(self._counts_by_method.values()))
+        return sum(self._counters.total("bypass_reasons").values())
 
     @bypassed.setter
     def bypassed(self, value: int) -> None:
-        if value == 0:
-            for counts in list(self._counts_by_method.values()):
-                counts.bypass_reasons.clear()
-        else:
-            self._counts.bypass_reasons[UNSPECIFIED_REASON] += value - self.bypassed
+        self._counters.assign("bypass_reasons", value, reason=UNSPECIFIED_REASON)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def method_counters(self, method: str) -> Counters:
         """Return the counters of ``method`` (made at zero on first use, so stats list it from then on)."""
-        with self._lock:
-            return self._counter(method)
-
-    def _counter(self, method: str) -> Counters:
-        """Return ``method``'s counters; the lock is held."""
-        counts = self._counts_by_method.get(method)
-        if counts is None:
-            counts = self._counts_by_method[method] = Counters()
-        return counts
+        return self._counters.of(method)
 
     def get(self, key: CallKey | Hashable) -> Any:
         """Return the value cached under ``key`` (refreshing its recency), or :data:`MISS`.
@@ -527,7 +546,7 @@ class PromptEmbedCache:
 
         Returns the entries that left device memory (evicted, or too large to keep), oldest first,
         for :meth:`_demote` to hand to the host tier once the lock is released. ``counts``: the
-        counters of the method whose entry it is (default: :data:`DEFAULT_METHOD`'s).
+        counters of the method whose entry it is (default: :data:`ENCODE_PROMPT`'s).
         """
         counts = self._counts if counts is None else counts
         previous = self._entries.pop(identity, None)
@@ -630,14 +649,14 @@ class PromptEmbedCache:
         return _Outcome.JOIN, flight
 
     def get_or_compute(
-        self, key: CallKey, compute: Callable[[], T], *, row: bool = False, method: str = DEFAULT_METHOD
+        self, key: CallKey, compute: Callable[[], T], *, row: bool = False, method: str = ENCODE_PROMPT
     ) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result.
 
         ``row``: the call is one row of a row layout, counted as a call and as a row. ``method``:
         the pipeline method whose call it is, for its counters.
         """
-        counts = self.method_counters(method)
+        counts = self._counters.of(method)
         while True:
             with self._lock:
                 outcome, claimed = self._claim(key)
@@ -680,7 +699,7 @@ class PromptEmbedCache:
         compute: Callable[[int], T],
         *,
         count_call: bool = True,
-        method: str = DEFAULT_METHOD,
+        method: str = ENCODE_PROMPT,
     ) -> tuple[list[T], int]:
         """Return a value for each of ``keys`` (the rows of one call), running ``compute(i)`` per missing row,
         and how many rows this call encoded.
@@ -693,7 +712,7 @@ class PromptEmbedCache:
         the caller counts the call itself (:meth:`record_call`). ``method``: whose counters.
         """
         values: list[Any] = [MISS] * len(keys)
-        counts = self.method_counters(method)
+        counts = self._counters.of(method)
         pending, copies = self._distinct_rows(keys)
         encoded = 0  # rows this call sent to the encoder, including one that raised
         succeeded = False
@@ -842,34 +861,34 @@ class PromptEmbedCache:
 
     # Each count below is ``method``'s: the pipeline method whose call it was.
 
-    def record_bypass(self, reason: str, *, method: str = DEFAULT_METHOD) -> None:
+    def record_bypass(self, reason: str, *, method: str = ENCODE_PROMPT) -> None:
         """Count one call that did not use the cache, under ``reason``."""
         with self._lock:
-            self._counter(method).bypass_reasons[reason] += 1
+            self._counters.of(method).bypass_reasons[reason] += 1
 
-    def record_whole_call(self, reason: str, *, method: str = DEFAULT_METHOD) -> None:
+    def record_whole_call(self, reason: str, *, method: str = ENCODE_PROMPT) -> None:
         """Count one call of a pipeline with a row layout that was keyed as a whole, under ``reason``."""
         with self._lock:
-            self._counter(method).whole_call_reasons[reason] += 1
+            self._counters.of(method).whole_call_reasons[reason] += 1
 
-    def record_rows_encoded(self, rows: int, *, method: str = DEFAULT_METHOD) -> None:
+    def record_rows_encoded(self, rows: int, *, method: str = ENCODE_PROMPT) -> None:
         """Count ``rows`` rows a whole call sends to the encoder (split calls count their own)."""
         with self._lock:
-            self._counter(method).rows_encoded += rows
+            self._counters.of(method).rows_encoded += rows
 
-    def record_call(self, *, hit: bool, method: str = DEFAULT_METHOD) -> None:
+    def record_call(self, *, hit: bool, method: str = ENCODE_PROMPT) -> None:
         """Count one call as a hit (it ran no encoder) or a miss."""
         with self._lock:
-            counts = self._counter(method)
+            counts = self._counters.of(method)
             if hit:
                 counts.hits += 1
             else:
                 counts.misses += 1
 
-    def record_layout_check(self, rows: int, gap: float | None, *, method: str = DEFAULT_METHOD) -> None:
+    def record_layout_check(self, rows: int, gap: float | None, *, method: str = ENCODE_PROMPT) -> None:
         """Count one layout check whose uncached call encoded ``rows``; ``gap``: what it measured, None: mismatch."""
         with self._lock:
-            counts = self._counter(method)
+            counts = self._counters.of(method)
             counts.layout_checks += 1
             counts.layout_check_rows += rows
             if gap is None:
@@ -915,16 +934,10 @@ class PromptEmbedCache:
         """Return the counters, sizes and settings now, as one :class:`CacheStats`."""
         with self._lock:
             counts = {
-                name: _ranked(value) if isinstance(value := self._count(name), Counter) else value
+                name: ranked_reasons(value) if isinstance(value := self._count(name), Counter) else value
                 for name in COUNTER_FIELDS
             }
-            methods = {
-                method: {
-                    name: _ranked(value) if isinstance(value := getattr(method_counts, name), Counter) else value
-                    for name in METHOD_COUNTER_FIELDS
-                }
-                for method, method_counts in self._counts_by_method.items()
-            }
+            methods = self._counters.by_method()
             host, directory = self.host, self.directory
             levels = {}
             if host is not None:
@@ -941,7 +954,7 @@ class PromptEmbedCache:
                 **levels,
                 size=len(self._entries),
                 max_size=self.max_size,
-                bypassed=sum(sum(c.bypass_reasons.values()) for c in self._counts_by_method.values()),
+                bypassed=sum(counts["bypass_reasons"].values()),
                 bytes=self._bytes,
                 max_bytes=self.max_bytes,
                 enabled=self.enabled,
@@ -954,8 +967,7 @@ class PromptEmbedCache:
     def _count(self, name: str) -> Any:
         """Return one counter: the store's own, or a lower tier's (0 without that tier)."""
         if name not in TIER_COUNTERS:  # every method's, added
-            values = [getattr(counts, name) for counts in self._counts_by_method.values()]
-            return sum(values, Counter()) if isinstance(values[0], Counter) else sum(values)
+            return self._counters.total(name)
         tier_name, attribute = TIER_COUNTERS[name]
         tier = getattr(self, tier_name)
         if tier is None:

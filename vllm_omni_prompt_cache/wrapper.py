@@ -39,15 +39,13 @@ from vllm_omni_prompt_cache.proofs import (
     infer_layout,
 )
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, UnstackableRows
-from vllm_omni_prompt_cache.store import DEFAULT_METHOD, PromptEmbedCache
+from vllm_omni_prompt_cache.store import ENCODE_PROMPT, PromptEmbedCache
 
 if TYPE_CHECKING:
     from vllm_omni_prompt_cache.vllm_omni.methods import EncodeMethod
 
 logger = logging.getLogger(__name__)
 
-#: The method every pipeline encodes prompts with (upstream's one cached method).
-ENCODE_PROMPT = DEFAULT_METHOD
 DISABLED_REASON = "cache disabled"
 #: Whole-call reason for the call that found its row layout not to match the function's outputs
 #: (the calls after it have no layout: they are keyed whole like any pipeline's).
@@ -359,13 +357,13 @@ class _CachedCalls:
         if layout is None:
             return self._whole(args, kwargs, arguments, rows=None, infer=self.proof.may_infer)
         try:
-            single = layout.is_single_row(arguments)
-            split = None if single else layout.split(arguments)
+            single = layout.single_row_key(arguments)
+            split = None if single is not None else layout.split(arguments)
         except Exception as error:  # hostile arguments: reading them as rows must not fail the call
             cache.record_whole_call(f"rows could not be read: {type(error).__qualname__} raised")
             return self._whole(args, kwargs, arguments, rows=None)
-        if single:
-            return self._single_row(layout, args, kwargs, arguments)
+        if single is not None:
+            return self._single_row(layout, args, kwargs, single)
         if type(split) is not RowSplit:
             cache.record_whole_call(split)
             return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments))
@@ -376,10 +374,10 @@ class _CachedCalls:
             return self.encode_fn(*args, **kwargs)
         return self._by_rows(layout, split, keys, functools.partial(self.encode_fn, *args, **kwargs))
 
-    def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> Any:
-        """Serve a call that is its own only row: its row key reads the arguments as given."""
+    def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, key_arguments: Mapping[str, Any]) -> Any:
+        """Serve a call that is its own only row, keyed by ``key_arguments`` (:meth:`RowLayout.single_row_key`)."""
         cache = self.cache
-        key = self.key_builder.build_from_arguments(layout.single_row_key_arguments(arguments), row=True)
+        key = self.key_builder.build_from_arguments(key_arguments, row=True)
         if type(key) is Bypass:
             cache.record_bypass(key.reason)
             cache.record_rows_encoded(1)

@@ -48,7 +48,7 @@ class Enumeration:
 
 def encode_methods(kind: type) -> tuple[str, ...]:
     """Return the methods of ``kind`` the cache would wrap (``encode_prompt`` first); empty if none."""
-    return tuple(known_methods(kind))
+    return (*([ENCODE_PROMPT] if callable(getattr(kind, ENCODE_PROMPT, None)) else []), *known_methods(kind))
 
 
 @functools.cache

@@ -23,10 +23,8 @@ from typing import Any
 
 from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.proofs import class_path
-from vllm_omni_prompt_cache.store import DEFAULT_METHOD
+from vllm_omni_prompt_cache.store import ENCODE_PROMPT
 
-#: The method every pipeline has its prompts encoded by, wrapped wherever it is callable.
-ENCODE_PROMPT = DEFAULT_METHOD
 #: Where this package's stand-ins of verl-omni's adapters live: recognised as the code they mirror.
 STAND_IN_PACKAGE = "vllm_omni_prompt_cache.tiny"
 
@@ -126,12 +124,8 @@ def defining_class(kind: type, method: str) -> type | None:
 
 
 def known_methods(kind: type) -> dict[str, str]:
-    """Return the methods of class ``kind`` the cache wraps without being told, by name, with why."""
-    found = {ENCODE_PROMPT: "every pipeline's"} if callable(getattr(kind, ENCODE_PROMPT, None)) else {}
-    for known in KNOWN_METHODS:
-        if known.method not in found and known.defined_by(kind):
-            found[known.method] = f"known: {known.where}"
-    return found
+    """Return the :data:`KNOWN_METHODS` class ``kind`` has, by name, with why they are cached."""
+    return {known.method: f"known: {known.where}" for known in KNOWN_METHODS if known.defined_by(kind)}
 
 
 def find_encode_methods(pipeline: Any, declared: Mapping[str, tuple[str, ...]] | None = None) -> list[EncodeMethod]:
@@ -142,9 +136,8 @@ def find_encode_methods(pipeline: Any, declared: Mapping[str, tuple[str, ...]] |
     its subclasses.
     """
     kind = type(pipeline)
-    found = known_methods(kind)
-    if not callable(getattr(pipeline, ENCODE_PROMPT, None)):
-        found.pop(ENCODE_PROMPT, None)  # an instance may hide what its class has
+    found = {ENCODE_PROMPT: "every pipeline's"} if callable(getattr(pipeline, ENCODE_PROMPT, None)) else {}
+    found.update(known_methods(kind))
     for ancestor in kind.__mro__:
         for name in (declared or {}).get(class_path(ancestor), ()):
             if name not in found:

@@ -37,6 +37,7 @@ import logging
 import random
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -46,10 +47,12 @@ from vllm_omni_prompt_cache.store import (
     COLLISION_REASON,
     COUNTER_FIELDS,
     METHOD_COUNTER_FIELDS,
+    REASON_FIELDS,
     TIER_COUNTERS,
     UNSPECIFIED_REASON,
     CacheStats,
     PromptEmbedCache,
+    ranked_reasons,
 )
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
@@ -166,20 +169,12 @@ def pop_snapshot(metrics: dict[str, Any]) -> Snapshot | None:
     bypassed = sum(known.get("bypass_reasons", {}).values())
     for mine in methods.values():  # a count by reason with no reason left is sent as nothing
         for name in METHOD_COUNTER_FIELDS:
-            mine.setdefault(name, {} if name in _BY_REASON else 0)
-        mine.update({name: _most_common(mine[name]) for name in _BY_REASON})
+            mine.setdefault(name, {} if name in REASON_FIELDS else 0)
+        mine.update({name: ranked_reasons(Counter(mine[name])) for name in REASON_FIELDS})
     stats = CacheStats(
         **known, bypassed=bypassed, methods=methods, **{name: int(value) for name, value in levels.items()}
     )
     return Snapshot(epoch, sequence, stats, levels)
-
-
-#: A method's counts that are kept by reason.
-_BY_REASON = ("bypass_reasons", "row_bypass_reasons", "whole_call_reasons")
-
-
-def _most_common(reasons: Mapping[str, int]) -> dict[str, int]:
-    return dict(sorted(reasons.items(), key=lambda item: -item[1]))
 
 
 # --- worker: attach the snapshot -------------------------------------------------------------
