@@ -29,12 +29,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_omni_prompt_cache.tiny.qwen_image import build_once, default_cache_dir, native_dtype
+from vllm_omni_prompt_cache.tiny.qwen_image import (
+    build_once,
+    default_cache_dir,
+    native_dtype,
+    spec_digest,
+    write_model_index,
+)
 
 BUILD_FORMAT = 1  # bump when the layout written below, or the coverage builders' Gemma 3, changes
 
@@ -70,8 +74,7 @@ class TinyLTX2Spec:
 
     def digest(self) -> str:
         """Return a short stable name for this spec (used as the directory name)."""
-        payload = json.dumps({"format": BUILD_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+        return spec_digest(self, BUILD_FORMAT)
 
 
 def ensure_tiny_ltx2(spec: TinyLTX2Spec | None = None, cache_dir: Path | None = None) -> Path:
@@ -82,7 +85,6 @@ def ensure_tiny_ltx2(spec: TinyLTX2Spec | None = None, cache_dir: Path | None = 
 
 
 def _build(spec: TinyLTX2Spec, out: Path) -> None:
-    import diffusers
     import torch
     from diffusers import (
         AutoencoderKLLTX2Audio,
@@ -214,20 +216,21 @@ def _build(spec: TinyLTX2Spec, out: Path) -> None:
         shift_terminal=0.1,
     ).save_pretrained(out / "scheduler")
 
-    index = {
-        "_class_name": "LTX2Pipeline",
-        "_diffusers_version": diffusers.__version__,
-        "audio_vae": ["diffusers", "AutoencoderKLLTX2Audio"],
-        "connectors": ["ltx2", "LTX2TextConnectors"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"],
-        "tokenizer": ["transformers", "GemmaTokenizer"],
-        "transformer": ["diffusers", "LTX2VideoTransformer3DModel"],
-        "vae": ["diffusers", "AutoencoderKLLTX2Video"],
-        "vocoder": ["ltx2", "LTX2VocoderWithBWE"],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
-    (out / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
+    write_model_index(
+        out,
+        "LTX2Pipeline",
+        {
+            "audio_vae": ["diffusers", "AutoencoderKLLTX2Audio"],
+            "connectors": ["ltx2", "LTX2TextConnectors"],
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"],
+            "tokenizer": ["transformers", "GemmaTokenizer"],
+            "transformer": ["diffusers", "LTX2VideoTransformer3DModel"],
+            "vae": ["diffusers", "AutoencoderKLLTX2Video"],
+            "vocoder": ["ltx2", "LTX2VocoderWithBWE"],
+        },
+        spec,
+    )
 
 
 def _save(module, dtype, target: Path) -> None:

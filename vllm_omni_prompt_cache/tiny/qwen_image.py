@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: The chat template Qwen-Image wraps every prompt in; its first 34 tokens are dropped after
 #: encoding, so the template alone must tokenize to more than 34 tokens.
@@ -69,8 +70,7 @@ class TinyQwenImageSpec:
 
     def digest(self) -> str:
         """Return a short stable name for this spec (used as the directory name)."""
-        payload = json.dumps({"format": BUILD_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+        return spec_digest(self, BUILD_FORMAT)
 
 
 def native_dtype() -> str:
@@ -113,6 +113,21 @@ def ensure_tiny_qwen_image(spec: TinyQwenImageSpec | None = None, cache_dir: Pat
     spec = spec or TinyQwenImageSpec()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return build_once(root / "models" / f"tiny-qwen-image-{spec.digest()}", lambda out: _build(spec, out))
+
+
+def spec_digest(spec: Any, build_format: int, **extra: Any) -> str:
+    """Return a short stable name for ``spec`` built by layout ``build_format`` (its directory's name)."""
+    payload = json.dumps({"format": build_format, **extra, **dataclasses.asdict(spec)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def write_model_index(out: Path, pipeline_class: str, components: dict[str, Any], spec: Any) -> None:
+    """Write the checkpoint's ``model_index.json`` (diffusers' component list) and the spec it was built from."""
+    import diffusers
+
+    index = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__, **components}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    (out / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
 
 
 def build_once(target: Path, build: Callable[[Path], None]) -> Path:
@@ -236,19 +251,18 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
         time_shift_type="exponential",
     ).save_pretrained(out / "scheduler")
 
-    import diffusers
-
-    index = {
-        "_class_name": "QwenImagePipeline",
-        "_diffusers_version": diffusers.__version__,
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-        "tokenizer": ["transformers", "Qwen2Tokenizer"],
-        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLQwenImage"],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
-    (out / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
+    write_model_index(
+        out,
+        "QwenImagePipeline",
+        {
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+            "tokenizer": ["transformers", "Qwen2Tokenizer"],
+            "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKLQwenImage"],
+        },
+        spec,
+    )
 
 
 def _build_tokenizer(vocab_size: int):

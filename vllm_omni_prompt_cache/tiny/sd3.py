@@ -18,14 +18,11 @@ slower. Nothing is downloaded.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_prompt_cache.tiny.qwen_image import build_once, default_cache_dir
+from vllm_omni_prompt_cache.tiny.qwen_image import build_once, default_cache_dir, spec_digest, write_model_index
 
 BUILD_FORMAT = 1  # bump when the layout written below, or the text stacks it reuses, change
 
@@ -57,8 +54,7 @@ class TinySD3Spec:
 
     def digest(self) -> str:
         """Return a short stable name for this spec (used as the directory name)."""
-        payload = json.dumps({"format": BUILD_FORMAT, "dtype": DTYPE, **dataclasses.asdict(self)}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+        return spec_digest(self, BUILD_FORMAT, dtype=DTYPE)
 
 
 def ensure_tiny_sd3(spec: TinySD3Spec | None = None, cache_dir: Path | None = None) -> Path:
@@ -69,7 +65,6 @@ def ensure_tiny_sd3(spec: TinySD3Spec | None = None, cache_dir: Path | None = No
 
 
 def _build(spec: TinySD3Spec, out: Path) -> None:
-    import diffusers
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
@@ -122,23 +117,24 @@ def _build(spec: TinySD3Spec, out: Path) -> None:
 
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0).save_pretrained(out / "scheduler")
 
-    index = {
-        "_class_name": "StableDiffusion3Pipeline",
-        "_diffusers_version": diffusers.__version__,
-        "feature_extractor": [None, None],
-        "image_encoder": [None, None],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
-        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-        "text_encoder_3": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "tokenizer_2": ["transformers", "CLIPTokenizer"],
-        "tokenizer_3": ["transformers", "T5TokenizerFast"],
-        "transformer": ["diffusers", "SD3Transformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
-    (out / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
+    write_model_index(
+        out,
+        "StableDiffusion3Pipeline",
+        {
+            "feature_extractor": [None, None],
+            "image_encoder": [None, None],
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+            "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+            "text_encoder_3": ["transformers", "T5EncoderModel"],
+            "tokenizer": ["transformers", "CLIPTokenizer"],
+            "tokenizer_2": ["transformers", "CLIPTokenizer"],
+            "tokenizer_3": ["transformers", "T5TokenizerFast"],
+            "transformer": ["diffusers", "SD3Transformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+        },
+        spec,
+    )
 
 
 def load_tokenizers(model_dir: str | Path) -> tuple[Any, Any]:

@@ -12,7 +12,6 @@ trained locally on a few sentences and saved as transformers' ``T5Tokenizer``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import string
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from vllm_omni_prompt_cache.tiny.qwen_image import (
     build_once,
     default_cache_dir,
     native_dtype,
+    spec_digest,
+    write_model_index,
 )
 
 BUILD_FORMAT = 1  # bump when the layout written below changes
@@ -70,8 +71,7 @@ class TinyWan22Spec:
 
     def digest(self) -> str:
         """Return a short stable name for this spec (used as the directory name)."""
-        payload = json.dumps({"format": BUILD_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+        return spec_digest(self, BUILD_FORMAT)
 
 
 def ensure_tiny_wan22(spec: TinyWan22Spec | None = None, cache_dir: Path | None = None) -> Path:
@@ -82,7 +82,6 @@ def ensure_tiny_wan22(spec: TinyWan22Spec | None = None, cache_dir: Path | None 
 
 
 def _build(spec: TinyWan22Spec, out: Path) -> None:
-    import diffusers
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -152,20 +151,21 @@ def _build(spec: TinyWan22Spec, out: Path) -> None:
         flow_shift=5.0,
     ).save_pretrained(out / "scheduler")
 
-    index = {
-        "_class_name": "WanPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "boundary_ratio": None,
-        "expand_timesteps": True,
-        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "T5Tokenizer"],
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None],
-        "vae": ["diffusers", "AutoencoderKLWan"],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
-    (out / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2))
+    write_model_index(
+        out,
+        "WanPipeline",
+        {
+            "boundary_ratio": None,
+            "expand_timesteps": True,
+            "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+            "text_encoder": ["transformers", "UMT5EncoderModel"],
+            "tokenizer": ["transformers", "T5Tokenizer"],
+            "transformer": ["diffusers", "WanTransformer3DModel"],
+            "transformer_2": [None, None],
+            "vae": ["diffusers", "AutoencoderKLWan"],
+        },
+        spec,
+    )
 
 
 def _cast(module, dtype):
