@@ -781,24 +781,12 @@ def _boogu_image(name: str = "BooguImagePipeline") -> Any:
     return pipeline
 
 
-def _boogu_call(pipeline: Any, prompts: Sequence[str]) -> Any:
-    """As BooguImagePipeline.forward calls it for text-to-image: text guidance 4 > 1, no reference images."""
+def _boogu_call(pipeline: Any, prompts: Sequence[str], *, guidance: bool = True) -> Any:
+    """As Boogu's forward calls it for text-to-image, no reference images: BooguImagePipeline's text
+    guidance 4 > 1 (``guidance``); BooguImageTurboPipeline's must be 1.0, so no negative instruction."""
     return pipeline.encode_prompt(
         list(prompts),
-        do_classifier_free_guidance=True,
-        negative_prompt=None,
-        num_images_per_prompt=1,
-        device=pipeline._execution_device,
-        max_sequence_length=1280,
-        input_images=None,
-    )
-
-
-def _boogu_turbo_call(pipeline: Any, prompts: Sequence[str]) -> Any:
-    """As BooguImageTurboPipeline.forward calls it: guidance must be 1.0, so no negative instruction."""
-    return pipeline.encode_prompt(
-        list(prompts),
-        do_classifier_free_guidance=False,
+        do_classifier_free_guidance=guidance,
         negative_prompt=None,
         num_images_per_prompt=1,
         device=pipeline._execution_device,
@@ -966,7 +954,7 @@ CASES: list[Case | NotBuilt] = [
     Case(
         "BooguImageTurboPipeline",
         functools.partial(_boogu_image, "BooguImageTurboPipeline"),
-        _boogu_turbo_call,
+        functools.partial(_boogu_call, guidance=False),
         PROMPTS,
         note="Turbo: guidance 1.0, no negative instruction; one request a forward, the batched calls pass a list",
     ),
