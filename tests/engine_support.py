@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 
 pytest.importorskip("vllm_omni", reason="the engine tests need the vllm-omni extra")
 
-from vllm_omni_prompt_cache.demo.rollout import RolloutSpec
+from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, cache_stats, worker_value
+from vllm_omni_prompt_cache.store import CacheStats
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 from vllm_omni_prompt_cache.tiny.worker_extension import TextEncoderCountersExtension
 
@@ -27,6 +30,47 @@ def tiny_spec(**overrides: Any) -> RolloutSpec:
 def run(coroutine: Any) -> Any:
     """Run a coroutine to completion on a fresh event loop (engines bind to the loop they start on)."""
     return asyncio.run(coroutine)
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class Counted:
+    """What an engine's text encoder and cache did while some work ran (the pipeline's counters, and
+    the cache's counts since the work began; ``stats`` None without a cache)."""
+
+    rows_at_start: int  # rows the encoder had run before the work (the engine's warm-up)
+    encoder_runs: int
+    encoder_rows: int
+    stats: CacheStats | None
+
+
+async def counted(engine: Any, work: Callable[[], Awaitable[T]]) -> tuple[T, Counted]:
+    """Return the result of ``work()`` and what the text encoder and the cache did while it ran.
+
+    ``work`` is called after the first reading: a future made before it (``asyncio.gather``) would
+    start its requests while the counters are being read.
+    """
+    before = await worker_value(engine, "text_encoder_counters")
+    stats_before = await cache_stats(engine)
+    result = await work()
+    after = await worker_value(engine, "text_encoder_counters")
+    stats_after = await cache_stats(engine)
+    return result, Counted(
+        rows_at_start=before["encoder_rows"],
+        encoder_runs=after["encoder_runs"] - before["encoder_runs"],
+        encoder_rows=after["encoder_rows"] - before["encoder_rows"],
+        stats=None if stats_after is None else stats_after.since(stats_before or CacheStats()),
+    )
+
+
+async def final_output(engine: Any, request: Any, params: Any, request_id: str) -> Any:
+    """Return the last output ``engine.generate`` yields for one request."""
+    final = None
+    async for output in engine.generate(request, params, request_id=request_id):
+        final = output
+    return final
 
 
 RELOADING_EXTENSION = "engine_support.WeightReloadingExtension"

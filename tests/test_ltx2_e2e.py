@@ -22,10 +22,9 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import GROUP_SIZE, PROMPTS, run
+from engine_support import GROUP_SIZE, PROMPTS, Counted, counted, final_output, run
 
-from vllm_omni_prompt_cache.demo.rollout import cache_stats, open_engine, worker_value
-from vllm_omni_prompt_cache.store import CacheStats
+from vllm_omni_prompt_cache.demo.rollout import open_engine
 from vllm_omni_prompt_cache.tiny.ltx2 import TINY_FRAME_RATE, TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, ensure_tiny_ltx2
 from vllm_omni_prompt_cache.tiny.ltx2_adapter import LTX2_FLOW_GRPO_PIPELINE
 from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
@@ -54,17 +53,13 @@ DISTINCT_ROWS = len(PROMPTS) + 1  # each prompt, and the shared empty negative
 
 
 @dataclass
-class LtxRollout:
+class LtxRollout(Counted):
     """What one engine returned and counted for the rollout."""
 
     videos: dict[int, torch.Tensor]
     audios: dict[int, torch.Tensor]
     latents: dict[int, torch.Tensor]
     errors: dict[int, Any]
-    rows_at_start: int
-    encoder_runs: int
-    encoder_rows: int
-    stats: CacheStats | None
     init_seconds: float
     seconds: float
 
@@ -112,8 +107,6 @@ async def send_rollout(cache: bool) -> LtxRollout:
     started = time.perf_counter()
     async with open_engine(engine_kwargs(cache)) as engine:
         init_seconds = time.perf_counter() - started
-        before = await worker_value(engine, "text_encoder_counters")
-        stats_before = await cache_stats(engine)
 
         async def one(index: int, request: dict[str, Any], seed: int) -> tuple[int, Any]:
             params = OmniDiffusionSamplingParams(
@@ -129,23 +122,15 @@ async def send_rollout(cache: bool) -> LtxRollout:
                 extra_args=dict(ALGO_ARGS),
                 return_trajectory_latents=True,
             )
-            final = None
-            async for output in engine.generate(request, params, request_id=f"ltx2-{index}"):
-                final = output
-            return index, final
+            return index, await final_output(engine, request, params, f"ltx2-{index}")
 
-        finished = await asyncio.gather(*(one(*request) for request in requests()))
-        after = await worker_value(engine, "text_encoder_counters")
-        stats_after = await cache_stats(engine)
+        finished, counts = await counted(engine, lambda: asyncio.gather(*(one(*request) for request in requests())))
     return LtxRollout(
+        **vars(counts),
         videos={index: output.images[0] for index, output in finished if output.images},
         audios={index: output.multimodal_output.get("audio") for index, output in finished},
         latents={index: output.trajectory_latents for index, output in finished},
         errors={index: output.error for index, output in finished if output.error},
-        rows_at_start=before["encoder_rows"],
-        encoder_runs=after["encoder_runs"] - before["encoder_runs"],
-        encoder_rows=after["encoder_rows"] - before["encoder_rows"],
-        stats=None if stats_after is None else stats_after.since(stats_before or CacheStats()),
         init_seconds=init_seconds,
         seconds=time.perf_counter() - started,
     )

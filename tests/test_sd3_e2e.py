@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import GROUP_SIZE, PROMPTS, run
+from engine_support import GROUP_SIZE, PROMPTS, Counted, counted, final_output, run
 
-from vllm_omni_prompt_cache.demo.rollout import cache_stats, open_engine, worker_value
-from vllm_omni_prompt_cache.store import CacheStats
+from vllm_omni_prompt_cache.demo.rollout import open_engine
 from vllm_omni_prompt_cache.tiny.sd3 import ensure_tiny_sd3, load_tokenizers, rollout_request
 from vllm_omni_prompt_cache.tiny.sd3_adapter import SD3_FLOW_GRPO_PIPELINE
 from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
@@ -42,18 +41,14 @@ DISTINCT_ROWS = len(PROMPTS) + 1  # each prompt, and the empty negative
 
 
 @dataclass
-class Sd3Rollout:
+class Sd3Rollout(Counted):
     """What one engine returned and counted for the rollout (the engine's warm-up excluded)."""
 
     image_sizes: dict[int, list[tuple[int, int]]]
     latents: dict[int, torch.Tensor]
     errors: dict[int, Any]
-    rows_at_start: int
     #: Latents of each prompt's first request sent again as text (``{"prompt": ...}``, same seed), after counting.
     text_latents: dict[int, torch.Tensor]
-    encoder_runs: int
-    encoder_rows: int
-    stats: CacheStats | None
     init_seconds: float
     seconds: float
 
@@ -91,8 +86,6 @@ async def send_rollout(cache: bool, max_num_seqs: int, text_twins: bool = False)
     started = time.perf_counter()
     async with open_engine(engine_kwargs(cache, max_num_seqs)) as engine:
         init_seconds = time.perf_counter() - started
-        before = await worker_value(engine, "text_encoder_counters")
-        stats_before = await cache_stats(engine)
 
         async def one(index: int, request: dict[str, Any], seed: int, label: str = "sd3") -> tuple[int, Any]:
             params = OmniDiffusionSamplingParams(
@@ -106,25 +99,17 @@ async def send_rollout(cache: bool, max_num_seqs: int, text_twins: bool = False)
                 extra_args=dict(ALGO_ARGS),
                 return_trajectory_latents=True,
             )
-            final = None
-            async for output in engine.generate(request, params, request_id=f"{label}-{index}"):
-                final = output
-            return index, final
+            return index, await final_output(engine, request, params, f"{label}-{index}")
 
-        finished = await asyncio.gather(*(one(*request) for request in requests()))
-        after = await worker_value(engine, "text_encoder_counters")
-        stats_after = await cache_stats(engine)
+        finished, counts = await counted(engine, lambda: asyncio.gather(*(one(*request) for request in requests())))
         twins = [one(i, {"prompt": PROMPTS[i]}, BASE_SEED + i, "text") for i in range(len(PROMPTS)) if text_twins]
         text_latents = {index: output.trajectory_latents for index, output in await asyncio.gather(*twins)}
     return Sd3Rollout(
+        **vars(counts),
         image_sizes={index: [image.size for image in output.images] for index, output in finished},
         latents={index: output.trajectory_latents for index, output in finished},
         errors={index: output.error for index, output in finished if output.error},
-        rows_at_start=before["encoder_rows"],
         text_latents=text_latents,
-        encoder_runs=after["encoder_runs"] - before["encoder_runs"],
-        encoder_rows=after["encoder_rows"] - before["encoder_rows"],
-        stats=None if stats_after is None else stats_after.since(stats_before or CacheStats()),
         init_seconds=init_seconds,
         seconds=time.perf_counter() - started,
     )
