@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
-from vllm_omni_prompt_cache.coverage.verl_omni import ADAPTERS
+import pytest
+
+from vllm_omni_prompt_cache.coverage.verl_omni import ADAPTERS, VERL_OMNI_COMMIT
 from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT, HIDDEN_INPUTS, KNOWN_METHODS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "verl-omni-adapters.md"
+#: A git clone of verl-omni to enumerate its adapters from (the search tool's mirror where there is one).
+VERL_OMNI_REPO = Path(os.environ.get("VERL_OMNI_REPO", "/work/.mirror/verl-project+verl-omni/repo"))
+
+
+@pytest.mark.skipif(not VERL_OMNI_REPO.exists(), reason=f"no verl-omni clone at {VERL_OMNI_REPO} (set VERL_OMNI_REPO)")
+def test_the_list_is_verl_omnis_own_set_of_rollout_adapters() -> None:
+    """Enumerated from verl-omni itself: every ``pipelines/*/vllm_omni_rollout_adapter.py`` at the commit read."""
+    listing = subprocess.run(
+        ["git", "-C", str(VERL_OMNI_REPO), "ls-tree", "-r", "--name-only", VERL_OMNI_COMMIT, "verl_omni/pipelines"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    shipped = {Path(path).parent.name for path in listing if path.endswith("/vllm_omni_rollout_adapter.py")}
+    assert shipped == {adapter.directory for adapter in ADAPTERS}
 
 
 def test_the_eleven_adapters_of_the_commit_read_are_listed_once() -> None:

@@ -4,7 +4,8 @@ verl-omni cannot be installed here (it pins a verl commit the package index lack
 are listed from its repository: every ``verl_omni/pipelines/*/vllm_omni_rollout_adapter.py`` at
 :data:`VERL_OMNI_COMMIT` (``git ls-tree -r --name-only a1139baf verl_omni/pipelines`` in a clone).
 ``tests/test_verl_omni_adapters.py`` checks that ``docs/verl-omni-adapters.md`` has a row for each,
-and that the cache recognises each encode method named here (or refuses it, or has nothing to do).
+that the cache recognises each encode method named here (or refuses it, or has nothing to do), and,
+given a verl-omni clone (``VERL_OMNI_REPO``), that this list is the commit's own set of adapters.
 """
 
 from __future__ import annotations
