@@ -28,7 +28,7 @@ def test_the_installed_environment_is_active_and_the_command_says_so_without_imp
     lines = result.stdout.splitlines()
     assert lines[0].startswith("installed: vllm-omni-prompt-cache 0.1.0, vllm-omni 0.30.0")
     assert "entry points: all registered" in lines
-    assert "  the prompt-embed cache: 16 of 16 hook points found: on" in lines
+    assert "  the prompt-embed cache: 19 of 19 hook points found: on" in lines
     assert lines[-2].startswith("active: diffusion engines in this environment use the content-keyed cache")
     assert lines[-1] == "[]"  # neither vLLM nor vLLM-Omni was imported
 
@@ -66,6 +66,6 @@ def test_a_vllm_omni_without_a_cache_hook_point_is_not_active(monkeypatch, tmp_p
     code, lines = run_check()
     assert code == 1
     assert any(
-        line.startswith("  the prompt-embed cache: 0 of 16 hook points found: off, for want of ") for line in lines
+        line.startswith("  the prompt-embed cache: 0 of 19 hook points found: off, for want of ") for line in lines
     )
     assert "not active: vLLM-Omni 0.30.0 lacks hook points the cache needs" in lines

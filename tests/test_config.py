@@ -9,6 +9,7 @@ from vllm_omni_prompt_cache.config import (
     DIRECTORY,
     DIRECTORY_BYTES,
     ENABLE,
+    ENCODER_ON_MISS,
     HOST_BYTES,
     MAX_BYTES,
     MAX_SIZE,
@@ -99,6 +100,9 @@ def test_byte_budget_spellings(monkeypatch, text, expected) -> None:
         (DIRECTORY_BYTES, "0"),
         (DIRECTORY_BYTES, "-1"),
         (DIRECTORY_BYTES, "lots"),
+        (ENCODER_ON_MISS, "abc"),
+        (ENCODER_ON_MISS, "-1"),
+        (ENCODER_ON_MISS, ""),
     ],
 )
 def test_bad_environment_values_name_setting_source_and_allowed(monkeypatch, setting, bad) -> None:
@@ -152,6 +156,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         backend="vllm-omni",
         row_layouts="pkg.mod.Adapter=token-ids",
         methods="pkg.mod.Adapter=encode_ids+_encode_negative",
+        encoder_on_miss="on",
     )
     carried = settings.as_dict()
     assert carried == {
@@ -165,6 +170,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         HOST_BYTES.name: None,
         DIRECTORY.name: None,
         DIRECTORY_BYTES.name: 16 * 2**30,
+        ENCODER_ON_MISS.name: True,
         "sources": settings.sources,
     }
     assert PromptEmbedCacheSettings.from_dict(carried, "the stage config") == settings

@@ -40,6 +40,7 @@ from vllm_omni_prompt_cache.config import (
     DIRECTORY,
     DIRECTORY_BYTES,
     ENABLE,
+    ENCODER_ON_MISS,
     HOST_BYTES,
     MAX_BYTES,
     MAX_SIZE,
@@ -305,6 +306,7 @@ def test_deploy_config_extras_resolve_in_the_worker(tmp_path: Path, monkeypatch:
         ROW_LAYOUTS.name: "default",
         METHODS.name: "default",
         DIRECTORY_BYTES.name: "default",
+        ENCODER_ON_MISS.name: "default",
     }
 
 

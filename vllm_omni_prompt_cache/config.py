@@ -296,6 +296,18 @@ DIRECTORY_BYTES = Setting(
     _byte_budget,
 )
 
+ENCODER_ON_MISS = Setting(
+    "prompt_embed_cache_encoder_on_miss",
+    "encoder_on_miss",
+    "--prompt-embed-cache-encoder-on-miss",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_ENCODER_ON_MISS",
+    False,
+    "a boolean: 1/0, true/false, yes/no, on/off",
+    "Keep the text encoders in one (pinned) host copy and place them on the device only while a cache miss "
+    "encodes; the DiT stays resident. Not with vLLM-Omni offload that moves the text encoder. Default: off.",
+    _bool,
+)
+
 SETTINGS: tuple[Setting, ...] = (
     ENABLE,
     MAX_SIZE,
@@ -307,6 +319,7 @@ SETTINGS: tuple[Setting, ...] = (
     HOST_BYTES,
     DIRECTORY,
     DIRECTORY_BYTES,
+    ENCODER_ON_MISS,
 )
 
 
@@ -341,6 +354,7 @@ class PromptEmbedCacheSettings:
     host_bytes: int | None = HOST_BYTES.default  # None: no host tier
     directory: str | None = DIRECTORY.default  # None: no directory tier
     directory_bytes: int | None = DIRECTORY_BYTES.default  # None: no limit
+    encoder_on_miss: bool = ENCODER_ON_MISS.default  # text encoders on the device only while a miss encodes
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -419,6 +433,7 @@ def resolve_prompt_embed_cache_settings(
     host_bytes: int | str | None = None,
     directory: str | os.PathLike | None = None,
     directory_bytes: int | str | None = None,
+    encoder_on_miss: bool | str | None = None,
     source: str = "keyword argument",
     environ: Mapping[str, str] | None = None,
 ) -> PromptEmbedCacheSettings:
@@ -426,6 +441,7 @@ def resolve_prompt_embed_cache_settings(
     given = {ENABLE.name: enable, MAX_SIZE.name: max_size, MAX_BYTES.name: max_bytes, VERIFY.name: verify}
     given.update({BACKEND.name: backend, ROW_LAYOUTS.name: row_layouts, HOST_BYTES.name: host_bytes})
     given.update({DIRECTORY.name: directory, DIRECTORY_BYTES.name: directory_bytes, METHODS.name: methods})
+    given[ENCODER_ON_MISS.name] = encoder_on_miss
     return resolve_settings(given, source=source, environ=environ)
 
 

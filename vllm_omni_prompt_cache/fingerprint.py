@@ -9,7 +9,8 @@ plain values: templates, lengths, scale factors), on the text encoders' weights 
 by content: the same checkpoint on another node matches, a fine-tuned one does not), on the
 tokenizers and processors (class, vocabulary, special tokens, limits, their config) and on the
 kinds of device the encoder and the pipeline run on (a CUDA and a CPU encode of one prompt differ
-in their last bits). All of it goes into the description, whose digest is the namespace.
+in their last bits): where the encoder runs, not where its weights wait between calls when an
+offload moves them. All of it goes into the description, whose digest is the namespace.
 
 Hashing the weights reads every encoder byte once per process (and again after new encoder
 weights are loaded); on a GPU host each tensor is copied to the CPU first. Only the directory tier
@@ -54,6 +55,20 @@ def encoder_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
         if wanted and isinstance(value, torch.nn.Module):
             found[name] = value
     return dict(sorted(found.items()))
+
+
+#: Attribute a module that something moves between host and device carries: the device it runs on
+#: (set by :mod:`.residency` and :mod:`.vllm_omni.offload`; where its parameters are between calls
+#: says nothing of where it encodes).
+ENCODE_DEVICE = "_prompt_embed_cache_encode_device"
+
+
+def encode_devices(module: torch.nn.Module) -> list[torch.device]:
+    """Return where ``module`` runs: the device its mover declared, else the devices of its parameters."""
+    declared = getattr(module, ENCODE_DEVICE, None)
+    if isinstance(declared, torch.device):
+        return [declared]
+    return list(dict.fromkeys(parameter.device for parameter in module.parameters()))
 
 
 def weights_digest(module: torch.nn.Module) -> str | None:
@@ -177,7 +192,7 @@ def pipeline_fingerprint(pipeline: Any, fixed: dict[str, Any]) -> dict[str, Any]
         if digest is None:
             return f"the weights of {type(pipeline).__qualname__}.{name} are not readable (offloaded or discarded)"
         weights[name] = digest
-        devices.update(tensor.device.type for tensor in module.parameters())
+        devices.update(device.type for device in encode_devices(module))
     pipeline_device = getattr(pipeline, "device", None)
     if isinstance(pipeline_device, torch.device):  # where it encodes, if its encoder is offloaded elsewhere
         devices.add(pipeline_device.type)

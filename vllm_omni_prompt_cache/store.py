@@ -38,6 +38,7 @@ from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.host_tier import HostTier, map_tensors, to_devices
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches, witness_nbytes
 from vllm_omni_prompt_cache.logs import warn_once
+from vllm_omni_prompt_cache.residency import EncoderMoves
 
 T = TypeVar("T")
 
@@ -111,6 +112,15 @@ TIER_COUNTERS = {
     "dir_evictions": ("directory", "evictions"),  # files removed to stay within the directory's budget
     "dir_rejections": ("directory", "rejections"),  # files removed on read (corrupt, foreign...), by reason
     "dir_waits": ("directory", "waits"),  # misses served by waiting for another process's encode
+    # Moves of the text encoders (and the DiTs they swap with) between host and device, whoever made
+    # them: vLLM-Omni's module offload, or this package's placement on a miss (see residency.py).
+    "encoder_placements": ("moves", "encoder_placements"),
+    "encoder_evictions": ("moves", "encoder_evictions"),
+    "dit_placements": ("moves", "dit_placements"),
+    "dit_evictions": ("moves", "dit_evictions"),
+    "bytes_moved": ("moves", "bytes_moved"),
+    "placements_avoided": ("moves", "placements_avoided"),  # placements calls served from the cache did not make
+    "bytes_not_moved": ("moves", "bytes_not_moved"),
 }
 
 #: The counters, by name: what snapshots copy, ``since`` subtracts and ``merged`` adds.
@@ -213,6 +223,16 @@ class CacheStats:
     dir_max_bytes: int | None = None
     directory: str | None = None
     dir_off_reason: str | None = None  # why the directory tier is not used now (None: in use)
+    # The text encoders' moves (counts above, in TIER_COUNTERS; placer None: nothing moves them).
+    encoder_placements: int = 0
+    encoder_evictions: int = 0
+    dit_placements: int = 0
+    dit_evictions: int = 0
+    bytes_moved: int = 0
+    placements_avoided: int = 0
+    bytes_not_moved: int = 0
+    encoder_device_bytes: int | None = None  # text-encoder bytes on the device at the snapshot (None: not known)
+    encoder_placer: str | None = None  # who moves the text encoders: vLLM-Omni's module offload, "on a miss"
     #: The store's counts (every :class:`Counters` field) by the pipeline method that made them;
     #: the fields above are their sums. A method the cache wraps appears from install on.
     methods: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
@@ -256,11 +276,13 @@ class CacheStats:
                 methods[method] = _counts_added(methods.get(method, {}), counts)
         budgets = [each.max_bytes for each in snapshots]
         host_budgets = [each.host_max_bytes for each in snapshots]
+        on_devices = [each.encoder_device_bytes for each in snapshots if each.encoder_device_bytes is not None]
         return dataclasses.replace(
             first,  # the directory's levels are the first replica's view of a directory they share
             max_bytes=None if None in budgets else sum(budgets),
             host_max_bytes=None if None in host_budgets else sum(host_budgets),
             layout_check_max_gap=max(each.layout_check_max_gap for each in snapshots),
+            encoder_device_bytes=sum(on_devices) if on_devices else None,
             methods=methods,
             **summed,
         )
@@ -302,6 +324,12 @@ class CacheStats:
                 f"{self.dir_bytes / 2**20:.1f} MiB, {self.dir_evictions} evictions, {rejected} bad files removed, "
                 f"{self.dir_write_errors} write errors"
                 + (f" (off: {self.dir_off_reason})" if self.dir_off_reason else "")
+            )
+        if self.encoder_placer is not None:
+            device_bytes = "?" if self.encoder_device_bytes is None else f"{self.encoder_device_bytes / 2**20:.1f}"
+            tiers += (
+                f"; text encoder ({self.encoder_placer}): {self.encoder_placements} placements, "
+                f"{self.placements_avoided} avoided, {device_bytes} MiB on the device"
             )
         used = {
             method: counts
@@ -454,6 +482,8 @@ class PromptEmbedCache:
         self._generation = 0  # bumped by clear(): results computed before it are not stored
         self.host = None if host_bytes is None else HostTier(host_bytes)
         self.directory = directory
+        #: What moves the text encoders between host and device, counted (set by the worker; None: nothing).
+        self.moves: EncoderMoves | None = None
 
     # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
     # under ``cache._lock``): readable and assignable here too, without taking the lock. They are
@@ -938,8 +968,10 @@ class PromptEmbedCache:
                 for name in COUNTER_FIELDS
             }
             methods = self._counters.by_method()
-            host, directory = self.host, self.directory
-            levels = {}
+            host, directory, moves = self.host, self.directory, self.moves
+            levels: dict[str, Any] = {}
+            if moves is not None:
+                levels.update(encoder_device_bytes=moves.device_bytes(), encoder_placer=moves.placer)
             if host is not None:
                 levels.update(host_entries=len(host), host_bytes=host.bytes, host_max_bytes=host.max_bytes)
             if directory is not None:

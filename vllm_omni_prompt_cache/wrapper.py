@@ -28,7 +28,12 @@ import torch
 
 from vllm_omni_prompt_cache.config import DIRECTORY_BYTES
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
-from vllm_omni_prompt_cache.fingerprint import code_and_configuration, encoder_modules, pipeline_fingerprint
+from vllm_omni_prompt_cache.fingerprint import (
+    code_and_configuration,
+    encode_devices,
+    encoder_modules,
+    pipeline_fingerprint,
+)
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.proofs import (
     DECLARED_BY_CLASS,
@@ -52,6 +57,9 @@ DISABLED_REASON = "cache disabled"
 LAYOUT_DROPPED_REASON = "row layout dropped: it did not match encode_prompt's outputs"
 #: Whole-call reason for a call whose rows differ in dtype, device or shape: served uncached.
 UNSTACKABLE_REASON = "rows could not be stacked into one output (dtype, device or shape differed)"
+#: Attribute of a pipeline whose text encoders are on the device only while a call encodes
+#: (an :class:`~vllm_omni_prompt_cache.residency.EncoderPlacement`).
+PLACEMENT_ATTRIBUTE = "_prompt_embed_cache_placement"
 
 
 def _set_attribute(pipeline: Any, name: str, value: Any) -> None:
@@ -151,14 +159,14 @@ def install_prompt_embed_cache(
         cache.method_counters(method.name)  # listed in stats() from now on
         calls = _CachedCalls(
             cache,
-            encode_fn,
+            _noting_encodes(encode_fn, inside),
             signature,
             CallKeyBuilder(signature, method_tag, digest=digest),
             proof,
             method=method.name,
             refusal=method.refusal,
         )
-        _set_attribute(pipeline, method.name, _cached(calls, encode_fn, cache, report, inside))
+        _set_attribute(pipeline, method.name, _cached(calls, encode_fn, cache, report, inside, pipeline))
         originals[method.name] = encode_fn
         proofs[method.name] = proof
     object.__setattr__(pipeline, "_prompt_embed_cache", cache)
@@ -223,21 +231,28 @@ def _cached(
     cache: PromptEmbedCache,
     report: Callable[[PromptEmbedCache], None] | None,
     inside: threading.local,
+    pipeline: Any,
 ) -> Callable[..., Any]:
     """Return the function that replaces ``encode_fn`` on the pipeline.
 
     A wrapped method called from inside another (MAGI-2's ``encode_prompt`` calls its
     ``_encode_prompts``) runs straight through: the outer call is the one keyed, counted and
-    stored, so one encode is one entry and one call in the counts.
+    stored, so one encode is one entry and one call in the counts. A call runs in a session of the
+    pipeline's encoder placement when it has one (encoders placed on the device only if it
+    encodes); a call that did not encode counts the encoder moves it saved.
     """
 
     @functools.wraps(encode_fn)
     def cached_encode(*args: Any, **kwargs: Any) -> Any:
         if getattr(inside, "active", False):
             return encode_fn(*args, **kwargs)
-        inside.active = True
+        inside.active, inside.encoded = True, False
+        placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
         try:
-            result = calls(args, kwargs)
+            with placement.session() if placement is not None else contextlib.nullcontext():
+                result = calls(args, kwargs)
+            if not inside.encoded and cache.moves is not None:
+                cache.moves.served_without_encoding()
         finally:
             inside.active = False
         if report is not None:
@@ -248,17 +263,30 @@ def _cached(
     return cached_encode
 
 
+def _noting_encodes(encode_fn: Callable[..., Any], inside: threading.local) -> Callable[..., Any]:
+    """Return ``encode_fn``, noting on ``inside`` that the current call encoded (every bypass does too)."""
+
+    def encode(*args: Any, **kwargs: Any) -> Any:
+        inside.encoded = True
+        return encode_fn(*args, **kwargs)
+
+    return encode
+
+
 def _local_device(pipeline: Any, recorded: str) -> torch.device:
     """Return where a file's tensor, encoded on ``recorded``, goes in this process: the CPU stays the
-    CPU; an accelerator tensor goes to this pipeline's text encoder's device of that kind."""
+    CPU; an accelerator tensor goes where this pipeline's text encoder runs (not where its weights
+    wait between calls under an offload), else to the pipeline's device of that kind."""
     device = torch.device(recorded)
     if device.type == "cpu":
         return device
     for module in encoder_modules(pipeline).values():
-        for parameter in module.parameters():
-            if parameter.device.type == device.type:
-                return parameter.device
-            break
+        for runs_on in encode_devices(module):
+            if runs_on.type == device.type:
+                return runs_on
+    pipeline_device = getattr(pipeline, "device", None)
+    if isinstance(pipeline_device, torch.device) and pipeline_device.type == device.type:
+        return pipeline_device
     return device
 
 
@@ -577,6 +605,10 @@ def uninstall_prompt_embed_cache(pipeline: Any) -> None:
         originals = {} if original is None else {ENCODE_PROMPT: original}
     if not originals and getattr(pipeline, "_prompt_embed_cache", None) is None:
         return
+    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
+    if placement is not None:  # the encoders go back on the device for good
+        placement.remove()
+        object.__delattr__(pipeline, PLACEMENT_ATTRIBUTE)
     for name, original in originals.items():
         if getattr(original, "__self__", None) is pipeline and name in vars(pipeline):
             # The original was the class's bound method: drop the instance attribute.

@@ -20,6 +20,7 @@ from vllm_omni_prompt_cache.config import (
     DIRECTORY,
     DIRECTORY_BYTES,
     ENABLE,
+    ENCODER_ON_MISS,
     HOST_BYTES,
     MAX_BYTES,
     MAX_SIZE,
@@ -80,7 +81,7 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
     if MAX_BYTES.flag in parser._option_string_actions:
         return
     group = parser.add_argument_group(GROUP_TITLE, GROUP_DESCRIPTION)
-    for setting in (ENABLE, VERIFY):
+    for setting in (ENABLE, VERIFY, ENCODER_ON_MISS):
         if setting.flag in parser._option_string_actions:
             continue  # a future vLLM-Omni may define it itself
         group.add_argument(

@@ -58,7 +58,11 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
         "_CACHE_MISS",
     ),
     *_points(CACHE, "vllm_omni.diffusion.worker.diffusion_model_runner", None, "install_prompt_embed_cache"),
-    *_points(CACHE, "vllm_omni.diffusion.worker.diffusion_model_runner", "DiffusionModelRunner", "load_model"),
+    *_points(
+        CACHE, "vllm_omni.diffusion.worker.diffusion_model_runner", "DiffusionModelRunner", "load_model", "profile_run"
+    ),
+    # Module offload's moves, counted on each hook instance (see offload.py).
+    *_points(CACHE, "vllm_omni.diffusion.offloader.sequential_backend", "SequentialOffloadHook", "_to_gpu", "_to_cpu"),
     *_points(CACHE, WORKER, "DiffusionWorker", "sleep"),
     *_points(
         CACHE,

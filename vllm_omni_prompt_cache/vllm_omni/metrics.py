@@ -73,6 +73,8 @@ LEVELS = ("size", "bytes", "max_size", "max_bytes")
 #: Levels of the tiers below device memory, each a gauge family of its name (a tier that is off has no series).
 HOST_LEVELS = ("host_entries", "host_bytes", "host_max_bytes")
 DIRECTORY_LEVELS = ("dir_files", "dir_bytes", "dir_max_bytes")
+#: The text encoders' bytes on the device now, when something moves them (offload, or placement on a miss).
+MOVE_LEVELS = ("encoder_device_bytes",)
 #: Counter families with no label of their own, by the :class:`CacheStats` count they advance by.
 COUNTED = {
     "queries": "calls",
@@ -125,6 +127,8 @@ def encode_snapshot(
         levels = (*levels, *HOST_LEVELS)
     if stats.directory is not None:
         levels = (*levels, *DIRECTORY_LEVELS)
+    if stats.encoder_device_bytes is not None:
+        levels = (*levels, *MOVE_LEVELS)
     for name in levels:
         if (value := getattr(stats, name)) is not None:
             flat[f"{KEY_PREFIX}{name}"] = float(value)
@@ -161,7 +165,7 @@ def pop_snapshot(metrics: dict[str, Any]) -> Snapshot | None:
         name, _, reason = key[len(KEY_PREFIX) :].partition(":")
         if reason:
             counts.setdefault(name, {})[reason] = int(value)
-        elif name in (*LEVELS, *HOST_LEVELS, *DIRECTORY_LEVELS):
+        elif name in (*LEVELS, *HOST_LEVELS, *DIRECTORY_LEVELS, *MOVE_LEVELS):
             levels[name] = float(value)
         else:
             counts[name] = int(value)
@@ -349,6 +353,27 @@ class PromptEmbedCacheMetrics:
             "other key bytes. Each is a miss, never an error or a wrong embedding.",
             "reason",
         )
+        self.encoder_placements = counter(
+            "encoder_placements",
+            "Text-encoder moves onto the device (vLLM-Omni's module offload, or this cache's placement on a miss).",
+        )
+        self.encoder_evictions = counter("encoder_evictions", "Text-encoder moves off the device.")
+        self.dit_placements = counter(
+            "dit_placements", "DiT moves back onto the device that vLLM-Omni's module offload made after an encode."
+        )
+        self.dit_evictions = counter(
+            "dit_evictions", "DiT moves to the host that vLLM-Omni's module offload made for an encode."
+        )
+        self.bytes_moved = counter("bytes_moved", "Bytes those moves copied between host and device.")
+        self.placements_avoided = counter(
+            "placements_avoided", "Text-encoder placements that calls served from the cache did not make."
+        )
+        self.bytes_not_moved = counter(
+            "bytes_not_moved", "Bytes those avoided placements, and the DiT swaps they bring, would have copied."
+        )
+        self.encoder_device_bytes = gauge(
+            "encoder_device_bytes", "Text-encoder bytes on the device now (a series only when something moves it)."
+        )
         self.host_entries = gauge("host_entries", "Entries held in the host-memory tier now.")
         self.host_bytes = gauge("host_bytes", "Bytes held in the host-memory tier now.")
         self.host_max_bytes = gauge("host_max_bytes", "The host-memory tier's byte budget.")
@@ -420,7 +445,7 @@ class PromptEmbedCacheMetrics:
             ):
                 if name in now.levels:  # the most recent snapshot's cache
                     family.labels(*labels).set(now.levels[name])
-            for name in (*HOST_LEVELS, *DIRECTORY_LEVELS):
+            for name in (*HOST_LEVELS, *DIRECTORY_LEVELS, *MOVE_LEVELS):
                 if name in now.levels:
                     getattr(self, name).labels(*labels).set(now.levels[name])
 

@@ -16,14 +16,25 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import METHODS, ROW_LAYOUTS, PromptEmbedCacheSettings
+import torch
+
+from vllm_omni_prompt_cache.config import (
+    ENCODER_ON_MISS,
+    METHODS,
+    ROW_LAYOUTS,
+    PromptEmbedCacheConfigError,
+    PromptEmbedCacheSettings,
+)
+from vllm_omni_prompt_cache.fingerprint import encoder_modules
+from vllm_omni_prompt_cache.residency import EncoderMoves, EncoderPlacement
 from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 from vllm_omni_prompt_cache.vllm_omni.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import StatsLogger, watch_weight_loads
 from vllm_omni_prompt_cache.vllm_omni.methods import resolve_declared_methods
+from vllm_omni_prompt_cache.vllm_omni.offload import observe_module_offload, refusal_with_offload
 from vllm_omni_prompt_cache.vllm_omni.settings import stage_settings
-from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache
+from vllm_omni_prompt_cache.wrapper import PLACEMENT_ATTRIBUTE, install_prompt_embed_cache
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
@@ -43,6 +54,8 @@ def patch_runner_module(module: ModuleType) -> None:
         return
     module.install_prompt_embed_cache = _installed_after_load_model
     replace_once(module.DiffusionModelRunner, "load_model", _installing_after)
+    if hasattr(module.DiffusionModelRunner, "profile_run"):
+        replace_once(module.DiffusionModelRunner, "profile_run", _profiling_with_encoders_placed)
 
 
 def _installed_after_load_model(pipeline: Any, **_: Any) -> None:
@@ -66,6 +79,22 @@ def _installing_after(load_model: Any) -> Any:
         return result
 
     return load_model_then_install
+
+
+def _profiling_with_encoders_placed(profile_run: Any) -> Any:
+    """Hold text encoders placed on a miss on the device while vLLM-Omni profiles memory: the budget it
+    derives must hold a miss's peak, not the idle state's (a profile request the cache serves would
+    otherwise never place them)."""
+
+    @functools.wraps(profile_run)
+    def profile_run_with_encoders_placed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        placement = getattr(getattr(self, "pipeline", None), PLACEMENT_ATTRIBUTE, None)
+        if placement is None:
+            return profile_run(self, *args, **kwargs)
+        with placement.held():
+            return profile_run(self, *args, **kwargs)
+
+    return profile_run_with_encoders_placed
 
 
 def _rebuild_interaction_handlers(runner: Any) -> None:
@@ -100,6 +129,8 @@ def install_for_stage(
             ranks,
         )
         directory = None
+    if settings.encoder_on_miss:
+        _check_encoder_on_miss(pipeline, settings)
     if settings.backend == "vllm-omni":
         upstream = upstream_cache_module()
         return upstream.install_prompt_embed_cache(
@@ -122,4 +153,71 @@ def install_for_stage(
     )
     if cache is not None:
         watch_weight_loads(pipeline)
+        _count_encoder_moves(pipeline, cache, settings)
     return cache
+
+
+def _check_encoder_on_miss(pipeline: Any, settings: PromptEmbedCacheSettings) -> None:
+    """Raise, naming the setting and its source, when the text encoders cannot be placed on a miss."""
+    source = settings.sources.get(ENCODER_ON_MISS.name, "the stage's settings")
+    why = refusal_with_offload(pipeline)
+    if why is None and settings.backend == "vllm-omni":
+        why = "it needs this package's cache (prompt_embed_cache_backend=content-keyed), which brackets each encode"
+    lora_components = set(getattr(pipeline, "_lora_components", ()) or ())
+    if why is None and lora_components & set(encoder_modules(pipeline)):
+        why = (
+            f"the pipeline puts LoRA on its text encoders ({', '.join(sorted(lora_components))}); LoRA weights "
+            "live outside the encoder's parameters and would not follow it"
+        )
+    if why is not None:
+        raise PromptEmbedCacheConfigError(f"invalid {ENCODER_ON_MISS.name}=True from {source}: {why}")
+
+
+def _count_encoder_moves(pipeline: Any, cache: Any, settings: PromptEmbedCacheSettings) -> None:
+    """Count the text encoders' moves on ``cache``: vLLM-Omni's module offload's, and place them on a miss
+    when ``settings`` ask (the pipeline then holds an :class:`EncoderPlacement`)."""
+    moves = EncoderMoves()
+    observed = observe_module_offload(pipeline, moves, text_encoders=not settings.encoder_on_miss)
+    placement = None
+    if settings.encoder_on_miss:
+        placement = _encoder_placement(pipeline, moves)
+        if placement is not None:
+            object.__setattr__(pipeline, PLACEMENT_ATTRIBUTE, placement)
+    if observed is not None or placement is not None:
+        cache.moves = moves
+
+
+def _encoder_placement(pipeline: Any, moves: EncoderMoves) -> EncoderPlacement | None:
+    """Return the text encoders parked in host memory, to be placed where they are now on each miss."""
+    encoders = encoder_modules(pipeline)
+    devices = {tensor.device for module in encoders.values() for tensor in module.parameters()}
+    pipeline_device = getattr(pipeline, "device", None)
+    if not encoders or len(devices) != 1:
+        logger.warning(
+            "vllm-omni-prompt-cache: %s=True does nothing for %s: %s.",
+            ENCODER_ON_MISS.name,
+            type(pipeline).__name__,
+            "it has no text-encoder module"
+            if not encoders
+            else f"its text encoders are on several devices ({', '.join(sorted(map(str, devices)))})",
+        )
+        return None
+    (device,) = devices
+    if device.type == "cpu" and isinstance(pipeline_device, torch.device) and pipeline_device.type != "cpu":
+        logger.warning(
+            "vllm-omni-prompt-cache: %s=True does nothing for %s: its text encoders already run on the host.",
+            ENCODER_ON_MISS.name,
+            type(pipeline).__name__,
+        )
+        return None
+    placement = EncoderPlacement(encoders, device, moves)
+    logger.info(
+        "vllm-omni-prompt-cache: text encoders %s of %s kept in host memory (%.1f MiB%s), placed on %s only "
+        "while a cache miss encodes.",
+        ", ".join(encoders),
+        type(pipeline).__name__,
+        placement.host_bytes() / 2**20,
+        ", pinned" if device.type == "cuda" else "",
+        device,
+    )
+    return placement

@@ -1,0 +1,268 @@
+"""Where the text encoders live between calls, and what moving them costs.
+
+Two things move a pipeline's text encoders between host and device memory: vLLM-Omni's module
+offload (its hooks swap the encoder and the DiT around every forward: see
+:mod:`.vllm_omni.offload`) and :class:`EncoderPlacement`, this package's "encoder on the device
+only for a miss". Both report to one :class:`EncoderMoves`, whose counts the store's snapshot
+reads (``stats()``, ``/metrics``): placements and evictions made, bytes moved, and the
+placements a cache hit avoided (the encode that did not run would have placed the encoder).
+
+:class:`EncoderPlacement` keeps one host master of every encoder tensor (pinned on a CUDA host)
+and points the parameters at it between calls. The call that owns a miss copies the masters to
+the device, encodes, and points the parameters back at the masters: eviction copies nothing,
+since inference never writes the weights. A weight load between calls writes into the masters.
+On the CPU platform the "device" copy is a second host copy, so where the parameters live is
+still observable (their storage is the master's, or not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE
+
+logger = logging.getLogger(__name__)
+
+#: Who places the encoder (the ``encoder_placement`` level of a snapshot).
+VLLM_OMNI_OFFLOAD = "vllm-omni module offload"
+ON_MISS = "on a miss"
+
+
+def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Return ``module``'s parameters and buffers, each once (tied weights are one tensor)."""
+    seen: set[int] = set()
+    tensors = []
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors.append(tensor)
+    return tensors
+
+
+def module_nbytes(module: torch.nn.Module) -> int:
+    """Return the bytes of ``module``'s parameters and buffers."""
+    return sum(tensor.nbytes for tensor in module_tensors(module))
+
+
+class EncoderMoves:
+    """Counts of the moves between host and device that encoders (and the DiTs they swap with) make.
+
+    Each mover adds a source: ``would_cost()`` returns what an encode would make it move right now,
+    as ``(placements, bytes)`` (a call the cache served without encoding adds that to
+    ``placements_avoided`` and ``bytes_not_moved``), and ``device_bytes()`` the text-encoder bytes
+    it holds on the device now.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sources: list[tuple[str, Callable[[], tuple[int, int]], Callable[[], int]]] = []
+        self.encoder_placements = 0  # a text encoder copied to the device
+        self.encoder_evictions = 0  # a text encoder taken off the device
+        self.dit_placements = 0  # a DiT brought back by vLLM-Omni's offload after an encode
+        self.dit_evictions = 0  # a DiT moved to the host by vLLM-Omni's offload for an encode
+        self.bytes_moved = 0  # bytes those moves copied between host and device
+        self.placements_avoided = 0  # encoder placements a call served without encoding did not make
+        self.bytes_not_moved = 0  # the bytes those placements (and the swaps they bring) would have copied
+
+    def add_source(
+        self, placer: str, would_cost: Callable[[], tuple[int, int]], device_bytes: Callable[[], int]
+    ) -> None:
+        """Count what ``placer`` moves (see the class docstring)."""
+        with self._lock:
+            self._sources.append((placer, would_cost, device_bytes))
+
+    @property
+    def placer(self) -> str:
+        """Return who moves the encoders (and DiTs): the sources' names."""
+        return " + ".join(placer for placer, _, _ in self._sources)
+
+    def moved(self, *, encoder: bool, placed: bool, nbytes: int) -> None:
+        """Count one move of a module: an encoder or a DiT, placed on or evicted from the device."""
+        name = f"{'encoder' if encoder else 'dit'}_{'placements' if placed else 'evictions'}"
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+            self.bytes_moved += nbytes
+
+    def served_without_encoding(self) -> None:
+        """Count what a call served from the cache did not move."""
+        placements = nbytes = 0
+        for _, would_cost, _ in self._sources:
+            more_placements, more_bytes = would_cost()
+            placements, nbytes = placements + more_placements, nbytes + more_bytes
+        if placements or nbytes:
+            with self._lock:
+                self.placements_avoided += placements
+                self.bytes_not_moved += nbytes
+
+    def device_bytes(self) -> int:
+        """Return the bytes of text-encoder tensors on the device now."""
+        return sum(device_bytes() for _, _, device_bytes in self._sources)
+
+
+class EncoderPlacement:
+    """Text encoders kept in host memory, on ``device`` only while a call that runs them is open.
+
+    A cached call opens a :meth:`session` (re-entrant, thread-safe). The first forward of an encoder
+    (or of any of its modules) inside it places every encoder; the end of the last open session
+    takes them off. A call served from the cache runs no forward and moves nothing. A forward
+    outside any session (code no cached method brackets) places the encoders too; they stay until
+    the next session ends (counted in ``stray_placements``, and said once in the log).
+    """
+
+    def __init__(self, encoders: Mapping[str, torch.nn.Module], device: torch.device, moves: EncoderMoves) -> None:
+        if not encoders:
+            raise ValueError("no text encoder to place")
+        self.encoders = dict(encoders)
+        self.device = torch.device(device)
+        self.moves = moves
+        self._pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self._masters: dict[int, torch.Tensor] = {}  # by id of the module tensor
+        self._placed: dict[int, tuple[torch.Tensor, int]] = {}  # tensor, and its device copy's data_ptr
+        self._sessions = 0
+        self._lock = threading.RLock()
+        self.stray_placements = 0
+        self._hooks: list[Any] = []
+        with torch.no_grad():
+            for tensor in self._tensors():
+                self._adopt(tensor)
+        for module in self.encoders.values():
+            object.__setattr__(module, ENCODE_DEVICE, self.device)
+            for each in module.modules():
+                if each._parameters or each._buffers:
+                    self._hooks.append(each.register_forward_pre_hook(self._before_forward))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        moves.add_source(ON_MISS, self._would_cost, self.device_bytes)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        tensors = []
+        for module in self.encoders.values():
+            for tensor in module_tensors(module):
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    tensors.append(tensor)
+        return tensors
+
+    def _adopt(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor``'s host copy its master, and point it there (pinned when the device is CUDA)."""
+        data = tensor.data
+        if data.device.type != "cpu" or (self._pin and not data.is_pinned()):
+            host = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=self._pin)
+            data = host.copy_(data)
+        self._masters[id(tensor)] = data
+        tensor.data = data
+
+    def _would_cost(self) -> tuple[int, int]:
+        with self._lock:
+            if self._placed:
+                return 0, 0
+        return len(self.encoders), sum(tensor.nbytes for tensor in self._tensors())
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Let encoder forwards in the block place the encoders; take them off when the last session ends."""
+        with self._lock:
+            self._sessions += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sessions -= 1
+                if self._sessions == 0 and self._placed:
+                    self._evict()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the encoders on the device for the block, whether it runs them or not (memory profiling:
+        its peak must be a miss's, encoders included)."""
+        with self.session():
+            with self._lock:
+                if not self._placed:
+                    self._place()
+            yield
+
+    def _before_forward(self, module: torch.nn.Module, args: object) -> None:
+        if self._placed:  # read without the lock: set only under it, by this or the session's thread
+            return
+        with self._lock:
+            if self._placed:
+                return
+            if not self._sessions:
+                self.stray_placements += 1
+                if self.stray_placements == 1:
+                    logger.warning(
+                        "Prompt-embed cache: %s ran outside a cached encode method; the text encoders are placed "
+                        "on %s until the next cached call ends (counted in stray_placements).",
+                        type(module).__name__,
+                        self.device,
+                    )
+            self._place()
+
+    def _place(self) -> None:
+        tensors = self._tensors()
+        current = {id(tensor) for tensor in tensors}
+        self._masters = {key: master for key, master in self._masters.items() if key in current}
+        with torch.no_grad():
+            for tensor in tensors:
+                master = self._masters.get(id(tensor))
+                if master is None or tensor.data_ptr() != master.data_ptr():
+                    # New since the last placement (a replaced parameter): its data is the master.
+                    if tensor.device.type != "cpu" and self.device.type != "cpu":
+                        continue  # already on the device, and not ours to move
+                    self._adopt(tensor)
+                    master = self._masters[id(tensor)]
+                placed = master.to(self.device, non_blocking=self._pin, copy=True)
+                tensor.data = placed
+                self._placed[id(tensor)] = (tensor, placed.data_ptr())
+        for module in self.encoders.values():
+            self.moves.moved(encoder=True, placed=True, nbytes=module_nbytes(module))
+
+    def _evict(self) -> None:
+        copied = 0
+        with torch.no_grad():
+            for tensor, placed_ptr in self._placed.values():
+                if tensor.data_ptr() != placed_ptr:  # its data was replaced while placed: that is the new master
+                    copied += tensor.nbytes
+                    self._masters.pop(id(tensor), None)
+                    self._adopt(tensor)
+                    continue
+                tensor.data = self._masters[id(tensor)]
+        self._placed.clear()
+        for index, _ in enumerate(self.encoders.values()):
+            self.moves.moved(encoder=True, placed=False, nbytes=copied if index == 0 else 0)
+
+    def device_bytes(self) -> int:
+        """Return the bytes of encoder tensors not in their host master (0 between calls)."""
+        total = 0
+        with self._lock:
+            for tensor in self._tensors():
+                master = self._masters.get(id(tensor))
+                if master is None or tensor.data_ptr() != master.data_ptr():
+                    total += tensor.nbytes
+        return total
+
+    def host_bytes(self) -> int:
+        """Return the bytes of the host masters."""
+        return sum(master.nbytes for master in self._masters.values())
+
+    def remove(self) -> None:
+        """Put every encoder back on the device for good and forget the masters (uninstall)."""
+        with self._lock:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            with torch.no_grad():
+                for tensor in self._tensors():
+                    tensor.data = tensor.data.to(self.device)
+            for module in self.encoders.values():
+                if getattr(module, ENCODE_DEVICE, None) is not None:
+                    object.__delattr__(module, ENCODE_DEVICE)
+            self._masters.clear()
+            self._placed.clear()
