@@ -1,4 +1,4 @@
-"""A diffusion-worker extension that reports how often the text encoder really ran.
+"""A diffusion-worker extension that reports how often the text encoder really ran, and how it moved.
 
 The demo and the tests pass ``worker_extension_cls=WORKER_EXTENSION`` to ``AsyncOmni``; then
 ``await engine.collective_rpc("text_encoder_counters")`` returns the counters of pipelines that
@@ -10,7 +10,17 @@ extension is given, and custom pipelines need it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
+
+from vllm_omni_prompt_cache.fingerprint import encoder_modules
+from vllm_omni_prompt_cache.residency import EncoderMoves, module_nbytes
+from vllm_omni_prompt_cache.store import TIER_COUNTERS
+from vllm_omni_prompt_cache.vllm_omni.offload import observe_module_offload
+
+#: The move counts :meth:`TextEncoderCountersExtension.text_encoder_moves` returns (CacheStats names).
+MOVE_COUNTS = tuple(name for name, (tier, _) in TIER_COUNTERS.items() if tier == "moves")
 
 WORKER_EXTENSION = "vllm_omni_prompt_cache.tiny.worker_extension.TextEncoderCountersExtension"
 
@@ -23,3 +33,33 @@ class TextEncoderCountersExtension(CustomPipelineWorkerExtension):
         pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)
         counters = getattr(pipeline, "text_encoder_counters", None)
         return None if counters is None else counters()
+
+    def text_encoder_moves(self) -> dict[str, Any] | None:
+        """Return the text encoders' moves so far (counts as ``stats()`` names them, ``encoder_device_bytes``,
+        ``placer``), whatever cache is installed or none; None when nothing moves them.
+
+        With this package's cache they are the cache's own counts. Without it (no cache, vLLM-Omni's
+        cache) vLLM-Omni's module offload is observed from the first call on, as if the engine's
+        last forward had just run (it has: the start-up warm-up).
+        """
+        pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)
+        moves = getattr(getattr(pipeline, "_prompt_embed_cache", None), "moves", None)
+        if moves is None and pipeline is not None:
+            moves = getattr(pipeline, "_text_encoder_moves", None)
+            if moves is None:
+                moves = EncoderMoves()
+                if observe_module_offload(pipeline, moves, after_a_forward=True) is None:
+                    return None
+                object.__setattr__(pipeline, "_text_encoder_moves", moves)
+        if moves is None:
+            return None
+        return {
+            **{name: getattr(moves, TIER_COUNTERS[name][1]) for name in MOVE_COUNTS},
+            "encoder_device_bytes": moves.device_bytes(),
+            "placer": moves.placer,
+        }
+
+    def text_encoder_bytes(self) -> int:
+        """Return the bytes of the pipeline's text encoders' parameters and buffers."""
+        pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)
+        return sum(module_nbytes(module) for module in encoder_modules(pipeline).values()) if pipeline else 0
