@@ -163,3 +163,60 @@ def test_an_entry_leaving_gpu_memory_waits_in_pinned_host_memory_and_comes_back_
     install_prompt_embed_cache(reader, directory=tmp_path)
     from_file, _ = reader.encode_prompt(ids.clone(), mask.clone())
     assert reader.encoder_runs == 0 and from_file.device == device and torch.equal(from_file.cpu(), expected)
+
+
+def test_the_encoder_on_a_miss_holds_no_gpu_memory_between_calls_and_encodes_the_same() -> None:
+    """prompt_embed_cache_encoder_on_miss on a GPU: the encoder's bytes leave the GPU at install (one
+    pinned host copy), come back for the miss's forward only, and the outputs equal a resident encoder's."""
+    from vllm_omni_prompt_cache.config import resolve_settings
+    from vllm_omni_prompt_cache.vllm_omni import runner
+    from vllm_omni_prompt_cache.wrapper import PLACEMENT_ATTRIBUTE
+
+    reference = TokenIdTextPipeline(build_qwen2_encoder(vocab_size=VOCAB).to("cuda"))
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder(vocab_size=VOCAB).to("cuda"))
+    encoder_bytes = sum(t.nbytes for t in (*pipeline.text_encoder.parameters(), *pipeline.text_encoder.buffers()))
+    before = torch.cuda.memory_allocated()
+    settings = resolve_settings(
+        {"enable_prompt_embed_cache": True, "prompt_embed_cache_encoder_on_miss": True}, environ={}
+    )
+    cache = runner.install_for_stage(pipeline, settings, "tiny")
+    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE)
+    assert before - torch.cuda.memory_allocated() >= encoder_bytes
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in pipeline.text_encoder.parameters())
+    during: list[int] = []
+    pipeline.text_encoder.register_forward_hook(lambda *_: during.append(torch.cuda.memory_allocated()))
+    idle = torch.cuda.memory_allocated()
+    ids, mask = cuda_ids_and_mask()
+    got = pipeline.encode_prompt(ids, mask)
+    assert during and during[0] - idle >= encoder_bytes
+    torch.cuda.synchronize()
+    assert placement.device_bytes() == 0
+    assert torch.cuda.memory_allocated() - idle < encoder_bytes  # the entry stays, the encoder left
+    expected = reference.encode_prompt(ids, mask)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert cache.stats()["encoder_device_bytes"] == 0
+
+
+def test_module_offload_on_a_gpu_moves_what_the_record_counts() -> None:
+    """vLLM-Omni's real hooks on a GPU: the counts are the moves that happened (tensors' devices)."""
+    from vllm_omni.diffusion.offloader.sequential_backend import apply_sequential_offload
+
+    from vllm_omni_prompt_cache.config import resolve_settings
+    from vllm_omni_prompt_cache.vllm_omni import runner
+
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder(vocab_size=VOCAB).to("cuda"))
+    pipeline.transformer = torch.nn.Linear(64, 64).to("cuda")
+    apply_sequential_offload([pipeline.transformer], [pipeline.text_encoder], torch.device("cuda"), pin_memory=True)
+    settings = resolve_settings({"enable_prompt_embed_cache": True}, environ={})
+    cache = runner.install_for_stage(pipeline, settings, "tiny")
+    ids, mask = cuda_ids_and_mask()
+    for seed in (0, 1, 0):  # miss, miss, hit
+        ids, mask = cuda_ids_and_mask(seed)
+        embeds, _ = pipeline.encode_prompt(ids, mask)
+        with torch.inference_mode():
+            pipeline.transformer(embeds)
+        assert next(pipeline.text_encoder.parameters()).device.type == "cpu"
+        assert next(pipeline.transformer.parameters()).device.type == "cuda"
+    stats = cache.stats()
+    assert (stats["encoder_placements"], stats["encoder_evictions"], stats["dit_evictions"]) == (1, 2, 2)
+    assert stats["placements_avoided"] == 1 and stats["encoder_device_bytes"] == 0

@@ -138,17 +138,111 @@ def test_weights_written_between_calls_reach_the_next_miss_and_the_fingerprint_r
     assert getattr(pipeline, PLACEMENT_ATTRIBUTE).device_bytes() == 0
 
 
-def test_a_stray_forward_is_placed_and_profiling_holds_the_encoder_placed() -> None:
+def test_a_stray_forward_is_placed_for_its_length_and_settled_before_weights_load() -> None:
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
     runner.install_for_stage(pipeline, settings(prompt_embed_cache_encoder_on_miss=True), "tiny")
     placement = getattr(pipeline, PLACEMENT_ATTRIBUTE)
-    pipeline.text_encoder(input_ids=IDS)  # outside any cached call
-    assert placement.stray_placements == 1 and placement.device_bytes() > 0
-    pipeline.encode_prompt(IDS)  # the next cached call's end takes it off
+    during: list[int] = []
+    pipeline.text_encoder.layers[0].register_forward_hook(lambda *_: during.append(placement.device_bytes()))
+    pipeline.text_encoder(input_ids=IDS)  # a whole encoder's forward outside any cached call
+    assert placement.stray_placements == 1 and during == [placement.host_bytes()]
+    assert placement.device_bytes() == 0  # it left when that forward returned
+    pipeline.text_encoder.embed_tokens(IDS)  # a part of it: placed, and it stays...
+    assert placement.stray_placements == 2 and placement.device_bytes() > 0
+    placement.settle()  # ...until a weight load or a sleep settles it (lifecycle.py calls this)
     assert placement.device_bytes() == 0
-    with placement.held():  # what the memory profile runs in
-        assert placement.device_bytes() == placement.host_bytes()
-    assert placement.device_bytes() == 0
+
+
+def test_the_memory_profile_runs_every_encode_as_a_miss_with_the_encoders_placed() -> None:
+    """vLLM-Omni's profile_run, wrapped as the worker has it: a cached prompt is encoded again, placed."""
+    from types import SimpleNamespace
+
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = runner.install_for_stage(pipeline, settings(prompt_embed_cache_encoder_on_miss=True), "tiny")
+    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE)
+    pipeline.encode_prompt(IDS)  # cached now
+    placed_during: list[int] = []
+    pipeline.text_encoder.register_forward_hook(lambda *_: placed_during.append(placement.device_bytes()))
+
+    def profile_run(model_runner: Any, requests: list) -> None:
+        model_runner.pipeline.encode_prompt(IDS)
+
+    runner._profiling_as_misses(profile_run)(SimpleNamespace(pipeline=pipeline), [])
+    assert placed_during == [placement.host_bytes()] and placement.device_bytes() == 0
+    assert cache.enabled and cache.stats()["bypass_reasons"] == {"cache disabled": 1}
+
+
+class TwoTextEncoders(TokenIdTextPipeline):
+    """Two text encoders (as FLUX's CLIP and T5), a DiT, and a module named beside them that runs after
+    the encode (as LTX-2's ``connectors``): only ``text_encoder*`` are text encoders."""
+
+    def __init__(self) -> None:
+        super().__init__(build_qwen2_encoder())
+        self.text_encoder_2 = build_qwen2_encoder(seed=1)
+        self.connectors = torch.nn.Linear(64, 64)
+        self._encoder_modules = ("text_encoder", "text_encoder_2", "connectors")
+
+    def encode_prompt(self, prompt_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        first, mask = super().encode_prompt(prompt_ids, *args, **kwargs)
+        second = self.text_encoder_2(input_ids=prompt_ids).last_hidden_state
+        return first + second, mask
+
+
+def test_two_text_encoders_share_one_dit_swap_in_the_bytes_not_moved() -> None:
+    from vllm_omni.diffusion.offloader.sequential_backend import apply_sequential_offload
+
+    pipeline = TwoTextEncoders()
+    pipeline.transformer = torch.nn.Linear(64, 64)
+    encoders = [pipeline.text_encoder, pipeline.text_encoder_2]
+    apply_sequential_offload([pipeline.transformer], encoders, torch.device("cpu"), pin_memory=False)
+    cache = runner.install_for_stage(pipeline, settings(), "tiny")
+    nbytes = {module: sum(t.nbytes for t in (*module.parameters(), *module.buffers())) for module in encoders}
+    dit_bytes = sum(t.nbytes for t in pipeline.transformer.parameters())
+    for ids in (IDS, IDS):  # a miss, then a hit
+        embeds, _ = pipeline.encode_prompt(ids)
+        with torch.inference_mode():
+            pipeline.transformer(embeds)
+    stats = cache.stats()
+    assert stats["placements_avoided"] == 2  # both encoders would have been placed
+    assert stats["bytes_not_moved"] == 2 * sum(nbytes.values()) + 2 * dit_bytes  # the DiT once, not per encoder
+
+
+def test_a_hit_then_a_miss_in_one_request_avoided_nothing() -> None:
+    """A prompt that hits and a negative prompt that misses, before one DiT forward: the encoder is
+    placed anyway, so the hit spared no placement."""
+    pipeline = offloaded_pipeline()
+    cache = runner.install_for_stage(pipeline, settings(), "tiny")
+    embeds, _ = pipeline.encode_prompt(IDS)
+    with torch.inference_mode():
+        pipeline.transformer(embeds)
+    pipeline.encode_prompt(IDS)  # hit
+    embeds, _ = pipeline.encode_prompt(OTHER_IDS)  # miss: the encoder is placed
+    with torch.inference_mode():
+        pipeline.transformer(embeds)
+    stats = cache.stats()
+    assert stats["encoder_placements"] == 1 and stats["placements_avoided"] == 0 and stats["bytes_not_moved"] == 0
+
+
+def test_only_text_encoders_are_placed_on_a_miss() -> None:
+    pipeline = TwoTextEncoders()
+    runner.install_for_stage(pipeline, settings(prompt_embed_cache_encoder_on_miss=True), "tiny")
+    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE)
+    assert set(placement.encoders) == {"text_encoder", "text_encoder_2"}
+    pipeline.encode_prompt(IDS)
+    with torch.inference_mode():
+        pipeline.connectors(torch.zeros(1, 64))  # runs after the encode, as LTX-2's connectors do
+    assert placement.stray_placements == 0 and placement.device_bytes() == 0
+
+
+def test_installing_twice_keeps_one_placement_and_its_counts() -> None:
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    given = settings(prompt_embed_cache_encoder_on_miss=True)
+    cache = runner.install_for_stage(pipeline, given, "tiny")
+    placement, moves = getattr(pipeline, PLACEMENT_ATTRIBUTE), cache.moves
+    pipeline.encode_prompt(IDS)
+    assert runner.install_for_stage(pipeline, given, "tiny") is cache
+    assert getattr(pipeline, PLACEMENT_ATTRIBUTE) is placement and cache.moves is moves
+    assert cache.stats()["encoder_placements"] == 1
 
 
 def test_uninstall_puts_the_encoder_back_for_good() -> None:
@@ -157,8 +251,13 @@ def test_uninstall_puts_the_encoder_back_for_good() -> None:
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
     runner.install_for_stage(pipeline, settings(prompt_embed_cache_encoder_on_miss=True), "tiny")
     placement = getattr(pipeline, PLACEMENT_ATTRIBUTE)
+    masters = {
+        id(tensor): master.data_ptr()
+        for tensor, master in zip(placement._tensors(), placement._masters.values(), strict=True)
+    }
     uninstall_prompt_embed_cache(pipeline)
     assert not hasattr(pipeline, PLACEMENT_ATTRIBUTE)
+    assert all(tensor.data_ptr() != masters[id(tensor)] for tensor in pipeline.text_encoder.parameters())
     assert not hasattr(pipeline.text_encoder, ENCODE_DEVICE)
     pipeline.text_encoder(input_ids=IDS)
     assert placement.stray_placements == 0  # its hooks are gone
@@ -190,14 +289,18 @@ def _lora_on_encoder() -> Any:
 def test_offload_of_the_dit_alone_works_with_the_encoder_placed_on_a_miss() -> None:
     pipeline = offloaded_pipeline(components=("dit",))
     cache = runner.install_for_stage(pipeline, settings(prompt_embed_cache_encoder_on_miss=True), "tiny")
-    embeds, _ = pipeline.encode_prompt(IDS)
-    with torch.inference_mode():
-        pipeline.transformer(embeds)
-    pipeline.encode_prompt(IDS)
+    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE)
+    dit_bytes = sum(t.nbytes for t in pipeline.transformer.parameters())
+    for _ in range(2):  # a miss, then a hit
+        embeds, _ = pipeline.encode_prompt(IDS)
+        with torch.inference_mode():
+            pipeline.transformer(embeds)
     stats = cache.stats()
     assert stats["encoder_placer"] == "vllm-omni module offload + on a miss"
-    assert (stats["encoder_placements"], stats["encoder_evictions"], stats["dit_evictions"]) == (1, 1, 1)
+    assert (stats["encoder_placements"], stats["encoder_evictions"]) == (1, 1)
+    assert (stats["dit_evictions"], stats["dit_placements"]) == (1, 1)  # the miss's encode swapped the DiT
     assert stats["encoder_device_bytes"] == 0
+    assert stats["bytes_not_moved"] == placement.host_bytes() + 2 * dit_bytes  # the hit: encoder in, DiT out and in
 
 
 def test_moves_add_up_across_sources_and_survive_since_and_merged() -> None:
@@ -206,8 +309,34 @@ def test_moves_add_up_across_sources_and_survive_since_and_merged() -> None:
     moves = EncoderMoves()
     placement = EncoderPlacement({"text_encoder": build_qwen2_encoder()}, torch.device("cpu"), moves)
     moves.moved(encoder=False, placed=False, nbytes=10)
-    assert moves.device_bytes() == 0 and placement.host_bytes() > 0
+    moves.served_without_encoding()  # the placement's source: one placement of every encoder spared
+    assert (moves.dit_evictions, moves.bytes_moved) == (1, 10)
+    assert (moves.placements_avoided, moves.bytes_not_moved) == (1, placement.host_bytes())
     first = CacheStats(dit_evictions=1, bytes_moved=10, encoder_device_bytes=0)
     second = CacheStats(dit_evictions=3, bytes_moved=30, encoder_device_bytes=5)
     assert second.since(first).dit_evictions == 2
     assert CacheStats.merged([first, second]).encoder_device_bytes == 5
+
+
+class ReadsTheEncoderDeviceFirst(TokenIdTextPipeline):
+    """Reads where its encoder is before running it, as FLUX.2's ``_get_qwen3_prompt_embeds`` does
+    (``device = text_encoder.device``), and records how many encoder bytes were placed then."""
+
+    def __init__(self, text_encoder: torch.nn.Module) -> None:
+        super().__init__(text_encoder)
+        self.placed_at_entry: list[int] = []
+
+    def encode_prompt(self, prompt_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        placement = getattr(self, PLACEMENT_ATTRIBUTE)
+        self.placed_at_entry.append(placement.device_bytes())
+        return super().encode_prompt(prompt_ids.to(self.text_encoder.device), *args, **kwargs)
+
+
+def test_the_encoders_are_placed_before_the_original_runs_not_at_their_first_forward() -> None:
+    pipeline = ReadsTheEncoderDeviceFirst(build_qwen2_encoder())
+    runner.install_for_stage(pipeline, settings(prompt_embed_cache_encoder_on_miss=True), "tiny")
+    pipeline.encode_prompt(IDS)  # a miss
+    pipeline.encode_prompt(IDS)  # a hit: the original does not run
+    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE)
+    assert pipeline.placed_at_entry == [placement.host_bytes()]
+    assert placement.device_bytes() == 0

@@ -25,10 +25,13 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE
+from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE, encoder_modules
 
 logger = logging.getLogger(__name__)
 
+#: Attribute of a pipeline whose text encoders are on the device only while a call encodes
+#: (its :class:`EncoderPlacement`).
+PLACEMENT_ATTRIBUTE = "_prompt_embed_cache_placement"
 #: Who places the encoder (the ``encoder_placement`` level of a snapshot).
 VLLM_OMNI_OFFLOAD = "vllm-omni module offload"
 ON_MISS = "on a miss"
@@ -45,37 +48,41 @@ def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
+def text_encoder_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
+    """Return the pipeline's text encoders: the encoder modules whose attribute name starts with
+    ``text_encoder`` (``_encoder_modules`` may also name connectors and image encoders, which run
+    outside the encode methods)."""
+    return {name: module for name, module in encoder_modules(pipeline).items() if name.startswith("text_encoder")}
+
+
 def module_nbytes(module: torch.nn.Module) -> int:
     """Return the bytes of ``module``'s parameters and buffers."""
     return sum(tensor.nbytes for tensor in module_tensors(module))
 
 
 class EncoderMoves:
-    """Counts of the moves between host and device that encoders (and the DiTs they swap with) make.
+    """Counts of the moves between host and device that text encoders (and the DiTs they swap with) make.
 
-    Each mover adds a source: ``would_cost()`` returns what an encode would make it move right now,
-    as ``(placements, bytes)`` (a call the cache served without encoding adds that to
-    ``placements_avoided`` and ``bytes_not_moved``), and ``device_bytes()`` the text-encoder bytes
-    it holds on the device now.
+    Each mover adds a source: ``served()``, told of each call the cache served without encoding
+    (it reports what that spared through :meth:`avoided`, when it knows), and ``device_bytes()``,
+    the text-encoder bytes it holds on the device now.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sources: list[tuple[str, Callable[[], tuple[int, int]], Callable[[], int]]] = []
+        self._sources: list[tuple[str, Callable[[], None], Callable[[], int]]] = []
         self.encoder_placements = 0  # a text encoder copied to the device
         self.encoder_evictions = 0  # a text encoder taken off the device
-        self.dit_placements = 0  # a DiT brought back by vLLM-Omni's offload after an encode
+        self.dit_placements = 0  # a DiT brought back by vLLM-Omni's offload after an encode evicted it
         self.dit_evictions = 0  # a DiT moved to the host by vLLM-Omni's offload for an encode
         self.bytes_moved = 0  # bytes those moves copied between host and device
-        self.placements_avoided = 0  # encoder placements a call served without encoding did not make
-        self.bytes_not_moved = 0  # the bytes those placements (and the swaps they bring) would have copied
+        self.placements_avoided = 0  # encoder placements calls served from the cache did not make
+        self.bytes_not_moved = 0  # the bytes those placements (and the DiT swaps they bring) would have copied
 
-    def add_source(
-        self, placer: str, would_cost: Callable[[], tuple[int, int]], device_bytes: Callable[[], int]
-    ) -> None:
+    def add_source(self, placer: str, served: Callable[[], None], device_bytes: Callable[[], int]) -> None:
         """Count what ``placer`` moves (see the class docstring)."""
         with self._lock:
-            self._sources.append((placer, would_cost, device_bytes))
+            self._sources.append((placer, served, device_bytes))
 
     @property
     def placer(self) -> str:
@@ -83,22 +90,22 @@ class EncoderMoves:
         return " + ".join(placer for placer, _, _ in self._sources)
 
     def moved(self, *, encoder: bool, placed: bool, nbytes: int) -> None:
-        """Count one move of a module: an encoder or a DiT, placed on or evicted from the device."""
+        """Count one move of a module: a text encoder or a DiT, placed on or evicted from the device."""
         name = f"{'encoder' if encoder else 'dit'}_{'placements' if placed else 'evictions'}"
         with self._lock:
             setattr(self, name, getattr(self, name) + 1)
             self.bytes_moved += nbytes
 
+    def avoided(self, placements: int, nbytes: int) -> None:
+        """Count encoder placements (and the bytes of every move they bring) that did not happen."""
+        with self._lock:
+            self.placements_avoided += placements
+            self.bytes_not_moved += nbytes
+
     def served_without_encoding(self) -> None:
-        """Count what a call served from the cache did not move."""
-        placements = nbytes = 0
-        for _, would_cost, _ in self._sources:
-            more_placements, more_bytes = would_cost()
-            placements, nbytes = placements + more_placements, nbytes + more_bytes
-        if placements or nbytes:
-            with self._lock:
-                self.placements_avoided += placements
-                self.bytes_not_moved += nbytes
+        """Tell every source that a call was served from the cache."""
+        for _, served, _ in self._sources:
+            served()
 
     def device_bytes(self) -> int:
         """Return the bytes of text-encoder tensors on the device now."""
@@ -108,11 +115,12 @@ class EncoderMoves:
 class EncoderPlacement:
     """Text encoders kept in host memory, on ``device`` only while a call that runs them is open.
 
-    A cached call opens a :meth:`session` (re-entrant, thread-safe). The first forward of an encoder
-    (or of any of its modules) inside it places every encoder; the end of the last open session
-    takes them off. A call served from the cache runs no forward and moves nothing. A forward
-    outside any session (code no cached method brackets) places the encoders too; they stay until
-    the next session ends (counted in ``stray_placements``, and said once in the log).
+    A cached call opens a :meth:`session` (re-entrant, thread-safe); the wrapper places the encoders
+    with :meth:`held` before it calls the original (a miss or a bypass), and the end of the last
+    open session takes them off. A call served from the cache moves nothing. A forward of an
+    encoder module outside any such call (code no cached method brackets) places the encoders too
+    (counted in ``stray_placements``, said once in the log); they leave when that encoder's forward
+    returns, else at :meth:`settle` (before weights load, before sleep) or the next session's end.
     """
 
     def __init__(self, encoders: Mapping[str, torch.nn.Module], device: torch.device, moves: EncoderMoves) -> None:
@@ -136,9 +144,10 @@ class EncoderPlacement:
             for each in module.modules():
                 if each._parameters or each._buffers:
                     self._hooks.append(each.register_forward_pre_hook(self._before_forward))
+            self._hooks.append(module.register_forward_hook(self._after_encoder_forward, always_call=True))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        moves.add_source(ON_MISS, self._would_cost, self.device_bytes)
+        moves.add_source(ON_MISS, self._served, self.device_bytes)
 
     def _tensors(self) -> list[torch.Tensor]:
         seen: set[int] = set()
@@ -159,11 +168,12 @@ class EncoderPlacement:
         self._masters[id(tensor)] = data
         tensor.data = data
 
-    def _would_cost(self) -> tuple[int, int]:
+    def _served(self) -> None:
+        """A call was served from the cache: each missing call places the encoders, so this one spared that."""
         with self._lock:
             if self._placed:
-                return 0, 0
-        return len(self.encoders), sum(tensor.nbytes for tensor in self._tensors())
+                return
+        self.moves.avoided(len(self.encoders), sum(tensor.nbytes for tensor in self._tensors()))
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -204,6 +214,17 @@ class EncoderPlacement:
                         self.device,
                     )
             self._place()
+
+    def _after_encoder_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if self._placed and not self._sessions:  # a stray forward of a whole encoder ended
+            self.settle()
+
+    def settle(self) -> None:
+        """Take the encoders off the device if a stray forward left them there (no session is open):
+        before weights are written (they must reach the masters) and before sleep."""
+        with self._lock:
+            if self._placed and not self._sessions:
+                self._evict()
 
     def _place(self) -> None:
         tensors = self._tensors()
@@ -260,7 +281,7 @@ class EncoderPlacement:
             self._hooks.clear()
             with torch.no_grad():
                 for tensor in self._tensors():
-                    tensor.data = tensor.data.to(self.device)
+                    tensor.data = tensor.data.to(self.device, copy=True)  # its own storage, not the master
             for module in self.encoders.values():
                 if getattr(module, ENCODE_DEVICE, None) is not None:
                     object.__delattr__(module, ENCODE_DEVICE)

@@ -962,16 +962,17 @@ class PromptEmbedCache:
 
     def snapshot(self) -> CacheStats:
         """Return the counters, sizes and settings now, as one :class:`CacheStats`."""
+        moves = self.moves
+        levels: dict[str, Any] = {}
+        if moves is not None:  # outside the lock: a placement in progress holds the placement's lock
+            levels.update(encoder_device_bytes=moves.device_bytes(), encoder_placer=moves.placer)
         with self._lock:
             counts = {
                 name: ranked_reasons(value) if isinstance(value := self._count(name), Counter) else value
                 for name in COUNTER_FIELDS
             }
             methods = self._counters.by_method()
-            host, directory, moves = self.host, self.directory, self.moves
-            levels: dict[str, Any] = {}
-            if moves is not None:
-                levels.update(encoder_device_bytes=moves.device_bytes(), encoder_placer=moves.placer)
+            host, directory = self.host, self.directory
             if host is not None:
                 levels.update(host_entries=len(host), host_bytes=host.bytes, host_max_bytes=host.max_bytes)
             if directory is not None:

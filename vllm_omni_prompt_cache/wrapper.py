@@ -43,6 +43,7 @@ from vllm_omni_prompt_cache.proofs import (
     compare_outputs,
     infer_layout,
 )
+from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, UnstackableRows
 from vllm_omni_prompt_cache.store import ENCODE_PROMPT, PromptEmbedCache
 
@@ -57,9 +58,6 @@ DISABLED_REASON = "cache disabled"
 LAYOUT_DROPPED_REASON = "row layout dropped: it did not match encode_prompt's outputs"
 #: Whole-call reason for a call whose rows differ in dtype, device or shape: served uncached.
 UNSTACKABLE_REASON = "rows could not be stacked into one output (dtype, device or shape differed)"
-#: Attribute of a pipeline whose text encoders are on the device only while a call encodes
-#: (an :class:`~vllm_omni_prompt_cache.residency.EncoderPlacement`).
-PLACEMENT_ATTRIBUTE = "_prompt_embed_cache_placement"
 
 
 def _set_attribute(pipeline: Any, name: str, value: Any) -> None:
@@ -159,7 +157,7 @@ def install_prompt_embed_cache(
         cache.method_counters(method.name)  # listed in stats() from now on
         calls = _CachedCalls(
             cache,
-            _noting_encodes(encode_fn, inside),
+            _noting_encodes(encode_fn, inside, pipeline),
             signature,
             CallKeyBuilder(signature, method_tag, digest=digest),
             proof,
@@ -238,8 +236,9 @@ def _cached(
     A wrapped method called from inside another (MAGI-2's ``encode_prompt`` calls its
     ``_encode_prompts``) runs straight through: the outer call is the one keyed, counted and
     stored, so one encode is one entry and one call in the counts. A call runs in a session of the
-    pipeline's encoder placement when it has one (encoders placed on the device only if it
-    encodes); a call that did not encode counts the encoder moves it saved.
+    pipeline's encoder placement when it has one (the encoders leave the device when it ends; they
+    are placed only if it calls the original, see :func:`_noting_encodes`); a call that did not
+    encode counts the encoder moves it saved.
     """
 
     @functools.wraps(encode_fn)
@@ -263,12 +262,19 @@ def _cached(
     return cached_encode
 
 
-def _noting_encodes(encode_fn: Callable[..., Any], inside: threading.local) -> Callable[..., Any]:
-    """Return ``encode_fn``, noting on ``inside`` that the current call encoded (every bypass does too)."""
+def _noting_encodes(encode_fn: Callable[..., Any], inside: threading.local, pipeline: Any) -> Callable[..., Any]:
+    """Return ``encode_fn``, noting on ``inside`` that the current call encoded (every bypass does too),
+    with the pipeline's encoders placed for it when they wait off the device between calls: placed
+    before the call, not at the encoder's first forward, since code may read ``text_encoder.device``
+    first (FLUX.2 does)."""
 
     def encode(*args: Any, **kwargs: Any) -> Any:
         inside.encoded = True
-        return encode_fn(*args, **kwargs)
+        placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
+        if placement is None:
+            return encode_fn(*args, **kwargs)
+        with placement.held():
+            return encode_fn(*args, **kwargs)
 
     return encode
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,9 @@ class OffloadRollout:
     encoder_bytes: int  # the text encoders' parameter and buffer bytes
     latents: dict[int, torch.Tensor] = dataclasses.field(repr=False)
     startup_moves: dict[str, int] = dataclasses.field(default_factory=dict)  # counts before the rollout
+    seconds: float = 0.0  # the rollout's wall time
+    device_allocated: int | None = None  # CUDA bytes allocated after the rollout (None: no CUDA)
+    device_peak: int | None = None  # CUDA peak bytes during the rollout
 
 
 def _counts(moves: dict[str, Any] | None) -> dict[str, int]:
@@ -69,7 +73,11 @@ async def offload_rollout(
     async with open_engine(kwargs) as engine:
         before = await worker_value(engine, "text_encoder_moves")
         rows_before = (await worker_value(engine, "text_encoder_counters"))["encoder_rows"]
+        await engine.collective_rpc("device_memory", args=(True,))
+        began = time.perf_counter()
         sent = await send_rollout(engine, spec)
+        seconds = time.perf_counter() - began
+        memory = await worker_value(engine, "device_memory")
         after = await worker_value(engine, "text_encoder_moves")
         rows_after = (await worker_value(engine, "text_encoder_counters"))["encoder_rows"]
         encoder_bytes = await worker_value(engine, "text_encoder_bytes")
@@ -83,6 +91,9 @@ async def offload_rollout(
         encoder_bytes=int(encoder_bytes),
         latents=sent.latents,
         startup_moves=_counts(before),
+        seconds=seconds,
+        device_allocated=None if memory is None else memory["allocated"],
+        device_peak=None if memory is None else memory["peak"],
     )
 
 

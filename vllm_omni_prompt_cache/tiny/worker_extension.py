@@ -63,3 +63,15 @@ class TextEncoderCountersExtension(CustomPipelineWorkerExtension):
         """Return the bytes of the pipeline's text encoders' parameters and buffers."""
         pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)
         return sum(module_nbytes(module) for module in encoder_modules(pipeline).values()) if pipeline else 0
+
+    def device_memory(self, reset_peak: bool = False) -> dict[str, int] | None:
+        """Return this worker's CUDA memory (``allocated`` now, ``peak`` since the last reset) and reset the
+        peak when asked; None without CUDA (the CPU platform has no device memory to read)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        seen = {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+        return seen

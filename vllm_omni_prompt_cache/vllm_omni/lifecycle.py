@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
+from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
@@ -108,6 +109,7 @@ def _clearing_before_sleep(original_sleep: Callable) -> Callable:
     def sleep(self: Any, *args: Any, **kwargs: Any) -> Any:
         pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)
         level = kwargs.get("level", args[0] if args else 1)
+        _settle_placement(pipeline)
         if level == 1:
             release_device_memory(pipeline, "the diffusion worker is going to sleep (level 1)")
         else:
@@ -115,6 +117,13 @@ def _clearing_before_sleep(original_sleep: Callable) -> Callable:
         return original_sleep(self, *args, **kwargs)
 
     return sleep
+
+
+def _settle_placement(pipeline: Any) -> None:
+    """Take text encoders placed on a miss off the device if a stray forward left them there."""
+    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
+    if placement is not None:
+        placement.settle()
 
 
 def _encoder_prefixes(pipeline: Any) -> tuple[str, ...]:
@@ -178,6 +187,7 @@ def watch_weight_loads(pipeline: Any) -> None:
 def _clearing_after_encoder_load(original: Callable, pipeline: Any) -> Callable:
     @functools.wraps(original)
     def load_weights(weights: Iterable[tuple[str, Any]], *args: Any, **kwargs: Any) -> Any:
+        _settle_placement(pipeline)  # encoder weights must be written into their host copies
         seen: list[str] = []
         prefixes = _encoder_prefixes(pipeline)
         directory = _directory_tier(pipeline)

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE, encoder_modules
-from vllm_omni_prompt_cache.residency import VLLM_OMNI_OFFLOAD, EncoderMoves, module_nbytes
+from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE
+from vllm_omni_prompt_cache.residency import VLLM_OMNI_OFFLOAD, EncoderMoves, module_nbytes, text_encoder_modules
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
@@ -51,7 +51,7 @@ def _layerwise(module: torch.nn.Module) -> bool:
 
 def refusal_with_offload(pipeline: Any) -> str | None:
     """Return why the text encoders cannot be placed on a miss with the offload ``pipeline`` has, or None."""
-    for name, module in encoder_modules(pipeline).items():
+    for name, module in text_encoder_modules(pipeline).items():
         hook = sequential_hook(module)
         if hook is not None and getattr(hook, "offload_after_context", False):
             return (
@@ -69,7 +69,13 @@ def refusal_with_offload(pipeline: Any) -> str | None:
 
 
 class ModuleOffloadRecord:
-    """Where each hooked module is, as vLLM-Omni's module offload moved it, with the moves counted."""
+    """Where each hooked module is, as vLLM-Omni's module offload moved it, with the moves an encode
+    made counted: a text encoder's placements and evictions, and the DiTs its hook evicted for it
+    (and their return). A DiT another DiT's hook swaps (Wan2.2's two experts) is tracked, not counted.
+
+    ``text_encoders=False``: another mover owns the text encoders' placement (see :mod:`.residency`);
+    their moves are not counted here, the DiT moves their forwards cause are.
+    """
 
     def __init__(
         self,
@@ -80,10 +86,9 @@ class ModuleOffloadRecord:
         text_encoders: bool,
         after_a_forward: bool = False,
     ) -> None:
-        texts = {id(module) for module in encoder_modules(pipeline).values()}
-        if not text_encoders:  # another mover places them: count only what this offload moves for them
-            hooked = {name: module for name, module in hooked.items() if id(module) not in texts}
+        texts = {id(module) for module in text_encoder_modules(pipeline).values()}
         self._lock = threading.Lock()
+        self._count_text_encoders = text_encoders
         self._text_encoders = [(module, sequential_hook(module)) for module in hooked.values() if id(module) in texts]
         self._nbytes = {id(module): module_nbytes(module) for module in hooked.values()}
         self._is_text_encoder = {id(module): id(module) in texts for module in hooked.values()}
@@ -99,50 +104,68 @@ class ModuleOffloadRecord:
                     for target in sequential_hook(module).offload_targets:
                         if id(target) in self._on_device:
                             self._on_device[id(target)] = False
-        # Set when a call served from the cache counted the placement an encode would have made; cleared by
-        # the next DiT forward (the encode's other calls before it would have found the encoder placed).
-        self._spared = False
+        self._evicted_for_encode: set[int] = set()  # DiTs a text encoder's hook moved to the host
+        # What calls served from the cache spared since the last DiT forward: committed at the next one,
+        # dropped if an encode places the encoder first (it would have found it placed anyway).
+        self._pending: tuple[int, int] | None = None
         self.moves = moves
-        moves.add_source(VLLM_OMNI_OFFLOAD, self._would_cost, self._device_bytes)
+        moves.add_source(VLLM_OMNI_OFFLOAD, self.served, self._device_bytes)
 
-    def placed(self, module: torch.nn.Module) -> None:
-        self._record(module, on_device=True)
-
-    def evicted(self, module: torch.nn.Module) -> None:
-        self._record(module, on_device=False)
-
-    def _record(self, module: torch.nn.Module, *, on_device: bool) -> None:
+    def moved(self, hook: Any, module: torch.nn.Module, *, on_device: bool) -> None:
+        """Record that ``hook`` placed (or evicted) ``module``, and count it when an encode made it."""
         key = id(module)
         if key not in self._nbytes:  # a module we did not find hooked: not counted
             return
+        text_encoder = self._is_text_encoder[key]
+        counted = False
         with self._lock:
-            if on_device and not self._is_text_encoder[key]:  # a DiT forward
-                self._spared = False
-            if self._on_device[key] == on_device:
-                return
+            changed = self._on_device[key] != on_device
             self._on_device[key] = on_device
-        self.moves.moved(encoder=self._is_text_encoder[key], placed=on_device, nbytes=self._nbytes[key])
+            if not text_encoder:
+                if on_device and hook is sequential_hook(module):  # the DiT's own forward
+                    if self._pending is not None:
+                        self.moves.avoided(*self._pending)
+                        self._pending = None
+                    if changed and key in self._evicted_for_encode:
+                        self._evicted_for_encode.discard(key)
+                        counted = True
+                elif not on_device and changed and hook in self._encoder_hooks():
+                    self._evicted_for_encode.add(key)
+                    counted = True
+            elif changed:
+                if on_device:
+                    self._pending = None  # an encode placed it: nothing was spared
+                counted = self._count_text_encoders
+        if counted:
+            self.moves.moved(encoder=text_encoder, placed=on_device, nbytes=self._nbytes[key])
 
-    def _would_cost(self) -> tuple[int, int]:
-        """What an encode now would move: each text encoder not on the device is placed and the DiTs its
-        hook evicts leave; the next DiT forward brings them back (and evicts the encoder if it is
-        offloaded too)."""
+    def _encoder_hooks(self) -> list[Any]:
+        return [hook for _, hook in self._text_encoders]
+
+    def served(self) -> None:
+        """A call was served without encoding: hold what an encode now would have moved (each text
+        encoder off the device placed; the DiTs their hooks evict, each once, leave and come back;
+        a selected encoder leaves again at the next DiT forward) until the next DiT forward."""
         placements = nbytes = 0
+        targets: dict[int, torch.nn.Module] = {}
         with self._lock:
-            if self._spared:
-                return 0, 0
+            if self._pending is not None:
+                return
             for module, hook in self._text_encoders:
-                if not self._on_device[id(module)]:
+                if not self._on_device[id(module)] and self._count_text_encoders:
                     placements += 1
                     trips = 2 if getattr(hook, "offload_after_context", False) else 1
                     nbytes += trips * self._nbytes[id(module)]
                 for target in hook.offload_targets:
                     if self._on_device.get(id(target), False):
-                        nbytes += 2 * self._nbytes.get(id(target), 0)
-            self._spared = bool(placements or nbytes)
-        return placements, nbytes
+                        targets[id(target)] = target
+            nbytes += sum(2 * self._nbytes.get(key, 0) for key in targets)
+            if placements or nbytes:
+                self._pending = (placements, nbytes)
 
     def _device_bytes(self) -> int:
+        if not self._count_text_encoders:
+            return 0
         with self._lock:
             return sum(self._nbytes[id(module)] for module, _ in self._text_encoders if self._on_device[id(module)])
 
@@ -167,7 +190,7 @@ def observe_module_offload(
     record = ModuleOffloadRecord(pipeline, hooked, moves, text_encoders=text_encoders, after_a_forward=after_a_forward)
     for module in hooked.values():
         _observe(sequential_hook(module), record)
-    for module in encoder_modules(pipeline).values() if text_encoders else ():
+    for module in text_encoder_modules(pipeline).values() if text_encoders else ():
         hook = sequential_hook(module)
         if hook is not None:
             object.__setattr__(module, ENCODE_DEVICE, torch.device(hook.device))
@@ -188,11 +211,11 @@ def _observe(hook: Any, record: ModuleOffloadRecord) -> None:
 
     def counted_to_gpu(module: torch.nn.Module) -> None:
         to_gpu(module)
-        hook._prompt_embed_cache_record.placed(module)
+        hook._prompt_embed_cache_record.moved(hook, module, on_device=True)
 
     def counted_to_cpu(module: torch.nn.Module) -> None:
         to_cpu(module)
-        hook._prompt_embed_cache_record.evicted(module)
+        hook._prompt_embed_cache_record.moved(hook, module, on_device=False)
 
     hook._to_gpu, hook._to_cpu = counted_to_gpu, counted_to_cpu
     hook._prompt_embed_cache_observed = True

@@ -25,8 +25,12 @@ from vllm_omni_prompt_cache.config import (
     PromptEmbedCacheConfigError,
     PromptEmbedCacheSettings,
 )
-from vllm_omni_prompt_cache.fingerprint import encoder_modules
-from vllm_omni_prompt_cache.residency import EncoderMoves, EncoderPlacement
+from vllm_omni_prompt_cache.residency import (
+    PLACEMENT_ATTRIBUTE,
+    EncoderMoves,
+    EncoderPlacement,
+    text_encoder_modules,
+)
 from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 from vllm_omni_prompt_cache.vllm_omni.layouts import resolve_declared_layouts
@@ -34,7 +38,7 @@ from vllm_omni_prompt_cache.vllm_omni.lifecycle import StatsLogger, watch_weight
 from vllm_omni_prompt_cache.vllm_omni.methods import resolve_declared_methods
 from vllm_omni_prompt_cache.vllm_omni.offload import observe_module_offload, refusal_with_offload
 from vllm_omni_prompt_cache.vllm_omni.settings import stage_settings
-from vllm_omni_prompt_cache.wrapper import PLACEMENT_ATTRIBUTE, install_prompt_embed_cache
+from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
@@ -55,7 +59,7 @@ def patch_runner_module(module: ModuleType) -> None:
     module.install_prompt_embed_cache = _installed_after_load_model
     replace_once(module.DiffusionModelRunner, "load_model", _installing_after)
     if hasattr(module.DiffusionModelRunner, "profile_run"):
-        replace_once(module.DiffusionModelRunner, "profile_run", _profiling_with_encoders_placed)
+        replace_once(module.DiffusionModelRunner, "profile_run", _profiling_as_misses)
 
 
 def _installed_after_load_model(pipeline: Any, **_: Any) -> None:
@@ -76,25 +80,34 @@ def _installing_after(load_model: Any) -> Any:
             )
             if self.prompt_embed_cache is not None:
                 _rebuild_interaction_handlers(self)
+            placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
+            if placement is not None and placement.device.type != "cpu" and hasattr(self, "model_memory_usage"):
+                # Measured with the encoders on the device; a memory profile adds a miss's placement itself.
+                self.model_memory_usage = max(0, int(self.model_memory_usage) - placement.host_bytes())
         return result
 
     return load_model_then_install
 
 
-def _profiling_with_encoders_placed(profile_run: Any) -> Any:
-    """Hold text encoders placed on a miss on the device while vLLM-Omni profiles memory: the budget it
-    derives must hold a miss's peak, not the idle state's (a profile request the cache serves would
-    otherwise never place them)."""
+def _profiling_as_misses(profile_run: Any) -> Any:
+    """Profile memory with every encode a miss when text encoders are placed on a miss: the budget
+    vLLM-Omni derives must hold a miss's peak (the encoders placed for the encode), not that of a
+    request the cache serves (a profile request's prompt may well be cached). The profile's calls
+    are then counted as bypasses ("cache disabled")."""
 
     @functools.wraps(profile_run)
-    def profile_run_with_encoders_placed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        placement = getattr(getattr(self, "pipeline", None), PLACEMENT_ATTRIBUTE, None)
-        if placement is None:
+    def profile_run_as_misses(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pipeline = getattr(self, "pipeline", None)
+        cache = getattr(pipeline, "_prompt_embed_cache", None)
+        if getattr(pipeline, PLACEMENT_ATTRIBUTE, None) is None or cache is None:
             return profile_run(self, *args, **kwargs)
-        with placement.held():
+        enabled, cache.enabled = cache.enabled, False
+        try:
             return profile_run(self, *args, **kwargs)
+        finally:
+            cache.enabled = enabled
 
-    return profile_run_with_encoders_placed
+    return profile_run_as_misses
 
 
 def _rebuild_interaction_handlers(runner: Any) -> None:
@@ -164,7 +177,7 @@ def _check_encoder_on_miss(pipeline: Any, settings: PromptEmbedCacheSettings) ->
     if why is None and settings.backend == "vllm-omni":
         why = "it needs this package's cache (prompt_embed_cache_backend=content-keyed), which brackets each encode"
     lora_components = set(getattr(pipeline, "_lora_components", ()) or ())
-    if why is None and lora_components & set(encoder_modules(pipeline)):
+    if why is None and lora_components & set(text_encoder_modules(pipeline)):
         why = (
             f"the pipeline puts LoRA on its text encoders ({', '.join(sorted(lora_components))}); LoRA weights "
             "live outside the encoder's parameters and would not follow it"
@@ -176,6 +189,8 @@ def _check_encoder_on_miss(pipeline: Any, settings: PromptEmbedCacheSettings) ->
 def _count_encoder_moves(pipeline: Any, cache: Any, settings: PromptEmbedCacheSettings) -> None:
     """Count the text encoders' moves on ``cache``: vLLM-Omni's module offload's, and place them on a miss
     when ``settings`` ask (the pipeline then holds an :class:`EncoderPlacement`)."""
+    if getattr(cache, "moves", None) is not None:  # installed already (the install returned that cache)
+        return
     moves = EncoderMoves()
     observed = observe_module_offload(pipeline, moves, text_encoders=not settings.encoder_on_miss)
     placement = None
@@ -189,7 +204,7 @@ def _count_encoder_moves(pipeline: Any, cache: Any, settings: PromptEmbedCacheSe
 
 def _encoder_placement(pipeline: Any, moves: EncoderMoves) -> EncoderPlacement | None:
     """Return the text encoders parked in host memory, to be placed where they are now on each miss."""
-    encoders = encoder_modules(pipeline)
+    encoders = text_encoder_modules(pipeline)
     devices = {tensor.device for module in encoders.values() for tensor in module.parameters()}
     pipeline_device = getattr(pipeline, "device", None)
     if not encoders or len(devices) != 1:
