@@ -2,12 +2,14 @@
 # GPU ONLY - never run in CI or on the CPU development machines.
 #
 # Everything in this project that needs a CUDA GPU, in one go, each step under its own timeout so the
-# whole stays under 8 minutes on one H200 (step timeouts plus kill grace add up to 460 s):
+# whole stays under 10 minutes on one H200 (step timeouts plus kill grace add up to 585 s):
 #   1. the GPU:                  nvidia-smi name and memory
 #   2. CUDA tests:               tests/test_cuda.py (they skip without CUDA elsewhere)
 #   3. engine tests on the GPU:  pytest -m engine (on a CUDA machine conftest leaves the CPU platform off)
 #   4. encoder benchmark:        benchmarks/gpu_encoder_bench.py (Qwen-Image's 7B text stack, random weights)
 #   5. tiny rollout on the GPU:  vllm-omni-prompt-cache demo (with CUDA the demo runs on the GPU by itself)
+#   6. offload on the GPU:       benchmarks/offload.py (module offload and encoder-on-a-miss rollouts with
+#                                real host<->device copies: wall time, CUDA memory between requests, peak)
 # then a summary table of step / exit code / seconds; the exit code is non-zero if any step failed.
 #
 # It assumes the venv that `make install` makes (.venv, with the vllm-omni extra); if .venv is missing
@@ -70,8 +72,10 @@ fi
 run encoder-bench 75 "$python" benchmarks/gpu_encoder_bench.py
 if ((has_vllm_omni)); then
     run demo 120 "$python" -m vllm_omni_prompt_cache demo --out "$out/demo"
+    run offload-bench 120 "$python" benchmarks/offload.py
 else
     skip demo "vllm_omni does not import with $python"
+    skip offload-bench "vllm_omni does not import with $python"
 fi
 
 echo

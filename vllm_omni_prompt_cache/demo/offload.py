@@ -48,6 +48,7 @@ class OffloadRollout:
     seconds: float = 0.0  # the rollout's wall time
     device_allocated: int | None = None  # CUDA bytes allocated after the rollout (None: no CUDA)
     device_peak: int | None = None  # CUDA peak bytes during the rollout
+    device_free: int | None = None  # free device bytes after the rollout (memory outside torch included)
 
 
 def _counts(moves: dict[str, Any] | None) -> dict[str, int]:
@@ -94,6 +95,7 @@ async def offload_rollout(
         seconds=seconds,
         device_allocated=None if memory is None else memory["allocated"],
         device_peak=None if memory is None else memory["peak"],
+        device_free=None if memory is None else memory["free"],
     )
 
 

@@ -65,13 +65,19 @@ class TextEncoderCountersExtension(CustomPipelineWorkerExtension):
         return sum(module_nbytes(module) for module in encoder_modules(pipeline).values()) if pipeline else 0
 
     def device_memory(self, reset_peak: bool = False) -> dict[str, int] | None:
-        """Return this worker's CUDA memory (``allocated`` now, ``peak`` since the last reset) and reset the
-        peak when asked; None without CUDA (the CPU platform has no device memory to read)."""
+        """Return this worker's CUDA memory (``allocated`` and ``reserved`` by torch now, ``peak`` allocated
+        since the last reset, ``free`` on the device) and reset the peak when asked; None without CUDA.
+        ``free`` also sees memory outside torch's allocator (vLLM's sleep-mode pool)."""
         import torch
 
         if not torch.cuda.is_available():
             return None
-        seen = {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+        seen = {
+            "allocated": torch.cuda.memory_allocated(),
+            "reserved": torch.cuda.memory_reserved(),
+            "peak": torch.cuda.max_memory_allocated(),
+            "free": torch.cuda.mem_get_info()[0],
+        }
         if reset_peak:
             torch.cuda.reset_peak_memory_stats()
         return seen
