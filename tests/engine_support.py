@@ -14,7 +14,7 @@ pytest.importorskip("vllm_omni", reason="the engine tests need the vllm-omni ext
 from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, cache_stats, worker_value
 from vllm_omni_prompt_cache.store import CacheStats
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
-from vllm_omni_prompt_cache.tiny.worker_extension import TextEncoderCountersExtension
+from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION, TextEncoderCountersExtension
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 GROUP_SIZE = 4
@@ -25,6 +25,25 @@ def tiny_spec(**overrides: Any) -> RolloutSpec:
     values: dict[str, Any] = {"model_dir": ensure_tiny_qwen_image(), "prompts": PROMPTS, "group_size": GROUP_SIZE}
     values.update(overrides)
     return RolloutSpec(**values)
+
+
+def adapter_engine_kwargs(
+    model_dir: Any, pipeline_class: str, *, cache: bool, max_num_seqs: int, cache_size: int
+) -> dict[str, Any]:
+    """Return the ``AsyncOmni`` kwargs for a verl-omni adapter stand-in on a tiny checkpoint: the
+    adapter as the custom pipeline, our encoder counters, fp32, the cache on or off."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "custom_pipeline_args": {"pipeline_class": pipeline_class},
+        "worker_extension_cls": WORKER_EXTENSION,
+        "dtype": "float32",
+        "log_stats": False,
+        "enable_prompt_embed_cache": cache,
+        "max_num_seqs": max_num_seqs,
+    }
+    if cache:
+        kwargs["prompt_embed_cache_size"] = cache_size
+    return kwargs
 
 
 def run(coroutine: Any) -> Any:

@@ -22,12 +22,11 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import GROUP_SIZE, PROMPTS, Counted, counted, final_output, run
+from engine_support import GROUP_SIZE, PROMPTS, Counted, adapter_engine_kwargs, counted, final_output, run
 
 from vllm_omni_prompt_cache.demo.rollout import open_engine
 from vllm_omni_prompt_cache.tiny.ltx2 import TINY_FRAME_RATE, TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, ensure_tiny_ltx2
 from vllm_omni_prompt_cache.tiny.ltx2_adapter import LTX2_FLOW_GRPO_PIPELINE
-from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
 
 pytestmark = pytest.mark.engine
 
@@ -66,18 +65,9 @@ class LtxRollout(Counted):
 
 def engine_kwargs(cache: bool, max_num_seqs: int = 1) -> dict[str, Any]:
     """Return the ``AsyncOmni`` kwargs: the tiny LTX-2.3, the adapter, our counters, fp32, cache on or off."""
-    kwargs: dict[str, Any] = {
-        "model": str(ensure_tiny_ltx2()),
-        "custom_pipeline_args": {"pipeline_class": LTX2_FLOW_GRPO_PIPELINE},
-        "worker_extension_cls": WORKER_EXTENSION,
-        "dtype": "float32",
-        "log_stats": False,
-        "enable_prompt_embed_cache": cache,
-        "max_num_seqs": max_num_seqs,
-    }
-    if cache:
-        kwargs["prompt_embed_cache_size"] = CACHE_SIZE
-    return kwargs
+    return adapter_engine_kwargs(
+        ensure_tiny_ltx2(), LTX2_FLOW_GRPO_PIPELINE, cache=cache, max_num_seqs=max_num_seqs, cache_size=CACHE_SIZE
+    )
 
 
 def agent_loop_ids(tokenizer: Any, text: str) -> list[int]:

@@ -303,7 +303,7 @@ def test_offload_of_the_dit_alone_works_with_the_encoder_placed_on_a_miss() -> N
     assert stats["bytes_not_moved"] == placement.host_bytes() + 2 * dit_bytes  # the hit: encoder in, DiT out and in
 
 
-def test_moves_add_up_across_sources_and_survive_since_and_merged() -> None:
+def test_a_spared_placement_is_counted_with_its_bytes_and_moves_survive_since_and_merged() -> None:
     from vllm_omni_prompt_cache.store import CacheStats
 
     moves = EncoderMoves()
@@ -319,8 +319,9 @@ def test_moves_add_up_across_sources_and_survive_since_and_merged() -> None:
 
 
 class ReadsTheEncoderDeviceFirst(TokenIdTextPipeline):
-    """Reads where its encoder is before running it, as FLUX.2's ``_get_qwen3_prompt_embeds`` does
-    (``device = text_encoder.device``), and records how many encoder bytes were placed then."""
+    """Reads where its encoder is before running it, as vLLM-Omni's ByT5 glyph encoder does
+    (``next(self.text_encoder.parameters()).device``, ``ming_flash_omni/byte5_encoder.py``), and
+    records how many encoder bytes were placed then."""
 
     def __init__(self, text_encoder: torch.nn.Module) -> None:
         super().__init__(text_encoder)

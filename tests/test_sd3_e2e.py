@@ -20,12 +20,11 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import GROUP_SIZE, PROMPTS, Counted, counted, final_output, run
+from engine_support import GROUP_SIZE, PROMPTS, Counted, adapter_engine_kwargs, counted, final_output, run
 
 from vllm_omni_prompt_cache.demo.rollout import open_engine
 from vllm_omni_prompt_cache.tiny.sd3 import ensure_tiny_sd3, load_tokenizers, rollout_request
 from vllm_omni_prompt_cache.tiny.sd3_adapter import SD3_FLOW_GRPO_PIPELINE
-from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
 
 pytestmark = pytest.mark.engine
 
@@ -55,17 +54,9 @@ class Sd3Rollout(Counted):
 
 def engine_kwargs(cache: bool, max_num_seqs: int) -> dict[str, Any]:
     """Return the ``AsyncOmni`` kwargs: the tiny SD3.5, the adapter, our counters, fp32, cache on or off."""
-    kwargs: dict[str, Any] = {
-        "model": str(ensure_tiny_sd3()),
-        "custom_pipeline_args": {"pipeline_class": SD3_FLOW_GRPO_PIPELINE},
-        "worker_extension_cls": WORKER_EXTENSION,
-        "dtype": "float32",
-        "log_stats": False,
-        "enable_prompt_embed_cache": cache,
-        "max_num_seqs": max_num_seqs,
-    }
-    if cache:
-        kwargs["prompt_embed_cache_size"] = CACHE_SIZE
+    kwargs = adapter_engine_kwargs(
+        ensure_tiny_sd3(), SD3_FLOW_GRPO_PIPELINE, cache=cache, max_num_seqs=max_num_seqs, cache_size=CACHE_SIZE
+    )
     if max_num_seqs > 1:
         kwargs["request_batch_max_wait_ms"] = 10  # as verl-omni's SD3 scripts
     return kwargs

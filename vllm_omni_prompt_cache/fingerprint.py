@@ -39,7 +39,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _attributes(pipeline: Any) -> Iterator[tuple[str, Any]]:
+def pipeline_attributes(pipeline: Any) -> Iterator[tuple[str, Any]]:
     """Yield the pipeline's own attributes and registered submodules (no properties are run)."""
     yield from vars(pipeline).items()
     yield from (getattr(pipeline, "_modules", None) or {}).items()
@@ -50,7 +50,7 @@ def encoder_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
     else every module attribute whose name starts with ``text_encoder``."""
     named = getattr(pipeline, "_encoder_modules", None)
     found: dict[str, torch.nn.Module] = {}
-    for name, value in _attributes(pipeline):
+    for name, value in pipeline_attributes(pipeline):
         wanted = name in named if named else name.startswith("text_encoder")
         if wanted and isinstance(value, torch.nn.Module):
             found[name] = value
@@ -161,7 +161,7 @@ def code_and_configuration(pipeline: Any, encode_fn: Callable[..., Any] | None, 
     in every process."""
     tokenizers = {
         name: processor_digest(value)
-        for name, value in _attributes(pipeline)
+        for name, value in pipeline_attributes(pipeline)
         if name.startswith(("tokenizer", "processor")) and value is not None and not isinstance(value, torch.nn.Module)
     }
     try:

@@ -37,14 +37,15 @@ VLLM_OMNI_OFFLOAD = "vllm-omni module offload"
 ON_MISS = "on a miss"
 
 
-def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Return ``module``'s parameters and buffers, each once (tied weights are one tensor)."""
+def module_tensors(*modules: torch.nn.Module) -> list[torch.Tensor]:
+    """Return the parameters and buffers of ``modules``, each once (tied weights are one tensor)."""
     seen: set[int] = set()
     tensors = []
-    for tensor in (*module.parameters(), *module.buffers()):
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors.append(tensor)
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors.append(tensor)
     return tensors
 
 
@@ -132,6 +133,8 @@ class EncoderPlacement:
         self._pin = self.device.type == "cuda" and torch.cuda.is_available()
         self._masters: dict[int, torch.Tensor] = {}  # by id of the module tensor
         self._placed: dict[int, tuple[torch.Tensor, int]] = {}  # tensor, and its device copy's data_ptr
+        # Kept as the tensors move, so a hit and a snapshot read them without walking the encoders.
+        self._master_bytes = self._placed_bytes = 0
         self._sessions = 0
         self._lock = threading.RLock()
         self.stray_placements = 0
@@ -139,6 +142,7 @@ class EncoderPlacement:
         with torch.no_grad():
             for tensor in self._tensors():
                 self._adopt(tensor)
+        self._master_bytes = sum(master.nbytes for master in self._masters.values())
         for module in self.encoders.values():
             object.__setattr__(module, ENCODE_DEVICE, self.device)
             for each in module.modules():
@@ -150,14 +154,7 @@ class EncoderPlacement:
         moves.add_source(ON_MISS, self._served, self.device_bytes)
 
     def _tensors(self) -> list[torch.Tensor]:
-        seen: set[int] = set()
-        tensors = []
-        for module in self.encoders.values():
-            for tensor in module_tensors(module):
-                if id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    tensors.append(tensor)
-        return tensors
+        return module_tensors(*self.encoders.values())
 
     def _adopt(self, tensor: torch.Tensor) -> None:
         """Make ``tensor``'s host copy its master, and point it there (pinned when the device is CUDA)."""
@@ -170,10 +167,8 @@ class EncoderPlacement:
 
     def _served(self) -> None:
         """A call was served from the cache: each missing call places the encoders, so this one spared that."""
-        with self._lock:
-            if self._placed:
-                return
-        self.moves.avoided(len(self.encoders), sum(tensor.nbytes for tensor in self._tensors()))
+        if not self._placed:  # read without the lock: on the hit path, and a stale read only miscounts
+            self.moves.avoided(len(self.encoders), self._master_bytes)
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -227,6 +222,8 @@ class EncoderPlacement:
                 self._evict()
 
     def _place(self) -> None:
+        """Copy every encoder tensor's master to the device (a tensor new since the last placement, or
+        one whose data was replaced on the host, becomes its own master first). Lock held."""
         tensors = self._tensors()
         current = {id(tensor) for tensor in tensors}
         self._masters = {key: master for key, master in self._masters.items() if key in current}
@@ -234,7 +231,6 @@ class EncoderPlacement:
             for tensor in tensors:
                 master = self._masters.get(id(tensor))
                 if master is None or tensor.data_ptr() != master.data_ptr():
-                    # New since the last placement (a replaced parameter): its data is the master.
                     if tensor.device.type != "cpu" and self.device.type != "cpu":
                         continue  # already on the device, and not ours to move
                     self._adopt(tensor)
@@ -242,36 +238,36 @@ class EncoderPlacement:
                 placed = master.to(self.device, non_blocking=self._pin, copy=True)
                 tensor.data = placed
                 self._placed[id(tensor)] = (tensor, placed.data_ptr())
+        self._master_bytes = sum(master.nbytes for master in self._masters.values())
+        self._placed_bytes = sum(tensor.nbytes for tensor, _ in self._placed.values())
         for module in self.encoders.values():
             self.moves.moved(encoder=True, placed=True, nbytes=module_nbytes(module))
 
     def _evict(self) -> None:
+        """Point every placed tensor back at its master; one whose data was replaced while placed (a write
+        that did not go through :meth:`settle` first) is copied to the host as its new master. Lock held."""
         copied = 0
         with torch.no_grad():
             for tensor, placed_ptr in self._placed.values():
-                if tensor.data_ptr() != placed_ptr:  # its data was replaced while placed: that is the new master
+                if tensor.data_ptr() == placed_ptr:
+                    tensor.data = self._masters[id(tensor)]
+                else:
                     copied += tensor.nbytes
-                    self._masters.pop(id(tensor), None)
                     self._adopt(tensor)
-                    continue
-                tensor.data = self._masters[id(tensor)]
         self._placed.clear()
-        for index, _ in enumerate(self.encoders.values()):
-            self.moves.moved(encoder=True, placed=False, nbytes=copied if index == 0 else 0)
+        self._placed_bytes = 0
+        self._master_bytes = sum(master.nbytes for master in self._masters.values())
+        for _ in self.encoders:
+            self.moves.moved(encoder=True, placed=False, nbytes=copied)
+            copied = 0  # the copies are counted once, with the first encoder's eviction
 
     def device_bytes(self) -> int:
-        """Return the bytes of encoder tensors not in their host master (0 between calls)."""
-        total = 0
-        with self._lock:
-            for tensor in self._tensors():
-                master = self._masters.get(id(tensor))
-                if master is None or tensor.data_ptr() != master.data_ptr():
-                    total += tensor.nbytes
-        return total
+        """Return the bytes of encoder tensors placed on the device now (0 between calls)."""
+        return self._placed_bytes
 
     def host_bytes(self) -> int:
         """Return the bytes of the host masters."""
-        return sum(master.nbytes for master in self._masters.values())
+        return self._master_bytes
 
     def remove(self) -> None:
         """Put every encoder back on the device for good and forget the masters (uninstall)."""

@@ -43,7 +43,7 @@ from vllm_omni_prompt_cache.proofs import (
     compare_outputs,
     infer_layout,
 )
-from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
+from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, UnstackableRows
 from vllm_omni_prompt_cache.store import ENCODE_PROMPT, PromptEmbedCache
 
@@ -245,13 +245,13 @@ def _cached(
     def cached_encode(*args: Any, **kwargs: Any) -> Any:
         if getattr(inside, "active", False):
             return encode_fn(*args, **kwargs)
-        inside.active, inside.encoded = True, False
-        placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
+        inside.active = True
         try:
-            with placement.session() if placement is not None else contextlib.nullcontext():
+            moves = cache.moves
+            if moves is None:  # nothing moves the encoders (the common case): the hit path as it was
                 result = calls(args, kwargs)
-            if not inside.encoded and cache.moves is not None:
-                cache.moves.served_without_encoding()
+            else:
+                result = _counting_moves(calls, args, kwargs, moves, inside, pipeline)
         finally:
             inside.active = False
         if report is not None:
@@ -262,11 +262,29 @@ def _cached(
     return cached_encode
 
 
+def _counting_moves(
+    calls: _CachedCalls, args: tuple, kwargs: dict, moves: EncoderMoves, inside: threading.local, pipeline: Any
+) -> Any:
+    """Run one cached call in a session of the pipeline's encoder placement (when it has one), and
+    tell ``moves`` when the call was served without encoding."""
+    inside.encoded = False
+    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
+    if placement is None:
+        result = calls(args, kwargs)
+    else:
+        with placement.session():
+            result = calls(args, kwargs)
+    if not inside.encoded:
+        moves.served_without_encoding()
+    return result
+
+
 def _noting_encodes(encode_fn: Callable[..., Any], inside: threading.local, pipeline: Any) -> Callable[..., Any]:
     """Return ``encode_fn``, noting on ``inside`` that the current call encoded (every bypass does too),
     with the pipeline's encoders placed for it when they wait off the device between calls: placed
-    before the call, not at the encoder's first forward, since code may read ``text_encoder.device``
-    first (FLUX.2 does)."""
+    before the call, not at the encoder's first forward, since code reads where an encoder's
+    parameters are before running it (vLLM-Omni's ByT5 glyph encoder, FLUX.2's prompt helpers when
+    given no device)."""
 
     def encode(*args: Any, **kwargs: Any) -> Any:
         inside.encoded = True

@@ -23,6 +23,7 @@ from vllm_omni_prompt_cache.demo.rollout import (
     RolloutSpec,
     engine_kwargs,
     open_engine,
+    request_dicts,
     send_rollout,
     worker_value,
 )
@@ -102,7 +103,6 @@ async def offload_rollout(
 async def precompute_directory(spec: RolloutSpec, directory: str) -> None:
     """Fill ``directory`` with every prompt of ``spec`` (and, through the engine's start-up warm-up, its
     dummy prompt) with ``vllm-omni-prompt-cache precompute``'s function, sending what the rollout sends."""
-    from vllm_omni_prompt_cache.demo.rollout import _request_dicts
     from vllm_omni_prompt_cache.precompute import precompute
 
     kwargs = engine_kwargs(spec, "ours", 16, None)
@@ -110,7 +110,7 @@ async def precompute_directory(spec: RolloutSpec, directory: str) -> None:
     for name in ("enable_prompt_embed_cache", "prompt_embed_cache_size"):
         kwargs.pop(name)
     sampling = {"height": spec.height, "width": spec.width, "true_cfg_scale": spec.true_cfg_scale}
-    await precompute(model, _request_dicts(spec), directory, sampling=sampling, engine_args=kwargs)
+    await precompute(model, request_dicts(spec), directory, sampling=sampling, engine_args=kwargs)
 
 
 def run_configurations(

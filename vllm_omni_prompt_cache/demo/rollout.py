@@ -206,7 +206,7 @@ async def send_rollout(
     """Send every request of ``spec`` concurrently; return what came back."""
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-    by_prompt = _request_dicts(spec)
+    by_prompt = request_dicts(spec)
 
     async def one(index: int, prompt_index: int, seed: int) -> tuple[int, Any]:
         request = copy.deepcopy(by_prompt[prompt_index])  # each request its own lists, as sent over the wire
@@ -241,7 +241,7 @@ async def send_rollout(
     )
 
 
-def _request_dicts(spec: RolloutSpec) -> list[dict[str, Any]]:
+def request_dicts(spec: RolloutSpec) -> list[dict[str, Any]]:
     """Return each prompt's request as verl-omni's rollout sends it to this model's adapter (its keys)."""
     if spec.model == "sd3":  # one id list per text encoder's tokenizer
         from vllm_omni_prompt_cache.tiny.sd3 import load_tokenizers, rollout_request

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE
+from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE, pipeline_attributes
 from vllm_omni_prompt_cache.residency import VLLM_OMNI_OFFLOAD, EncoderMoves, module_nbytes, text_encoder_modules
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
@@ -38,11 +38,11 @@ def sequential_hook(module: Any) -> Any:
 
 
 def _hooked_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
-    modules = {}
-    for name, value in [*vars(pipeline).items(), *(getattr(pipeline, "_modules", None) or {}).items()]:
-        if isinstance(value, torch.nn.Module) and sequential_hook(value) is not None:
-            modules[name] = value
-    return modules
+    return {
+        name: value
+        for name, value in pipeline_attributes(pipeline)
+        if isinstance(value, torch.nn.Module) and sequential_hook(value) is not None
+    }
 
 
 def _layerwise(module: torch.nn.Module) -> bool:
