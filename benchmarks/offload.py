@@ -67,7 +67,6 @@ def main() -> None:
         CONFIGURATIONS,
         MODULE_OFFLOAD,
         offload_rollout,
-        precompute_directory,
         run_configurations,
     )
     from vllm_omni_prompt_cache.demo.rollout import DEFAULT_PROMPTS, RolloutSpec
@@ -86,7 +85,7 @@ def main() -> None:
         offloaded = run_configurations(spec, CONFIGURATIONS, directory, offload=MODULE_OFFLOAD)
         plain = asyncio.run(offload_rollout(spec, "ours"))
         on_miss = asyncio.run(offload_rollout(spec, "ours", encoder_on_miss=True))
-        asyncio.run(precompute_directory(spec, directory))  # already filled: adds nothing, checks the ledger
+        # The directory the precomputed configuration above was run on (filled before it).
         on_miss_dir = asyncio.run(offload_rollout(spec, "ours", encoder_on_miss=True, directory=directory))
 
     reference = offloaded["off"]
