@@ -8,6 +8,8 @@ from vllm_omni_prompt_cache.config import (
     BACKEND,
     DIRECTORY,
     DIRECTORY_BYTES,
+    DIRECTORY_GROUP,
+    DIRECTORY_KEY_FILE,
     ENABLE,
     ENCODER_ON_MISS,
     HOST_BYTES,
@@ -170,6 +172,8 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         HOST_BYTES.name: None,
         DIRECTORY.name: None,
         DIRECTORY_BYTES.name: 16 * 2**30,
+        DIRECTORY_KEY_FILE.name: None,
+        DIRECTORY_GROUP.name: None,
         ENCODER_ON_MISS.name: True,
         "sources": settings.sources,
     }

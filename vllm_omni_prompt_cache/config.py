@@ -98,6 +98,32 @@ def _directory(value: Any) -> Any:
     return str(path) if path.is_dir() and os.access(path, os.W_OK | os.X_OK) else None
 
 
+def _key_file(value: Any) -> str | None:
+    """A file that exists, made absolute (what it holds is checked by directory_trust.read_key)."""
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        return None
+    path = Path(value.strip()).expanduser().absolute()
+    return str(path) if path.is_file() else None
+
+
+def _group(value: Any) -> int | None:
+    """A group name or id of this machine that this process may give its files to."""
+    import grp
+
+    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    try:
+        gid = int(text) if text.isdecimal() else grp.getgrnam(text).gr_gid if text else None
+        if gid is not None:
+            grp.getgrgid(gid)
+    except (KeyError, OverflowError):
+        return None
+    if gid is None or not (os.geteuid() == 0 or gid == os.getegid() or gid in os.getgroups()):
+        return None
+    return gid
+
+
 #: The cache implementations a stage can run: ours, or vLLM-Omni's own (for side-by-side comparisons).
 BACKENDS = ("content-keyed", "vllm-omni")
 
@@ -296,6 +322,29 @@ DIRECTORY_BYTES = Setting(
     _byte_budget,
 )
 
+DIRECTORY_KEY_FILE = Setting(
+    "prompt_embed_cache_dir_key_file",
+    "directory_key_file",
+    "--prompt-embed-cache-dir-key-file",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_KEY_FILE",
+    None,
+    "the path of a file holding the directory's signing key (16 bytes or more; not readable by others)",
+    "Sign every file of the directory tier with this key (HMAC-SHA256) and refuse files without a valid "
+    "signature. The key itself may instead be given in OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_KEY. Default: unsigned.",
+    _key_file,
+)
+DIRECTORY_GROUP = Setting(
+    "prompt_embed_cache_dir_group",
+    "directory_group",
+    "--prompt-embed-cache-dir-group",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_GROUP",
+    None,
+    "the name or id of a group of this machine that this user belongs to",
+    "Create the directory tier's directories and files for this group (directories 2770, files 0660) so "
+    "its members share them; default: no group or other write.",
+    _group,
+)
+
 ENCODER_ON_MISS = Setting(
     "prompt_embed_cache_encoder_on_miss",
     "encoder_on_miss",
@@ -319,6 +368,8 @@ SETTINGS: tuple[Setting, ...] = (
     HOST_BYTES,
     DIRECTORY,
     DIRECTORY_BYTES,
+    DIRECTORY_KEY_FILE,
+    DIRECTORY_GROUP,
     ENCODER_ON_MISS,
 )
 
@@ -354,6 +405,8 @@ class PromptEmbedCacheSettings:
     host_bytes: int | None = HOST_BYTES.default  # None: no host tier
     directory: str | None = DIRECTORY.default  # None: no directory tier
     directory_bytes: int | None = DIRECTORY_BYTES.default  # None: no limit
+    directory_key_file: str | None = DIRECTORY_KEY_FILE.default  # None: the key env var, else unsigned
+    directory_group: int | None = DIRECTORY_GROUP.default  # None: files of this user only
     encoder_on_miss: bool = ENCODER_ON_MISS.default  # text encoders on the device only while a miss encodes
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -378,7 +431,7 @@ class PromptEmbedCacheSettings:
             for setting in SETTINGS
             if carried.get(setting.name) is not None
         }
-        return cls(**values, sources=dict(carried.get("sources") or {}))
+        return _checked(cls(**values, sources=dict(carried.get("sources") or {})))
 
 
 def _plain(setting: Setting, value: Any) -> Any:
@@ -418,7 +471,28 @@ def resolve_settings(
         else:
             origin = "default"
         sources[setting.name] = origin
-    return PromptEmbedCacheSettings(**values, sources=sources)
+    return _checked(PromptEmbedCacheSettings(**values, sources=sources), environ)
+
+
+def _checked(settings: PromptEmbedCacheSettings, environ: Mapping[str, str] | None = None) -> PromptEmbedCacheSettings:
+    """Return ``settings`` once the directory's trust settings make sense together; raise naming them."""
+    from vllm_omni_prompt_cache.directory_trust import KEY_ENV, read_key
+
+    source = settings.sources.get(DIRECTORY_KEY_FILE.name, "the stage's settings")
+    environ = os.environ if environ is None else environ
+    key = read_key(settings.directory_key_file, source, environ)  # raises for a bad or doubled key
+    if settings.directory is not None:
+        return settings
+    given = [f"environment variable {KEY_ENV}"] if KEY_ENV in environ else []
+    for setting in (DIRECTORY_KEY_FILE, DIRECTORY_GROUP):
+        if getattr(settings, setting.field) is not None:
+            given.append(f"{setting.name} from {settings.sources.get(setting.name, 'the stage settings')}")
+    if key is not None or given:
+        raise PromptEmbedCacheConfigError(
+            f"{' and '.join(given)} set, but {DIRECTORY.name} is not: they apply to the directory tier only "
+            f"(give {DIRECTORY.name}, or unset them)"
+        )
+    return settings
 
 
 def resolve_prompt_embed_cache_settings(
@@ -433,6 +507,8 @@ def resolve_prompt_embed_cache_settings(
     host_bytes: int | str | None = None,
     directory: str | os.PathLike | None = None,
     directory_bytes: int | str | None = None,
+    directory_key_file: str | os.PathLike | None = None,
+    directory_group: str | int | None = None,
     encoder_on_miss: bool | str | None = None,
     source: str = "keyword argument",
     environ: Mapping[str, str] | None = None,
@@ -441,6 +517,7 @@ def resolve_prompt_embed_cache_settings(
     given = {ENABLE.name: enable, MAX_SIZE.name: max_size, MAX_BYTES.name: max_bytes, VERIFY.name: verify}
     given.update({BACKEND.name: backend, ROW_LAYOUTS.name: row_layouts, HOST_BYTES.name: host_bytes})
     given.update({DIRECTORY.name: directory, DIRECTORY_BYTES.name: directory_bytes, METHODS.name: methods})
+    given.update({DIRECTORY_KEY_FILE.name: directory_key_file, DIRECTORY_GROUP.name: directory_group})
     given[ENCODER_ON_MISS.name] = encoder_on_miss
     return resolve_settings(given, source=source, environ=environ)
 

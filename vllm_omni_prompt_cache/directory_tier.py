@@ -17,10 +17,13 @@ Safety, since several replicas, restarted engines and other nodes may use one di
   from the probe is a miss: it is removed and counted by reason, never raised, never returned;
 * a write that fails (a full disk, a read-only mount, anything) is counted and abandoned; the
   entry still lives in memory. Nothing here raises into the caller;
-* a process that misses an entry claims it (an ``O_EXCL`` claim file beside it) while it
-  encodes; another process missing the same entry meanwhile waits for the file instead of
-  encoding it too, up to :data:`CLAIM_WAIT_S`, so replicas that receive one prompt at once encode
-  it once in all.
+* a process that misses an entry claims it (an ``O_EXCL`` claim file beside it, naming the
+  process) while it encodes; another process missing the same entry meanwhile waits for the file
+  instead of encoding it too, up to :data:`CLAIM_WAIT_S`, so replicas that receive one prompt at
+  once encode it once in all. A claim whose process no longer exists is taken over at once;
+* with a signing key, a file without a valid signature is refused; a link where a file should be
+  is never followed; what this package creates is not writable by group or others unless a shared
+  group is configured (see :mod:`.directory_trust`).
 
 The byte budget covers this package's files under the root (every namespace, so stale ones are
 the first to go; nothing else under the root is touched): each process counts its own writes and
@@ -32,11 +35,13 @@ removing the least recently used files (a hit refreshes a file's modification ti
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -48,6 +53,15 @@ from typing import Any
 import torch
 import xxhash
 
+from vllm_omni_prompt_cache.directory_trust import (
+    PRIVATE,
+    Modes,
+    owner_gone,
+    owner_tag,
+    sign,
+    signature_valid,
+    writable_by_others,
+)
 from vllm_omni_prompt_cache.keys import witness_matches
 from vllm_omni_prompt_cache.logs import warn_once
 
@@ -60,7 +74,8 @@ CLAIM_SUFFIX = ".claim"
 RESCAN_EVERY_WRITES = 256
 #: A rescan over budget removes files until this share of the budget is used.
 LOW_WATER = 0.9
-#: A temporary file older than this is a crashed writer's: a rescan removes it.
+#: A temporary or claim file older than this is a crashed writer's: a rescan removes it (sooner when
+#: its process is known to be gone).
 STALE_TEMPORARY_S = 3600.0
 #: How long a process that misses an entry another process is encoding waits for its file
 #: before encoding it too (a claim older than this is a crashed encoder's, and is taken over).
@@ -69,7 +84,8 @@ CLAIM_WAIT_S = 10.0
 # What this package writes under the root; a rescan touches nothing else.
 _NAMESPACE_NAME = re.compile(r"^[0-9a-f]{32}$")
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{40}\.safetensors$")
-_LEFTOVER_NAME = re.compile(r"^(\.[0-9a-f]{40}\.safetensors\.\d+\.[0-9a-f]{8}\.tmp|[0-9a-f]{40}\.claim)$")
+_TEMPORARY_NAME = re.compile(r"^\.[0-9a-f]{40}\.safetensors\.(?P<owner>(?:[0-9a-f]{8}-)?\d+)\.[0-9a-f]{8}\.tmp$")
+_CLAIM_NAME = re.compile(r"^[0-9a-f]{40}\.claim$")
 
 # Reasons a file is removed on read (the ``reason`` label of the rejection counts).
 UNREADABLE = "unreadable or truncated"
@@ -77,6 +93,9 @@ CHECKSUM = "checksum mismatch"
 FOREIGN = "another namespace or format"
 IDENTITY = "key identity differs"
 WITNESS = "key bytes differ"
+UNSIGNED = "unsigned"
+SIGNATURE = "signature mismatch"
+NOT_A_FILE = "a link or not a regular file"
 
 #: dtypes a file can hold (what safetensors stores).
 _STORABLE_DTYPES = frozenset(
@@ -182,6 +201,8 @@ class DirectoryTier:
     on first use and again after each :meth:`invalidate` (new weights); :attr:`epoch` counts the
     invalidations, so a result computed before one is never written under the namespace after it.
     ``local_device(recorded)`` maps the device a file's tensor was encoded on to this process's.
+    ``key``: the signing key (None: files are neither signed nor required to be); ``modes``: how
+    directories and files are created (see :mod:`.directory_trust`).
     """
 
     def __init__(
@@ -191,22 +212,29 @@ class DirectoryTier:
         fingerprint: Callable[[], dict[str, Any] | str],
         *,
         local_device: Callable[[str], torch.device | str] = torch.device,
+        key: bytes | None = None,
+        modes: Modes = PRIVATE,
     ) -> None:
         self.root = Path(root)
+        self._key = key
+        self.modes = modes
         self.max_bytes = max_bytes
         self._fingerprint = fingerprint
         self._local_device = local_device
         self._lock = threading.Lock()
         self.epoch = 0  # bumped by invalidate()
         self._namespace: str | None = None
+        self._description = ""  # what produced the namespace's entries (its NAMESPACE.json)
         self._off_reason: str | None = None  # set by disable(): for the rest of this tier's life
         self._unavailable: str | None = None  # the fingerprint's reason, until invalidate()
         self._suspended = 0  # suspend() calls not yet resumed: weights are changing
         self._scanned_bytes: int | None = None  # this package's files under root at the last rescan
         self._written_since_scan = 0
         self._writes_since_scan = 0
-        # Entries this process is encoding, by (epoch of the encode, identity), to their claim files.
-        self._claims: dict[tuple[int, Hashable], Path] = {}
+        # Entries this process is encoding, by (epoch of the encode, identity), to their claim files and
+        # the claim file's inode (a claim taken over by another process is not this one's to remove).
+        self._claims: dict[tuple[int, Hashable], tuple[Path, int]] = {}
+        self._scanned_once = False  # the first use rescans: a crashed process's leftovers go at once
         self.claim_wait_s = CLAIM_WAIT_S
         # Counts since the tier was made, read by the store's snapshot.
         self.hits = 0
@@ -217,6 +245,9 @@ class DirectoryTier:
         self.evictions = 0  # files removed to stay within max_bytes
         self.rejections: Counter[str] = Counter()  # files removed on read, by reason
         self.files = 0  # this package's files under root at the last rescan
+        self.stale_claims = 0  # claims of a process that is gone (or of one silent for claim_wait_s), taken over
+        self.wait_timeouts = 0  # waits for another process's encode that ended without its file
+        self.leftovers_removed = 0  # temporary and claim files of crashed processes removed
 
     @property
     def bytes(self) -> int:
@@ -251,14 +282,29 @@ class DirectoryTier:
 
     def _describe(self, namespace: str, description: str) -> None:
         """Write ``NAMESPACE.json`` (what produced the namespace's files), for people; lock held."""
+        self._description = description
         directory = self.root / namespace
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            self.modes.make_directory(directory)
             target = directory / "NAMESPACE.json"
             if not target.exists():
                 self._write_atomically(target, description.encode())
         except OSError as error:
             warn_once(f"cannot write to the directory tier {directory} ({error})")
+        if self._key is None:
+            for path in (self.root, directory):
+                if (how := writable_by_others(path)) is not None:
+                    self._warn_untrusted(how)
+                    break
+
+    def _warn_untrusted(self, how: str) -> None:
+        from vllm_omni_prompt_cache.directory_trust import KEY_ENV
+
+        warn_once(
+            f"the directory tier is not signed and others can write to it ({how}): whoever can write there "
+            f"can change the embeddings this process serves; set a signing key ({KEY_ENV} or "
+            "prompt_embed_cache_dir_key_file) or keep the directory to this user"
+        )
 
     def invalidate(self) -> None:
         """Forget the namespace: what produces entries changed (new text-encoder weights)."""
@@ -319,10 +365,14 @@ class DirectoryTier:
         namespace = self._namespace_at(epoch)
         if namespace is None:
             return False, None
+        self._scan_once()
         path = self._path(namespace, identity)
         waited = False
         try:
-            data = path.read_bytes()
+            data = self._read(path)
+        except _Rejected as rejected:
+            self._reject((epoch, identity), path, str(rejected), claim)
+            return False, None
         except OSError:  # absent, or removed by another process meanwhile
             data, waited = self._claim_or_wait((epoch, identity), path) if claim else (None, False)
             if data is None:
@@ -345,20 +395,43 @@ class DirectoryTier:
             with self._lock:
                 self.misses += 1
             return False, None
-        with contextlib.suppress(OSError):
-            os.utime(path)  # a hit keeps the file recent for the budget's LRU
+        with contextlib.suppress(OSError, NotImplementedError):
+            os.utime(path, follow_symlinks=False)  # a hit keeps the file recent for the budget's LRU
         with self._lock:
             self.hits += 1
             self.waits += waited
         return True, _rebuild(json.loads(metadata["structure"]), placed)
 
-    @staticmethod
+    def _read(self, path: Path) -> bytes:
+        """Return the bytes of the file at ``path``: never through a link, never from a device or pipe
+        (raise _Rejected); raise OSError when there is none."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as error:
+            if error.errno == errno.ELOOP:  # a link where an entry's file should be
+                raise _Rejected(NOT_A_FILE) from None
+            raise
+        with os.fdopen(fd, "rb") as file:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise _Rejected(NOT_A_FILE)
+            if self._key is None and (how := writable_by_others(path, status=status)) is not None:
+                self._warn_untrusted(how)
+            return file.read()
+
     def _decode(
-        data: bytes, namespace: str, identity: Hashable, witness: tuple
+        self, data: bytes, namespace: str, identity: Hashable, witness: tuple
     ) -> tuple[list[torch.Tensor], dict[str, str]]:
         """Return a file's value tensors (on the CPU) and metadata, every check passed; raise _Rejected."""
         from safetensors.torch import load
 
+        if self._key is not None:  # before anything else reads the file
+            try:
+                signed = signature_valid(data, self._key)
+            except Exception:
+                raise _Rejected(UNREADABLE) from None
+            if not signed:
+                raise _Rejected(UNSIGNED if signed is None else SIGNATURE)
         try:
             metadata = _read_metadata(data)
             tensors = load(data)
@@ -394,6 +467,8 @@ class DirectoryTier:
             return
         try:
             data = self._encode(namespace, identity, witness, value)
+            if self._key is not None:
+                data = sign(data, self._key)
         except Unstorable as why:
             self.disable(f"encode_prompt returned {why}, which a file cannot hold")
             return
@@ -404,7 +479,8 @@ class DirectoryTier:
             return
         path = self._path(namespace, identity)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if self.modes.make_directory(path.parent):  # the directory was removed under this process
+                self._write_atomically(path.parent / "NAMESPACE.json", self._description.encode())
             self._write_atomically(path, data)
         except OSError as error:
             with self._lock:
@@ -443,11 +519,11 @@ class DirectoryTier:
         metadata["checksum"] = _checksum(values + kept, metadata)
         return save(tensors, metadata)
 
-    @staticmethod
-    def _write_atomically(path: Path, data: bytes) -> None:
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    def _write_atomically(self, path: Path, data: bytes) -> None:
+        """Write ``data`` to a new temporary file named after this process, then rename it over ``path``."""
+        temporary = path.with_name(f".{path.name}.{owner_tag()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with open(temporary, "wb") as file:
+            with os.fdopen(self.modes.create(temporary), "wb") as file:
                 file.write(data)
             os.replace(temporary, path)
         except BaseException:
@@ -464,24 +540,29 @@ class DirectoryTier:
 
     def _try_claim(self, claim_key: tuple[int, Hashable], path: Path) -> bool | None:
         """Create the entry's claim file: True if this process now holds it, False if another does, None
-        if no claim can be made here (a read-only or missing directory). A claim older than
-        :attr:`claim_wait_s` is a crashed encoder's: it is removed first."""
+        if no claim can be made here (a read-only or missing directory). A claim whose process is gone,
+        or older than :attr:`claim_wait_s` (a crashed encoder's on another host), is removed first."""
         claim = path.with_suffix(CLAIM_SUFFIX)
+        if _claim_abandoned(claim, self.claim_wait_s) and _remove(claim):
+            with self._lock:
+                self.stale_claims += 1
         try:
-            if time.time() - claim.stat().st_mtime > self.claim_wait_s:
-                _remove(claim)
-        except OSError:
-            pass
-        try:
-            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            fd = self.modes.create(claim)
         except FileExistsError:
             return False
         except OSError:
             return None
+        try:
+            os.write(fd, owner_tag().encode())
+            inode = os.fstat(fd).st_ino
+        except OSError:
+            inode = -1
+        finally:
+            os.close(fd)
         with self._lock:
-            for other in [key for key, path in self._claims.items() if path == claim]:
+            for other in [key for key, (held, _) in self._claims.items() if held == claim]:
                 del self._claims[other]  # an earlier claim of this file, voided (released or taken over)
-            self._claims[claim_key] = claim
+            self._claims[claim_key] = (claim, inode)
         return True
 
     def _claim_or_wait(self, claim_key: tuple[int, Hashable], path: Path) -> tuple[bytes | None, bool]:
@@ -506,6 +587,8 @@ class DirectoryTier:
             except OSError:
                 pass
             if time.monotonic() >= deadline:
+                with self._lock:
+                    self.wait_timeouts += 1
                 return None, waited
             waited = True
             time.sleep(delay)
@@ -518,27 +601,39 @@ class DirectoryTier:
 
     def _release(self, claim_key: tuple[int, Hashable]) -> None:
         with self._lock:
-            claim = self._claims.pop(claim_key, None)
-        if claim is not None:
-            _remove(claim)
+            held = self._claims.pop(claim_key, None)
+        if held is None:
+            return
+        claim, inode = held
+        try:
+            if os.stat(claim, follow_symlinks=False).st_ino != inode:
+                return  # taken over by another process meanwhile: its claim now
+        except OSError:
+            return
+        _remove(claim)
 
     def enforce_budget(self) -> None:
         """Rescan this package's files under the root; over budget, remove the least recently used down to
         :data:`LOW_WATER` of it. Crashed writers' leftovers go too. Other files are never touched."""
         files: list[tuple[float, int, Path]] = []
+        leftovers = 0
         now = time.time()
         try:
-            namespaces = [each for each in os.scandir(self.root) if each.is_dir() and _NAMESPACE_NAME.match(each.name)]
+            namespaces = [
+                each
+                for each in os.scandir(self.root)
+                if each.is_dir(follow_symlinks=False) and _NAMESPACE_NAME.match(each.name)
+            ]
             for namespace in namespaces:
                 for entry in os.scandir(namespace.path):
                     try:
-                        stat = entry.stat()
+                        status = entry.stat(follow_symlinks=False)
                     except OSError:
                         continue
                     if _ENTRY_NAME.match(entry.name):
-                        files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
-                    elif _LEFTOVER_NAME.match(entry.name) and now - stat.st_mtime > STALE_TEMPORARY_S:
-                        _remove(Path(entry.path))
+                        files.append((status.st_mtime, status.st_size, Path(entry.path)))
+                    elif _leftover(entry.name, Path(entry.path), now - status.st_mtime) and _remove(Path(entry.path)):
+                        leftovers += 1
         except OSError:
             return
         total = sum(size for _, size, _ in files)
@@ -559,10 +654,42 @@ class DirectoryTier:
             self._written_since_scan = 0
             self._writes_since_scan = 0
             self.evictions += removed
+            self.leftovers_removed += leftovers
+
+    def _scan_once(self) -> None:
+        """Rescan on this tier's first use: a crashed process's leftovers go before anyone waits on them."""
+        if not self._scanned_once:
+            self._scanned_once = True
+            self.enforce_budget()
 
 
 class _Rejected(Exception):
     """A file that must not be used; its message is the reason."""
+
+
+def _claim_abandoned(claim: Path, wait_s: float) -> bool:
+    """Return True for a claim file whose process is gone, or that is older than ``wait_s``."""
+    try:
+        fd = os.open(claim, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        owner = os.read(fd, 64).decode("ascii", "replace")
+        age = time.time() - os.fstat(fd).st_mtime
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return owner_gone(owner) or age > wait_s
+
+
+def _leftover(name: str, path: Path, age: float) -> bool:
+    """Return True for a temporary or claim file a crashed process left (its process gone, or old)."""
+    if (temporary := _TEMPORARY_NAME.match(name)) is not None:
+        return age > STALE_TEMPORARY_S or owner_gone(temporary["owner"])
+    if _CLAIM_NAME.match(name):
+        return age > STALE_TEMPORARY_S or _claim_abandoned(path, STALE_TEMPORARY_S)
+    return False
 
 
 def _remove(path: Path) -> bool:

@@ -112,6 +112,9 @@ TIER_COUNTERS = {
     "dir_evictions": ("directory", "evictions"),  # files removed to stay within the directory's budget
     "dir_rejections": ("directory", "rejections"),  # files removed on read (corrupt, foreign...), by reason
     "dir_waits": ("directory", "waits"),  # misses served by waiting for another process's encode
+    "dir_stale_claims": ("directory", "stale_claims"),  # claims of a gone (or silent) process taken over
+    "dir_wait_timeouts": ("directory", "wait_timeouts"),  # waits for another process that ended without its file
+    "dir_leftovers_removed": ("directory", "leftovers_removed"),  # crashed writers' temporary and claim files
     # Moves of the text encoders (and the DiTs they swap with) between host and device, whoever made
     # them: vLLM-Omni's module offload, or this package's placement on a miss (see residency.py).
     "encoder_placements": ("moves", "encoder_placements"),
@@ -218,6 +221,9 @@ class CacheStats:
     dir_evictions: int = 0
     dir_rejections: Mapping[str, int] = dataclasses.field(default_factory=dict)
     dir_waits: int = 0
+    dir_stale_claims: int = 0
+    dir_wait_timeouts: int = 0
+    dir_leftovers_removed: int = 0
     dir_files: int = 0  # under the root at this process's last rescan
     dir_bytes: int = 0  # that rescan plus this process's writes since
     dir_max_bytes: int | None = None

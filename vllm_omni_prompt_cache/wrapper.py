@@ -28,6 +28,7 @@ import torch
 
 from vllm_omni_prompt_cache.config import DIRECTORY_BYTES
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
+from vllm_omni_prompt_cache.directory_trust import Modes
 from vllm_omni_prompt_cache.fingerprint import (
     code_and_configuration,
     encode_devices,
@@ -84,6 +85,8 @@ def install_prompt_embed_cache(
     directory: str | os.PathLike | None = None,
     directory_bytes: int | None = DIRECTORY_BYTES.default,
     methods: Mapping[str, Sequence[str]] | None = None,
+    directory_key: bytes | None = None,
+    directory_group: int | None = None,
 ) -> PromptEmbedCache | None:
     """Wrap ``pipeline``'s encode methods with one content-keyed cache; return the cache or None.
 
@@ -109,7 +112,9 @@ def install_prompt_embed_cache(
     Tiers below device memory: ``host_bytes`` bounds a host-memory tier that entries leaving
     device memory move to; ``directory`` holds a file per encoded entry within
     ``directory_bytes`` (None: no limit), namespaced by the pipeline's fingerprint (see
-    :mod:`.fingerprint`), shared with every process that uses the same directory.
+    :mod:`.fingerprint`), shared with every process that uses the same directory; with
+    ``directory_key`` its files are signed and unsigned ones refused, and ``directory_group`` (a gid)
+    shares what it creates with that group (see :mod:`.directory_trust`).
     """
     existing = getattr(pipeline, "_prompt_embed_cache", None)
     if existing is not None:
@@ -135,6 +140,8 @@ def install_prompt_embed_cache(
             directory_bytes,
             lambda: fixed if isinstance(fixed, str) else pipeline_fingerprint(pipeline, fixed),
             local_device=functools.partial(_local_device, pipeline),
+            key=directory_key,
+            modes=Modes(directory_group),
         )
     cache = PromptEmbedCache(
         max_size=max_size,

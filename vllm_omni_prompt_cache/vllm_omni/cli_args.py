@@ -19,6 +19,8 @@ from vllm_omni_prompt_cache.config import (
     BACKENDS,
     DIRECTORY,
     DIRECTORY_BYTES,
+    DIRECTORY_GROUP,
+    DIRECTORY_KEY_FILE,
     ENABLE,
     ENCODER_ON_MISS,
     HOST_BYTES,
@@ -65,6 +67,8 @@ def setting_type(setting: Setting, flag: str | None = None) -> Any:
 def _describe_default(setting: Setting) -> str:
     if setting in (HOST_BYTES, DIRECTORY):
         return "off"
+    if setting in (DIRECTORY_KEY_FILE, DIRECTORY_GROUP):
+        return "none"
     if setting is DIRECTORY_BYTES:
         return f"{setting.default // 2**30}GiB"
     if setting.default is None:
@@ -93,6 +97,7 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
         )
     valued = ((MAX_SIZE, "N"), (MAX_BYTES, "BYTES"), (BACKEND, "{" + ",".join(BACKENDS) + "}"))
     tiers = ((HOST_BYTES, "BYTES"), (DIRECTORY, "DIR"), (DIRECTORY_BYTES, "BYTES"))
+    tiers += ((DIRECTORY_KEY_FILE, "FILE"), (DIRECTORY_GROUP, "GROUP"))
     declared = ((ROW_LAYOUTS, "CLASS=LAYOUT[,...]"), (METHODS, "CLASS=METHOD[+METHOD][,...]"))
     for setting, metavar in (*valued, *declared, *tiers):
         if setting.flag in parser._option_string_actions:

@@ -347,6 +347,16 @@ class PromptEmbedCacheMetrics:
         self.dir_waits = counter(
             "dir_waits", "Misses served by waiting for another process's encode of the same entry (then a hit)."
         )
+        self.dir_stale_claims = counter(
+            "dir_stale_claims",
+            "Claims on directory entries taken over: their process was gone, or silent for the claim wait.",
+        )
+        self.dir_wait_timeouts = counter(
+            "dir_wait_timeouts", "Waits for another process's encode that ended without its file (then encoded here)."
+        )
+        self.dir_leftovers_removed = counter(
+            "dir_leftovers_removed", "Temporary and claim files of crashed processes removed from the directory tier."
+        )
         self.dir_rejections = counter(
             "dir_rejections",
             "Files of the directory tier removed on read, by reason: truncated, corrupt, another namespace, "

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache.config import (
+    DIRECTORY_KEY_FILE,
     ENCODER_ON_MISS,
     METHODS,
     ROW_LAYOUTS,
     PromptEmbedCacheConfigError,
     PromptEmbedCacheSettings,
 )
+from vllm_omni_prompt_cache.directory_trust import read_key
 from vllm_omni_prompt_cache.residency import (
     PLACEMENT_ATTRIBUTE,
     EncoderMoves,
@@ -142,6 +144,7 @@ def install_for_stage(
             ranks,
         )
         directory = None
+    key_source = settings.sources.get(DIRECTORY_KEY_FILE.name, "the stage's settings")
     if settings.encoder_on_miss:
         _check_encoder_on_miss(pipeline, settings)
     if settings.backend == "vllm-omni":
@@ -162,6 +165,8 @@ def install_for_stage(
         host_bytes=settings.host_bytes,
         directory=directory,
         directory_bytes=settings.directory_bytes,
+        directory_key=None if directory is None else read_key(settings.directory_key_file, key_source),
+        directory_group=settings.directory_group,
         methods=resolve_declared_methods(settings.methods, settings.sources.get(METHODS.name, "the stage's settings")),
     )
     if cache is not None:
