@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_omni_prompt_cache.config import (
+    AUDIT,
     BACKEND,
     DIRECTORY,
     DIRECTORY_BYTES,
@@ -159,6 +160,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         row_layouts="pkg.mod.Adapter=token-ids",
         methods="pkg.mod.Adapter=encode_ids+_encode_negative",
         encoder_on_miss="on",
+        audit="5%",
     )
     carried = settings.as_dict()
     assert carried == {
@@ -175,6 +177,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         DIRECTORY_KEY_FILE.name: None,
         DIRECTORY_GROUP.name: None,
         ENCODER_ON_MISS.name: True,
+        AUDIT.name: 0.05,
         "sources": settings.sources,
     }
     assert PromptEmbedCacheSettings.from_dict(carried, "the stage config") == settings

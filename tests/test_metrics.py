@@ -153,10 +153,14 @@ def test_failed_exactness_checks_are_verification_failures() -> None:
     cache.get_or_compute(weak.build((torch.tensor([1]),), {}), lambda: embedding(1))
     cache.get_or_compute(weak.build((torch.tensor([2]),), {}), lambda: embedding(2))
     cache.record_layout_check(rows=2, gap=None)  # a row layout that did not match the uncached call
+    cache.record_audit(mismatch=False)
+    cache.record_audit(mismatch=True)  # a hit whose fresh encode differed
     registry = CollectorRegistry()
     PromptEmbedCacheMetrics(registry).record(tuple(LABELS.values()), pop_snapshot(cache_snapshot(cache)))
     assert sample(registry, "verification_failures_total", check="key") == 1.0
     assert sample(registry, "verification_failures_total", check="row_layout") == 1.0
+    assert sample(registry, "verification_failures_total", check="audit") == 1.0
+    assert sample(registry, "audits_total") == 2.0
     assert sample(registry, "bypassed_total", reason=COLLISION_REASON) == 1.0
 
 

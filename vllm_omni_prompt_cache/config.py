@@ -98,6 +98,22 @@ def _directory(value: Any) -> Any:
     return str(path) if path.is_dir() and os.access(path, os.W_OK | os.X_OK) else None
 
 
+def _fraction(value: Any) -> float | None:
+    """A share of hits: a number in [0, 1] or a percentage ('5%'); 'off' is 0."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "off":
+            return 0.0
+        scale = 100.0 if text.endswith("%") else 1.0
+        try:
+            value = float(text.rstrip("%")) / scale
+        except ValueError:
+            return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0.0 <= value <= 1.0 else None
+
+
 def _key_file(value: Any) -> str | None:
     """A file that exists, made absolute (what it holds is checked by directory_trust.read_key)."""
     if isinstance(value, Path):
@@ -357,6 +373,18 @@ ENCODER_ON_MISS = Setting(
     _bool,
 )
 
+AUDIT = Setting(
+    "prompt_embed_cache_audit",
+    "audit",
+    "--prompt-embed-cache-audit",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_AUDIT",
+    0.0,
+    "a fraction of hits between 0 and 1 (0.01, or 1%), or 'off' (0)",
+    "Re-encode this share of hits and compare with what was served; a difference serves the fresh encode "
+    "and turns the cache off for that pipeline class, with a warning. Default: off.",
+    _fraction,
+)
+
 SETTINGS: tuple[Setting, ...] = (
     ENABLE,
     MAX_SIZE,
@@ -371,6 +399,7 @@ SETTINGS: tuple[Setting, ...] = (
     DIRECTORY_KEY_FILE,
     DIRECTORY_GROUP,
     ENCODER_ON_MISS,
+    AUDIT,
 )
 
 
@@ -408,6 +437,7 @@ class PromptEmbedCacheSettings:
     directory_key_file: str | None = DIRECTORY_KEY_FILE.default  # None: the key env var, else unsigned
     directory_group: int | None = DIRECTORY_GROUP.default  # None: files of this user only
     encoder_on_miss: bool = ENCODER_ON_MISS.default  # text encoders on the device only while a miss encodes
+    audit: float = AUDIT.default  # share of hits re-encoded and compared (0: none)
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -510,6 +540,7 @@ def resolve_prompt_embed_cache_settings(
     directory_key_file: str | os.PathLike | None = None,
     directory_group: str | int | None = None,
     encoder_on_miss: bool | str | None = None,
+    audit: float | str | None = None,
     source: str = "keyword argument",
     environ: Mapping[str, str] | None = None,
 ) -> PromptEmbedCacheSettings:
@@ -518,7 +549,7 @@ def resolve_prompt_embed_cache_settings(
     given.update({BACKEND.name: backend, ROW_LAYOUTS.name: row_layouts, HOST_BYTES.name: host_bytes})
     given.update({DIRECTORY.name: directory, DIRECTORY_BYTES.name: directory_bytes, METHODS.name: methods})
     given.update({DIRECTORY_KEY_FILE.name: directory_key_file, DIRECTORY_GROUP.name: directory_group})
-    given[ENCODER_ON_MISS.name] = encoder_on_miss
+    given.update({ENCODER_ON_MISS.name: encoder_on_miss, AUDIT.name: audit})
     return resolve_settings(given, source=source, environ=environ)
 
 

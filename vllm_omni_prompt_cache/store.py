@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.host_tier import HostTier, map_tensors, to_devices
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches, witness_nbytes
@@ -97,6 +98,9 @@ class Counters:
     layout_checks: int = 0  # calls served uncached and compared with their assembled rows
     layout_check_rows: int = 0  # rows those uncached calls sent to the encoder
     layout_mismatches: int = 0  # checks that turned rows off
+    # Audits: hits encoded again and compared with what was served (see audit.py).
+    audits: int = 0
+    audit_mismatches: int = 0  # audits that found another output (the cache turned off)
 
 
 #: Counts the tiers below device memory keep, by :class:`CacheStats` field: (tier, its attribute).
@@ -203,6 +207,8 @@ class CacheStats:
     layout_checks: int = 0
     layout_check_rows: int = 0
     layout_mismatches: int = 0
+    audits: int = 0
+    audit_mismatches: int = 0
     #: The largest difference a passing layout check measured (relative to each row's largest value).
     layout_check_max_gap: float = 0.0
     # The host-memory tier (counts, then levels; max None: no host tier).
@@ -490,6 +496,10 @@ class PromptEmbedCache:
         self.directory = directory
         #: What moves the text encoders between host and device, counted (set by the worker; None: nothing).
         self.moves: EncoderMoves | None = None
+        #: Which hits are encoded again and compared (see audit.py; None: none).
+        self.audit: Audit | None = None
+        #: Why ``enabled`` was turned off for good (an audit's mismatch), for the bypass counts.
+        self.off_reason: str | None = None
 
     # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
     # under ``cache._lock``): readable and assignable here too, without taking the lock. They are
@@ -920,6 +930,13 @@ class PromptEmbedCache:
                 counts.hits += 1
             else:
                 counts.misses += 1
+
+    def record_audit(self, *, mismatch: bool, method: str = ENCODE_PROMPT) -> None:
+        """Count a hit encoded again and compared with what was served (``mismatch``: they differed)."""
+        with self._lock:
+            counts = self._counters.of(method)
+            counts.audits += 1
+            counts.audit_mismatches += mismatch
 
     def record_layout_check(self, rows: int, gap: float | None, *, method: str = ENCODE_PROMPT) -> None:
         """Count one layout check whose uncached call encoded ``rows``; ``gap``: what it measured, None: mismatch."""

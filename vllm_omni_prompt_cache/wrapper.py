@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_omni_prompt_cache.audit import Audit
+from vllm_omni_prompt_cache.audit import off_reason as audit_off_reason
+from vllm_omni_prompt_cache.audit import turn_off as turn_off_for_class
 from vllm_omni_prompt_cache.config import DIRECTORY_BYTES
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.directory_trust import Modes
@@ -87,6 +90,7 @@ def install_prompt_embed_cache(
     methods: Mapping[str, Sequence[str]] | None = None,
     directory_key: bytes | None = None,
     directory_group: int | None = None,
+    audit: float = 0.0,
 ) -> PromptEmbedCache | None:
     """Wrap ``pipeline``'s encode methods with one content-keyed cache; return the cache or None.
 
@@ -115,6 +119,8 @@ def install_prompt_embed_cache(
     :mod:`.fingerprint`), shared with every process that uses the same directory; with
     ``directory_key`` its files are signed and unsigned ones refused, and ``directory_group`` (a gid)
     shares what it creates with that group (see :mod:`.directory_trust`).
+
+    ``audit``: the share of hits encoded again and compared with what was served (see :mod:`.audit`).
     """
     existing = getattr(pipeline, "_prompt_embed_cache", None)
     if existing is not None:
@@ -151,6 +157,10 @@ def install_prompt_embed_cache(
         host_bytes=host_bytes,
         directory=directory_tier,
     )
+    if audit:
+        cache.audit = Audit(audit)
+    if (failed := audit_off_reason(type(pipeline))) is not None:  # an audit caught this class before
+        cache.enabled, cache.off_reason = False, failed
     originals: dict[str, Callable[..., Any]] = {}
     proofs: dict[str, LayoutProof] = {}
     inside = threading.local()  # set while a wrapped method of this pipeline runs on this thread
@@ -170,6 +180,7 @@ def install_prompt_embed_cache(
             proof,
             method=method.name,
             refusal=method.refusal,
+            pipeline_class=type(pipeline),
         )
         _set_attribute(pipeline, method.name, _cached(calls, encode_fn, cache, report, inside, pipeline))
         originals[method.name] = encode_fn
@@ -254,11 +265,11 @@ def _cached(
             return encode_fn(*args, **kwargs)
         inside.active = True
         try:
-            moves = cache.moves
-            if moves is None:  # nothing moves the encoders (the common case): the hit path as it was
+            moves, audit = cache.moves, cache.audit
+            if moves is None and audit is None:  # nothing moves the encoders, no audit: the hit path as it was
                 result = calls(args, kwargs)
             else:
-                result = _counting_moves(calls, args, kwargs, moves, inside, pipeline)
+                result = _observed(calls, args, kwargs, moves, audit, inside, pipeline)
         finally:
             inside.active = False
         if report is not None:
@@ -269,20 +280,27 @@ def _cached(
     return cached_encode
 
 
-def _counting_moves(
-    calls: _CachedCalls, args: tuple, kwargs: dict, moves: EncoderMoves, inside: threading.local, pipeline: Any
+def _observed(
+    calls: _CachedCalls,
+    args: tuple,
+    kwargs: dict,
+    moves: EncoderMoves | None,
+    audit: Audit | None,
+    inside: threading.local,
+    pipeline: Any,
 ) -> Any:
-    """Run one cached call in a session of the pipeline's encoder placement (when it has one), and
-    tell ``moves`` when the call was served without encoding."""
+    """Run one cached call in a session of the pipeline's encoder placement (when it has one); when it
+    was served without encoding, tell ``moves`` and let ``audit`` check it."""
     inside.encoded = False
     placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
-    if placement is None:
+    with contextlib.nullcontext() if placement is None else placement.session():
         result = calls(args, kwargs)
-    else:
-        with placement.session():
-            result = calls(args, kwargs)
-    if not inside.encoded:
-        moves.served_without_encoding()
+        if inside.encoded:
+            return result
+        if moves is not None:
+            moves.served_without_encoding()
+        if audit is not None and audit.due():
+            result = calls.audited(args, kwargs, result)
     return result
 
 
@@ -390,8 +408,10 @@ class _CachedCalls:
         *,
         method: str = ENCODE_PROMPT,
         refusal: str | None = None,
+        pipeline_class: type = object,
     ) -> None:
         self.cache = _MethodCounts(cache, method)
+        self.pipeline_class = pipeline_class  # what an audit's mismatch turns the cache off for
         self.encode_fn = encode_fn
         self.signature = signature
         self.key_builder = key_builder
@@ -401,7 +421,7 @@ class _CachedCalls:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
         if not cache.enabled:
-            cache.record_bypass(DISABLED_REASON)
+            cache.record_bypass(cache.store.off_reason or DISABLED_REASON)
             return self.encode_fn(*args, **kwargs)
         if self.refusal is not None:
             cache.record_bypass(self.refusal)
@@ -432,6 +452,18 @@ class _CachedCalls:
             cache.record_rows_encoded(split.batch)
             return self.encode_fn(*args, **kwargs)
         return self._by_rows(layout, split, keys, functools.partial(self.encode_fn, *args, **kwargs))
+
+    def audited(self, args: tuple, kwargs: dict, served: Any) -> Any:
+        """Encode a call that was served from the cache again and compare; return what the call gets:
+        ``served`` when they agree, else the fresh encode (and the cache is off from now on)."""
+        fresh = self.encode_fn(*args, **kwargs)
+        why, _ = compare_outputs(served, fresh)
+        self.cache.record_audit(mismatch=why is not None)
+        if why is None:
+            return served
+        served_why = why.replace("assembled", "served").replace("uncached", "encoded again")
+        turn_off_for_class(self.cache.store, self.pipeline_class, self.key_builder.model_tag, served_why)
+        return fresh
 
     def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, key_arguments: Mapping[str, Any]) -> Any:
         """Serve a call that is its own only row, keyed by ``key_arguments`` (:meth:`RowLayout.single_row_key`)."""
@@ -621,6 +653,9 @@ class _MethodCounts:
 
     def record_layout_check(self, rows: int, gap: float | None) -> None:
         self.store.record_layout_check(rows, gap, method=self.method)
+
+    def record_audit(self, *, mismatch: bool) -> None:
+        self.store.record_audit(mismatch=mismatch, method=self.method)
 
 
 def _transient(error: Exception) -> bool:

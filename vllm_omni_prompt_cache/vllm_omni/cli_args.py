@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_omni_prompt_cache.config import (
+    AUDIT,
     BACKEND,
     BACKENDS,
     DIRECTORY,
@@ -71,6 +72,8 @@ def _describe_default(setting: Setting) -> str:
         return "none"
     if setting is DIRECTORY_BYTES:
         return f"{setting.default // 2**30}GiB"
+    if setting is AUDIT:
+        return "off"
     if setting.default is None:
         return "no limit"
     if isinstance(setting.default, bool):
@@ -95,7 +98,7 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,  # absent unless given: vLLM-Omni's default or the env var applies
             help=f"{setting.help} Default: {_describe_default(setting)}. Env: {setting.env}.",
         )
-    valued = ((MAX_SIZE, "N"), (MAX_BYTES, "BYTES"), (BACKEND, "{" + ",".join(BACKENDS) + "}"))
+    valued = ((MAX_SIZE, "N"), (MAX_BYTES, "BYTES"), (BACKEND, "{" + ",".join(BACKENDS) + "}"), (AUDIT, "FRACTION"))
     tiers = ((HOST_BYTES, "BYTES"), (DIRECTORY, "DIR"), (DIRECTORY_BYTES, "BYTES"))
     tiers += ((DIRECTORY_KEY_FILE, "FILE"), (DIRECTORY_GROUP, "GROUP"))
     declared = ((ROW_LAYOUTS, "CLASS=LAYOUT[,...]"), (METHODS, "CLASS=METHOD[+METHOD][,...]"))

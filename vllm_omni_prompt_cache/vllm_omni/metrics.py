@@ -85,6 +85,7 @@ COUNTED = {
     "rows_encoded": "rows_encoded",
     "evictions": "evictions",
     "oversize_rejections": "oversize_rejections",
+    "audits": "audits",
     # The tiers' counts, each its family's name; rejections are counted by reason (below).
     **{name: name for name in TIER_COUNTERS if name != "dir_rejections"},
 }
@@ -312,10 +313,12 @@ class PromptEmbedCacheMetrics:
         )
         self.evictions = counter("evictions", "Entries evicted to stay within the entry or byte budget.")
         self.oversize_rejections = counter("oversize_rejections", "Results larger than the byte budget, not stored.")
+        self.audits = counter("audits", "Hits encoded again and compared with what was served (check=audit fails).")
         self.verification_failures = counter(
             "verification_failures",
             "Exactness checks that failed: a key whose stored bytes differed (check=key, the call is encoded), "
-            "or a row layout whose rows differed from the uncached call (check=row_layout, rows turned off).",
+            "a row layout whose rows differed from the uncached call (check=row_layout, rows turned off), "
+            "or a hit whose fresh encode differed (check=audit, the cache turned off for the class).",
             "check",
         )
         self.method_queries = counter(
@@ -447,6 +450,7 @@ class PromptEmbedCacheMetrics:
             )
             advance(self.verification_failures, collisions, "key")
             advance(self.verification_failures, delta.layout_mismatches, "row_layout")
+            advance(self.verification_failures, delta.audit_mismatches, "audit")
             for name, family in (
                 ("size", self.entries),
                 ("bytes", self.bytes),
@@ -463,7 +467,7 @@ class PromptEmbedCacheMetrics:
         """Create the label set's series at zero, so ``/metrics`` shows them from the first output on."""
         for family in COUNTED:
             getattr(self, family).labels(*labels)
-        for check in ("key", "row_layout"):
+        for check in ("key", "row_layout", "audit"):
             self.verification_failures.labels(*labels, check)
 
 

@@ -167,6 +167,7 @@ def install_for_stage(
         directory_bytes=settings.directory_bytes,
         directory_key=None if directory is None else read_key(settings.directory_key_file, key_source),
         directory_group=settings.directory_group,
+        audit=settings.audit,
         methods=resolve_declared_methods(settings.methods, settings.sources.get(METHODS.name, "the stage's settings")),
     )
     if cache is not None:

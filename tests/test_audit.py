@@ -1,0 +1,100 @@
+"""Audits: hits encoded again and compared, catching an encode that reads more than its arguments.
+
+The pipeline is a tiny real Qwen2 encoder behind a token-ID ``encode_prompt`` that, like
+Qwen-Image's (``QwenImagePipeline.encode_prompt`` reads ``self.prompt_template_encode``), prepends
+template tokens held on the pipeline, not passed as an argument. Changing the template changes
+the embedding of the same arguments, which no key can see.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.audit import FAILED_CLASSES
+from vllm_omni_prompt_cache.config import AUDIT, PromptEmbedCacheConfigError, resolve_prompt_embed_cache_settings
+from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+
+IDS = torch.tensor([[3, 1, 4, 1, 5, 9]])
+
+
+class TemplatedPipeline(TokenIdTextPipeline):
+    """Prepends ``self.template_ids`` to the prompt's ids inside ``encode_prompt``: hidden state."""
+
+    template_ids = torch.tensor([[7, 7]])
+
+    def encode_prompt(self, prompt_ids, attention_mask=None):
+        ids = torch.cat([self.template_ids.expand(prompt_ids.shape[0], -1), prompt_ids], dim=1)
+        return super().encode_prompt(ids, torch.ones_like(ids))
+
+
+@pytest.fixture(autouse=True)
+def forget_failed_audits():
+    yield
+    FAILED_CLASSES.pop(TemplatedPipeline, None)
+
+
+def same(left: tuple, right: tuple) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(left, right, strict=True))
+
+
+def test_without_an_audit_a_changed_template_is_served_stale() -> None:
+    """What the audit is for: keys compare arguments, so the stale entry is served."""
+    pipeline = TemplatedPipeline(build_qwen2_encoder())
+    install_prompt_embed_cache(pipeline)
+    before = pipeline.encode_prompt(IDS)
+    pipeline.template_ids = torch.tensor([[8, 8]])
+    assert same(pipeline.encode_prompt(IDS), before) and pipeline.encoder_runs == 1
+
+
+def test_an_audit_serves_the_fresh_encode_and_turns_the_class_off(caplog) -> None:
+    encoder = build_qwen2_encoder()
+    pipeline = TemplatedPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, audit=1.0)
+    first = pipeline.encode_prompt(IDS)
+    for _ in range(3):  # hits that agree with a fresh encode: served from the cache
+        assert same(pipeline.encode_prompt(IDS), first)
+    stats = cache.snapshot()
+    assert (stats.hits, stats.audits, stats.audit_mismatches, pipeline.encoder_runs) == (3, 3, 0, 4)
+    caplog.set_level(logging.WARNING, logger="vllm_omni_prompt_cache")
+    pipeline.template_ids = torch.tensor([[8, 8]])
+    expected = TemplatedPipeline(encoder)
+    expected.template_ids = pipeline.template_ids
+    fresh = expected.encode_prompt(IDS)
+    assert same(pipeline.encode_prompt(IDS), fresh)  # the audit's encode, not the stale entry
+    stats = cache.snapshot()
+    assert (stats.audits, stats.audit_mismatches, stats.enabled, stats.size) == (4, 1, False, 0)
+    runs = pipeline.encoder_runs
+    assert same(pipeline.encode_prompt(IDS), fresh) and pipeline.encoder_runs == runs + 1  # off: encoded
+    (reason,) = cache.snapshot().bypass_reasons
+    assert reason.startswith("an audit found a served entry differing from a fresh encode")
+    warned = [record.message for record in caplog.records if "an audit re-encoded a hit" in record.message]
+    assert len(warned) == 1 and "TemplatedPipeline" in warned[0]
+    later = install_prompt_embed_cache(TemplatedPipeline(encoder))  # the class stays off in this process
+    assert not later.enabled and later.off_reason == reason
+
+
+def test_a_fraction_audits_about_that_share_of_hits() -> None:
+    pipeline = TemplatedPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, audit=0.25)
+    for _ in range(401):
+        pipeline.encode_prompt(IDS)
+    stats = cache.snapshot()
+    assert stats.hits == 400 and 60 <= stats.audits <= 140 and stats.audit_mismatches == 0  # 100 +- 4.6 sd
+    assert pipeline.encoder_runs == 1 + stats.audits
+
+
+@pytest.mark.parametrize(("text", "share"), [("0.01", 0.01), ("5%", 0.05), ("off", 0.0), ("1", 1.0)])
+def test_audit_spellings(monkeypatch, text, share) -> None:
+    monkeypatch.setenv(AUDIT.env, text)
+    assert resolve_prompt_embed_cache_settings().audit == share
+
+
+@pytest.mark.parametrize("bad", ["-0.1", "1.5", "abc", "150%"])
+def test_a_bad_audit_share_is_refused_naming_the_setting(monkeypatch, bad) -> None:
+    monkeypatch.setenv(AUDIT.env, bad)
+    with pytest.raises(PromptEmbedCacheConfigError, match=f"invalid prompt_embed_cache_audit='{bad}' from environment"):
+        resolve_prompt_embed_cache_settings()
