@@ -23,12 +23,14 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 @pytest.fixture(autouse=True)
 def no_refuted_layouts_carry_over() -> Iterator[None]:
-    """A layout a test refutes stays refuted for its class in the process: start each test afresh."""
-    from vllm_omni_prompt_cache import proofs
+    """A layout a test refutes (a class an audit turns off) stays so in the process: start each test afresh."""
+    from vllm_omni_prompt_cache import audit, proofs
 
     proofs._REFUTED.clear()
+    audit.FAILED_CLASSES.clear()
     yield
     proofs._REFUTED.clear()
+    audit.FAILED_CLASSES.clear()
 
 
 @pytest.fixture

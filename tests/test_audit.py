@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.audit import FAILED_CLASSES
 from vllm_omni_prompt_cache.config import AUDIT, PromptEmbedCacheConfigError, resolve_prompt_embed_cache_settings
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
@@ -29,12 +28,6 @@ class TemplatedPipeline(TokenIdTextPipeline):
     def encode_prompt(self, prompt_ids, attention_mask=None):
         ids = torch.cat([self.template_ids.expand(prompt_ids.shape[0], -1), prompt_ids], dim=1)
         return super().encode_prompt(ids, torch.ones_like(ids))
-
-
-@pytest.fixture(autouse=True)
-def forget_failed_audits():
-    yield
-    FAILED_CLASSES.pop(TemplatedPipeline, None)
 
 
 def same(left: tuple, right: tuple) -> bool:

@@ -1,0 +1,87 @@
+"""Faults of other processes on a shared directory, made with real processes and real signals.
+
+Each "other process" is a child Python process running this package's directory tier on a tiny
+real Qwen2 encoder (:mod:`fault_child`): one is killed with SIGKILL between writing its temporary
+file and renaming it, one is stopped with SIGSTOP while it holds a claim another process waits for.
+The test process is the next process on the directory. In each: the call is served, equal to an
+uncached encode, nothing is raised, the fault is counted, and what the dead process left is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_tiers import encode, files, process, reference, same
+
+CHILD = Path(__file__).with_name("fault_child.py")
+
+
+def start_child(root: Path, mode: str) -> subprocess.Popen:
+    """Start a child that encodes prompt 0 on ``root`` and stops where ``mode`` says; wait until it is there."""
+    child = subprocess.Popen(
+        [sys.executable, str(CHILD), str(root), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    line = child.stdout.readline()
+    if line.strip() != "there":
+        child.kill()
+        pytest.fail(f"the child did not get there: {line!r}\n{child.stderr.read()[-3000:]}")
+    return child
+
+
+def leftovers(root: Path) -> list[str]:
+    return sorted(path.name for path in root.glob("*/*") if path.suffix in (".tmp", ".claim"))
+
+
+def test_a_writer_killed_between_its_temporary_file_and_the_rename(tmp_path) -> None:
+    child = start_child(tmp_path, "kill-before-rename")
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    assert sorted(name.rsplit(".", 1)[-1] for name in leftovers(tmp_path)) == ["claim", "tmp"]
+    assert not files(tmp_path)  # the entry was never renamed into place
+    reader, cache = process(tmp_path)
+    began = time.monotonic()
+    assert same(encode(reader, 0), reference(0)) and reader.encoder_runs == 1
+    assert time.monotonic() - began < 5  # the dead writer's claim was not waited for
+    stats = cache.snapshot()
+    assert stats.dir_leftovers_removed == 2 and stats.dir_waits == 0
+    assert leftovers(tmp_path) == [] and len(files(tmp_path)) == 1
+    again, _ = process(tmp_path)
+    assert same(encode(again, 0), reference(0)) and again.encoder_runs == 0
+
+
+def test_a_claimer_stopped_while_another_process_waits_delays_it_but_never_blocks_it(tmp_path) -> None:
+    child = start_child(tmp_path, "stop-while-encoding")
+    child.send_signal(signal.SIGSTOP)
+    try:
+        (claim,) = tmp_path.glob("*/*.claim")
+        day = 86_400
+        os.utime(claim, (time.time() + day, time.time() + day))  # and a clock a day ahead where it was made
+        waiter, cache = process(tmp_path)
+        cache.directory.claim_wait_s = 1.0
+        began = time.monotonic()
+        assert same(encode(waiter, 0), reference(0)) and waiter.encoder_runs == 1
+        waited = time.monotonic() - began
+        assert 0.9 <= waited < 6  # waited its claim_wait_s for a live claimer, however young the claim looked
+        stats = cache.snapshot()
+        assert (stats.dir_wait_timeouts, stats.dir_stale_claims, stats.dir_hits) == (1, 0, 0)
+        os.utime(claim, (time.time() - 60, time.time() - 60))  # a clock a minute behind: an old claim
+        late, cache = process(tmp_path)
+        (path,) = files(tmp_path)
+        path.unlink()  # the waiter's file gone: the late process misses and meets the claim
+        began = time.monotonic()
+        assert same(encode(late, 0), reference(0)) and time.monotonic() - began < 5
+        assert cache.snapshot().dir_stale_claims == 1  # taken over at once
+    finally:
+        child.send_signal(signal.SIGCONT)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err[-3000:]
+    assert out.strip() == "served the same"  # the resumed claimer's encode equals the others'
+    assert leftovers(tmp_path) == []  # its release left the late process's claim alone, then that was released
+    reader, _ = process(tmp_path)
+    assert same(encode(reader, 0), reference(0)) and reader.encoder_runs == 0
