@@ -1,0 +1,183 @@
+"""Faults under running servers: a replica killed mid-rollout, the directory removed, then read-only.
+
+Three real ``vllm serve TINY --omni`` servers on the CPU platform, started at once: replicas A and B
+share one directory tier (on a tmpfs this test mounts, so it can be made read-only for real even as
+root), and R serves with no cache at all, for reference images. Every request is compared with R's
+image for the same prompt and seed: a wrong embedding would change it. The counts are read from
+``/metrics``.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from engine_support import tiny_spec
+from test_serve_e2e import CACHE, STARTUP_TIMEOUT_S, VLLM, post, scrape, total
+
+from vllm_omni_prompt_cache.demo.replicas import free_port
+from vllm_omni_prompt_cache.directory_tier import DirectoryTier
+from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ("a fox in the snow", "a heron in the fog", "an otter at dusk", "a lighthouse in the sun")
+SEEDS = (0, 1, 2, 3)  # an RL group's siblings
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    base: str
+    log: Path
+
+    def image(self, prompt: str, seed: int) -> bytes:
+        payload = {"prompt": prompt, "size": "64x64", "num_inference_steps": 2, "seed": seed}
+        return base64.b64decode(post(f"{self.base}/v1/images/generations", payload)["data"][0]["b64_json"])
+
+    def count(self, name: str) -> float:
+        return total(scrape(self.base), CACHE + name)
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+
+def start(log: Path, *flags: str) -> Server:
+    model_dir = tiny_spec().model_dir
+    port = free_port()
+    command = [
+        VLLM, "serve", str(model_dir), "--omni", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", checkpoint_dtype(model_dir), *flags,
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return Server(process, f"http://127.0.0.1:{port}", log)
+
+
+def wait_until_healthy(server: Server, deadline: float) -> None:
+    while True:
+        if server.process.poll() is not None:
+            pytest.fail(f"vllm serve exited with {server.process.returncode}:\n{server.log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{server.base}/health", timeout=2):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not start:\n{server.log.read_text()[-4000:]}")
+            time.sleep(1)
+
+
+def stop(server: Server) -> None:
+    if server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGTERM)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.fixture
+def disk(tmp_path) -> Path:
+    """A 64 MiB tmpfs: remounted read-only by the test, it refuses writes even to root."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("this machine does not let the test mount a tmpfs (root and mount are needed)")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def leftovers(root: Path) -> list[Path]:
+    return [path for path in root.glob("*/*") if path.suffix in (".tmp", ".claim")]
+
+
+def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_path, disk) -> None:
+    root = disk / "cache"
+    shared = ("--enable-prompt-embed-cache", "--prompt-embed-cache-size", "1", "--prompt-embed-cache-dir", str(root))
+    servers = {
+        "A": start(tmp_path / "a.log", *shared),
+        "B": start(tmp_path / "b.log", *shared),
+        "R": start(tmp_path / "r.log", "--no-enable-prompt-embed-cache"),
+    }
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for server in servers.values():
+            wait_until_healthy(server, deadline)
+        a, b, r = servers["A"], servers["B"], servers["R"]
+        reference = {(prompt, seed): r.image(prompt, seed) for prompt in PROMPTS for seed in SEEDS}
+        wrong: list[tuple] = []
+
+        # 1. A rollout over both replicas; A is killed with SIGKILL after its third image, and what it
+        # did not answer is sent again to B, as a driver retries a dead replica's requests.
+        requests = [(prompt, seed) for seed in SEEDS for prompt in PROMPTS]
+        answered_by_a, a_answered_three, lock = [0], threading.Event(), threading.Lock()
+        retried: list[tuple[str, int]] = []
+
+        def serve(index: int, prompt: str, seed: int) -> bytes:
+            if index % 2 == 0 and a.process.poll() is None:
+                try:
+                    image = a.image(prompt, seed)
+                except OSError:  # refused, reset or cut off: A is gone
+                    retried.append((prompt, seed))
+                else:
+                    with lock:
+                        answered_by_a[0] += 1
+                        if answered_by_a[0] == 3:
+                            a_answered_three.set()
+                    return image
+            return b.image(prompt, seed)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = {pool.submit(serve, index, *request): request for index, request in enumerate(requests)}
+            assert a_answered_three.wait(120), "replica A never answered three requests"
+            a.kill()
+            left_by_a = [path.name for path in leftovers(root)]
+            for future, request in futures.items():
+                if future.result(timeout=120) != reference[request]:
+                    wrong.append(("rollout", request))
+        b_counts = {name: b.count(name) for name in ("dir_hits_total", "dir_stale_claims_total", "dir_writes_total")}
+        # The next process on the directory removes what the killed replica left.
+        next_process = DirectoryTier(root, None, lambda: "only scanning")
+        next_process.enforce_budget()
+        assert leftovers(root) == [], [path.name for path in leftovers(root)]
+
+        # 2. The directory removed under B: every prompt is encoded again and the directory made anew.
+        shutil.rmtree(root)
+        misses_before, writes_before = b.count("dir_misses_total"), b.count("dir_writes_total")
+        for prompt in PROMPTS:
+            if b.image(prompt, 0) != reference[(prompt, 0)]:
+                wrong.append(("removed", prompt))
+        assert b.count("dir_misses_total") - misses_before >= len(PROMPTS) - 1  # the last one is in memory
+        assert b.count("dir_writes_total") - writes_before >= len(PROMPTS) - 1
+        assert len(list(root.glob("*/*.safetensors"))) >= len(PROMPTS) - 1 and list(root.glob("*/NAMESPACE.json"))
+
+        # 3. Read-only under B: files are still read; a new prompt's write fails, counted, and is served.
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        errors_before, hits_before = b.count("dir_write_errors_total"), b.count("dir_hits_total")
+        for prompt in PROMPTS:
+            if b.image(prompt, 1) != reference[(prompt, 1)]:
+                wrong.append(("read-only", prompt))
+        new = "a kestrel over the dunes"
+        b.image(new, 0)
+        assert b.count("dir_hits_total") - hits_before >= len(PROMPTS) - 1
+        assert b.count("dir_write_errors_total") - errors_before >= 1
+        logs = b.log.read_text()
+    finally:
+        for server in servers.values():
+            stop(server)
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=False)
+    print({"retried on B": len(retried), "left by A": left_by_a, **b_counts})  # for the record (pytest -s)
+    assert wrong == []
+    assert "Traceback" not in logs  # nothing raised into vLLM-Omni
