@@ -91,3 +91,19 @@ def test_a_bad_audit_share_is_refused_naming_the_setting(monkeypatch, bad) -> No
     monkeypatch.setenv(AUDIT.env, bad)
     with pytest.raises(PromptEmbedCacheConfigError, match=f"invalid prompt_embed_cache_audit='{bad}' from environment"):
         resolve_prompt_embed_cache_settings()
+
+
+def test_ranks_that_see_the_same_calls_audit_the_same_hits() -> None:
+    """An encoder with collectives must run on every rank of a stage or on none."""
+    encoder = build_qwen2_encoder()
+    ranks = [TemplatedPipeline(encoder) for _ in range(2)]
+    caches = [install_prompt_embed_cache(rank, audit=0.3) for rank in ranks]
+    runs = []
+    for rank in ranks:
+        trace = []
+        for _ in range(60):
+            before = rank.encoder_runs
+            rank.encode_prompt(IDS)
+            trace.append(rank.encoder_runs - before)
+        runs.append(trace)
+    assert runs[0] == runs[1] and 0 < caches[0].snapshot().audits < 59

@@ -24,10 +24,15 @@ FAILED_CLASSES: dict[type, str] = {}
 _lock = threading.Lock()
 
 
+#: The audit's own random stream starts here in every process: ranks of one stage see the same calls
+#: and take the same hits, so they draw the same audits (an encoder's collectives run on all or none).
+SEED = 0x5EED
+
+
 class Audit:
     """Decides which hits are re-encoded: each with probability ``fraction`` (0 < fraction <= 1)."""
 
-    def __init__(self, fraction: float, *, seed: int | None = None) -> None:
+    def __init__(self, fraction: float, *, seed: int = SEED) -> None:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"an audit fraction must be in (0, 1], got {fraction!r}")
         self.fraction = fraction
