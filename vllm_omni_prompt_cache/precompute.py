@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -103,6 +104,11 @@ def _as_prompt(value: Any) -> Any:
     return None
 
 
+def _private(path: str, flags: int) -> int:
+    """Open the ledger as the directory tier creates its files: no group or other write, never via a link."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+
+
 def prompt_digest(prompt: Any) -> str:
     """Return a stable digest of one prompt (what a ledger records)."""
     return xxhash.xxh3_128_hexdigest(json.dumps(prompt, sort_keys=True).encode())
@@ -166,7 +172,7 @@ async def precompute(
             )
             now = await cache_stats(engine) or CacheStats()
             if now.dir_write_errors == last.dir_write_errors and now.dir_off_reason is None:
-                with open(ledger, "a", encoding="utf-8") as record:
+                with open(ledger, "a", encoding="utf-8", opener=_private) as record:
                     record.write("".join(f"{prompt_digest(prompt)}\n" for prompt in batch))
             else:  # some of its files may be missing: a later run sends the batch again
                 unrecorded += len(batch)
