@@ -192,3 +192,24 @@ def test_the_serve_command_takes_a_key_file_flag_and_no_key_flag() -> None:
     flags = set(parser._option_string_actions)
     assert {"--prompt-embed-cache-dir-key-file", "--prompt-embed-cache-dir-group"} <= flags
     assert not [flag for flag in flags if flag.endswith("-key")]
+
+
+def test_the_stage_install_signs_with_the_key_file_and_shares_with_the_group(tmp_path) -> None:
+    """What a diffusion worker does with the settings it was sent: the key is read from the file there."""
+    from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+    from vllm_omni_prompt_cache.vllm_omni import runner
+
+    key_file = tmp_path / "key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(0o600)
+    group = os.getegid()
+    sent = resolve_prompt_embed_cache_settings(
+        enable=True, directory=tmp_path / "root", directory_key_file=str(key_file), directory_group=str(group)
+    ).as_dict()
+    settings = type(resolve_prompt_embed_cache_settings()).from_dict(sent, "the stage config")
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = runner.install_for_stage(pipeline, settings, "tiny")
+    encode(pipeline, 0)
+    (path,) = files(tmp_path / "root")
+    assert signature_valid(path.read_bytes(), KEY) and path.stat().st_gid == group
+    assert stat.S_IMODE(path.stat().st_mode) == 0o660 and cache.directory.modes.group == group
