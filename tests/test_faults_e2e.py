@@ -9,26 +9,19 @@ image for the same prompt and seed: a wrong embedding would change it. The count
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import os
 import shutil
-import signal
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from engine_support import tiny_spec
-from test_serve_e2e import CACHE, STARTUP_TIMEOUT_S, VLLM, post, scrape, total
 
-from vllm_omni_prompt_cache.demo.replicas import free_port
+from vllm_omni_prompt_cache.demo import serving
+from vllm_omni_prompt_cache.demo.serving import Server
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
-from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype
 
 pytestmark = pytest.mark.engine
 
@@ -36,56 +29,8 @@ PROMPTS = ("a fox in the snow", "a heron in the fog", "an otter at dusk", "a lig
 SEEDS = (0, 1, 2, 3)  # an RL group's siblings
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen
-    base: str
-    log: Path
-
-    def image(self, prompt: str, seed: int) -> bytes:
-        payload = {"prompt": prompt, "size": "64x64", "num_inference_steps": 2, "seed": seed}
-        return base64.b64decode(post(f"{self.base}/v1/images/generations", payload)["data"][0]["b64_json"])
-
-    def count(self, name: str) -> float:
-        return total(scrape(self.base), CACHE + name)
-
-    def kill(self) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-
 def start(log: Path, *flags: str) -> Server:
-    model_dir = tiny_spec().model_dir
-    port = free_port()
-    command = [
-        VLLM, "serve", str(model_dir), "--omni", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", checkpoint_dtype(model_dir), *flags,
-    ]  # fmt: skip
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return Server(process, f"http://127.0.0.1:{port}", log)
-
-
-def wait_until_healthy(server: Server, deadline: float) -> None:
-    while True:
-        if server.process.poll() is not None:
-            pytest.fail(f"vllm serve exited with {server.process.returncode}:\n{server.log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{server.base}/health", timeout=2):
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not start:\n{server.log.read_text()[-4000:]}")
-            time.sleep(1)
-
-
-def stop(server: Server) -> None:
-    if server.process.poll() is None:
-        os.killpg(server.process.pid, signal.SIGTERM)
-        try:
-            server.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    return serving.start(log, tiny_spec().model_dir, *flags)
 
 
 @pytest.fixture
@@ -112,9 +57,9 @@ def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_pa
         "R": start(tmp_path / "r.log", "--no-enable-prompt-embed-cache"),
     }
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        started = time.monotonic()
         for server in servers.values():
-            wait_until_healthy(server, deadline)
+            server.wait_until_healthy(started)
         a, b, r = servers["A"], servers["B"], servers["R"]
         reference = {(prompt, seed): r.image(prompt, seed) for prompt in PROMPTS for seed in SEEDS}
         wrong: list[tuple] = []
@@ -176,7 +121,7 @@ def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_pa
         logs = b.log.read_text()
     finally:
         for server in servers.values():
-            stop(server)
+            server.stop()
         subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=False)
     print({"retried on B": len(retried), "left by A": left_by_a, **b_counts})  # for the record (pytest -s)
     assert wrong == []

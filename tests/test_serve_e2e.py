@@ -10,101 +10,29 @@ command); and a bad flag, refused before anything starts.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from engine_support import tiny_spec
-from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_omni_prompt_cache.demo.replicas import free_port
-from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype
+from vllm_omni_prompt_cache.demo import serving
+from vllm_omni_prompt_cache.demo.serving import IMAGE_PARAMETERS, METRIC_PREFIX, VLLM, post, scrape, series, total
 
 pytestmark = pytest.mark.engine
-STARTUP_TIMEOUT_S = 300
-VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
-CACHE = "vllm_omni:prompt_embed_cache_"
-
-
-def post(url: str, payload: dict, timeout: float = 120) -> dict:
-    request = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
+CACHE = METRIC_PREFIX
 
 
 def generate(base: str, prompt: str, seed: int) -> None:
-    image = post(
-        f"{base}/v1/images/generations", {"prompt": prompt, "size": "64x64", "num_inference_steps": 2, "seed": seed}
-    )
+    image = post(f"{base}/v1/images/generations", {"prompt": prompt, **IMAGE_PARAMETERS, "seed": seed})
     assert image["data"][0]["b64_json"]
 
 
-def scrape(base: str) -> dict[tuple[str, tuple], float]:
-    """Return ``/metrics`` as ``{(sample name, sorted labels): value}``."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def total(scraped: dict, name: str, **labels: str) -> float:
-    """Sum a sample over every series whose labels include ``labels``."""
-    return sum(
-        value
-        for (sample, series), value in scraped.items()
-        if sample == name and labels.items() <= dict(series).items()
-    )
-
-
-def series(scraped: dict, name: str) -> list[dict[str, str]]:
-    return [dict(labels) for sample, labels in scraped if sample == name]
-
-
 @contextlib.contextmanager
-def served(log_path, *flags: str) -> Iterator[str]:
-    """Run ``vllm serve TINY --omni FLAGS`` until the block ends; yield its base URL once healthy."""
-    model_dir = tiny_spec().model_dir
-    port = free_port()
-    command = [
-        VLLM, "serve", str(model_dir), "--omni", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", checkpoint_dtype(model_dir),  # vLLM-Omni builds the denoiser in bf16 unless told
-        *flags,
-    ]  # fmt: skip
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve did not start in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-                time.sleep(1)
-        yield base
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+def served(log_path, *flags: str) -> Iterator[serving.Server]:
+    """Run ``vllm serve TINY --omni FLAGS`` until the block ends; yield it once healthy."""
+    with serving.served(log_path, tiny_spec().model_dir, *flags) as server:
+        yield server
 
 
 CACHE_FLAGS = (
@@ -113,7 +41,8 @@ CACHE_FLAGS = (
 
 
 def test_metrics_show_the_hits_and_budgets_of_repeated_prompts(tmp_path) -> None:
-    with served(tmp_path / "server.log", *CACHE_FLAGS) as base:
+    with served(tmp_path / "server.log", *CACHE_FLAGS) as server:
+        base = server.base
         # The first output brings counts from before serving too: vLLM-Omni's start-up warm-up
         # encodes a dummy prompt. Measure from the group's first request on.
         generate(base, "a red fox in the snow", seed=7)
@@ -151,28 +80,13 @@ ANIMALS, PLACES = ("fox", "heron", "otter"), ("snow", "fog", "dusk", "sun")
 PROMPTS = tuple(f"a {animal} in the {place}" for animal in ANIMALS for place in PLACES)
 
 
-def wait_until_replicas_report(base: str, replicas: int, attempts: int = 40) -> None:
-    """Send distinct warm-up prompts until ``/metrics`` has series of every replica.
-
-    ``/health`` answers once the head is up; a replica takes requests only once the coordinator
-    sees it up, which can be a few requests later.
-    """
-    for attempt in range(attempts):
-        generate(base, f"warm-up prompt {attempt}", seed=0)
-        if len({labels["replica"] for labels in series(scrape(base), CACHE + "entries")}) == replicas:
-            return
-    pytest.fail(f"only some of {replicas} replicas served {attempts} requests")
-
-
 def test_two_replicas_behind_prompt_affinity_encode_each_prompt_once(tmp_path) -> None:
-    distributed = (
-        "--omni-lb-policy", "prompt-affinity", "--stage-id", "0", "--omni-master-address", "127.0.0.1",
-        "--omni-master-port", str(free_port()), "--omni-dp-size-local", "2",
-    )  # fmt: skip
+    distributed = serving.distributed_flags(2)
     # Room for every prompt on either replica: consistent hashing may send most of them to one.
     cache_flags = ("--enable-prompt-embed-cache", "--prompt-embed-cache-size", "128")
-    with served(tmp_path / "server.log", *cache_flags, *distributed) as base:
-        wait_until_replicas_report(base, 2)
+    with served(tmp_path / "server.log", *cache_flags, *distributed) as server:
+        base = server.base
+        serving.warm_up(server, 2)
         before = scrape(base)
         for seed in range(2):  # sibling-major, as an RL rollout sends a batch
             for prompt in PROMPTS:
