@@ -76,6 +76,11 @@ class Server:
         """Return one of the cache's families (short name, e.g. ``hits_total``) summed over every series."""
         return total(scrape(self.base), METRIC_PREFIX + family)
 
+    def counts(self, *families: str) -> dict[str, float]:
+        """Return several of the cache's families (short names) from one scrape, each summed over its series."""
+        scraped = scrape(self.base)
+        return {family: total(scraped, METRIC_PREFIX + family) for family in families}
+
     def stop(self) -> None:
         """SIGTERM the server's session, then SIGKILL it if it has not exited in 30 s."""
         if self.process.poll() is not None:
