@@ -5,9 +5,9 @@ and prints ``there`` when it reaches the point MODE names, then:
 
 * ``kill-before-rename``: has written its temporary file and waits before renaming it (the test
   kills it there with SIGKILL);
-* ``stop-while-encoding``: holds the entry's claim and waits inside its encode (the test stops it
-  with SIGSTOP, then resumes it with SIGCONT); it then finishes, and prints ``served the same``
-  when its output equals an uncached encode.
+* ``stop-while-encoding``: holds the entry's claim and waits inside its encode for a line on its
+  standard input (the test stops it with SIGSTOP, resumes it with SIGCONT, then sends the line); it
+  then finishes, and prints ``served the same`` when its output equals an uncached encode.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from test_tiers import encode, process, reference, same
 def stall_in_forward(module, args) -> None:
     """A forward pre-hook: the encoder is about to run, so this process holds the entry's claim."""
     print("there", flush=True)
-    time.sleep(1.0)  # the test stops this process here, then resumes it
+    sys.stdin.readline()  # the test stops this process here, resumes it, then lets it go on
 
 
 def main(root: str, mode: str) -> None:

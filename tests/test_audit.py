@@ -107,3 +107,49 @@ def test_ranks_that_see_the_same_calls_audit_the_same_hits() -> None:
             trace.append(rank.encoder_runs - before)
         runs.append(trace)
     assert runs[0] == runs[1] and 0 < caches[0].snapshot().audits < 59
+
+
+class MaskedPipeline(TemplatedPipeline):
+    """Returns an additive attention mask with -inf where padding is, as some pipelines do."""
+
+    def encode_prompt(self, prompt_ids, attention_mask=None):
+        embeds, mask = super().encode_prompt(prompt_ids, attention_mask)
+        additive = torch.zeros(mask.shape, dtype=embeds.dtype).masked_fill(mask == 0, float("-inf"))
+        additive[..., 0] = float("-inf")  # one masked position, so the output holds an infinity
+        return embeds, additive
+
+
+def test_infinities_in_the_same_places_are_no_mismatch() -> None:
+    pipeline = MaskedPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, audit=1.0)
+    for _ in range(3):
+        pipeline.encode_prompt(IDS)
+    stats = cache.snapshot()
+    assert (stats.audits, stats.audit_mismatches, stats.enabled) == (2, 0, True)
+
+
+def test_an_audit_whose_encode_fails_leaves_the_hit_served() -> None:
+    pipeline = TemplatedPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, audit=1.0)
+    first = pipeline.encode_prompt(IDS)
+
+    def out_of_memory(module, args):
+        raise torch.OutOfMemoryError("simulated: the audit's encode found no room")
+
+    hook = pipeline.text_encoder.register_forward_pre_hook(out_of_memory)
+    try:
+        assert same(pipeline.encode_prompt(IDS), first)
+    finally:
+        hook.remove()
+    stats = cache.snapshot()
+    assert (stats.hits, stats.audits, stats.enabled) == (1, 0, True)
+
+
+def test_a_stage_of_several_ranks_keeps_audits_off() -> None:
+    from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
+    from vllm_omni_prompt_cache.vllm_omni import runner
+
+    settings = PromptEmbedCacheSettings(enabled=True, audit=1.0)
+    several = runner.install_for_stage(TemplatedPipeline(build_qwen2_encoder()), settings, "tiny", ranks=2)
+    one = runner.install_for_stage(TemplatedPipeline(build_qwen2_encoder()), settings, "tiny", ranks=1)
+    assert several.audit is None and one.audit is not None

@@ -179,6 +179,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         ENCODER_ON_MISS.name: True,
         AUDIT.name: 0.05,
         "sources": settings.sources,
+        "directory_key_id": None,
     }
     assert PromptEmbedCacheSettings.from_dict(carried, "the stage config") == settings
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import grp
+import json
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from vllm_omni_prompt_cache.config import (
     PromptEmbedCacheConfigError,
     resolve_prompt_embed_cache_settings,
 )
-from vllm_omni_prompt_cache.directory_tier import NOT_A_FILE, SIGNATURE, SUFFIX, UNSIGNED, identity_name
+from vllm_omni_prompt_cache.directory_tier import NOT_A_FILE, SIGNATURE, SUFFIX, TOO_LARGE, UNSIGNED, identity_name
 from vllm_omni_prompt_cache.directory_trust import KEY_ENV, sign, signature_valid
 from vllm_omni_prompt_cache.keys import freeze_witness
 from vllm_omni_prompt_cache.vllm_omni.cli_args import add_prompt_cache_arguments
@@ -141,6 +143,8 @@ def test_an_unsigned_directory_others_can_write_to_is_said_once(tmp_path) -> Non
     listener.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     ours = logging.getLogger("vllm_omni_prompt_cache")
     ours.addHandler(listener)  # on our logger itself: after an engine ran here it may not propagate
+    level, ours.disabled = ours.level, False
+    ours.setLevel(logging.WARNING)  # whatever level an earlier test's plugin load left it at
     logs._said.clear()
     root = tmp_path / "shared"
     root.mkdir()
@@ -153,6 +157,7 @@ def test_an_unsigned_directory_others_can_write_to_is_said_once(tmp_path) -> Non
                 assert not [message for message in said if "not signed" in message]
     finally:
         ours.removeHandler(listener)
+        ours.setLevel(level)
     warned = [message for message in said if "not signed" in message]
     assert len(warned) == 1 and f"{root} is writable by everyone" in warned[0] and KEY_ENV in warned[0]
 
@@ -161,28 +166,31 @@ def test_the_key_settings_are_checked_and_the_key_never_travels_in_the_settings(
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY + b"\n")
     key_file.chmod(0o600)
-    settings = resolve_prompt_embed_cache_settings(directory=tmp_path / "dir", directory_key_file=str(key_file))
+    settings = resolve_prompt_embed_cache_settings(
+        enable=True, directory=tmp_path / "dir", directory_key_file=str(key_file)
+    )
     assert settings.directory_key_file == str(key_file)
     assert KEY.decode() not in repr(settings) and KEY.decode() not in repr(settings.as_dict())
     key_file.chmod(0o644)
     with pytest.raises(PromptEmbedCacheConfigError, match=r"prompt_embed_cache_dir_key_file=.*-rw-r--r--.*chmod 600"):
-        resolve_prompt_embed_cache_settings(directory=tmp_path / "dir", directory_key_file=str(key_file))
+        resolve_prompt_embed_cache_settings(enable=True, directory=tmp_path / "dir", directory_key_file=str(key_file))
     key_file.chmod(0o600)
     monkeypatch.setenv(KEY_ENV, KEY.decode())
     with pytest.raises(PromptEmbedCacheConfigError, match=f"two signing keys: environment variable {KEY_ENV}"):
-        resolve_prompt_embed_cache_settings(directory=tmp_path / "dir", directory_key_file=str(key_file))
+        resolve_prompt_embed_cache_settings(enable=True, directory=tmp_path / "dir", directory_key_file=str(key_file))
     monkeypatch.setenv(KEY_ENV, "short")
     with pytest.raises(PromptEmbedCacheConfigError, match=f"invalid environment variable {KEY_ENV}: .* 5 bytes"):
-        resolve_prompt_embed_cache_settings(directory=tmp_path / "dir")
+        resolve_prompt_embed_cache_settings(enable=True, directory=tmp_path / "dir")
     monkeypatch.setenv(KEY_ENV, KEY.decode())
     with pytest.raises(PromptEmbedCacheConfigError, match=f"{KEY_ENV} set, but prompt_embed_cache_dir is not"):
-        resolve_prompt_embed_cache_settings()
+        resolve_prompt_embed_cache_settings(enable=True)
+    assert not resolve_prompt_embed_cache_settings().enabled  # a key exported everywhere: cache-less engines start
     monkeypatch.delenv(KEY_ENV)
     with pytest.raises(PromptEmbedCacheConfigError, match=r"invalid prompt_embed_cache_dir_key_file='/no/such'"):
-        resolve_prompt_embed_cache_settings(directory=tmp_path / "dir", directory_key_file="/no/such")
+        resolve_prompt_embed_cache_settings(enable=True, directory=tmp_path / "dir", directory_key_file="/no/such")
     monkeypatch.setenv(DIRECTORY_GROUP.env, "no-such-group")
     with pytest.raises(PromptEmbedCacheConfigError, match=f"from environment variable {DIRECTORY_GROUP.env}: expected"):
-        resolve_prompt_embed_cache_settings(directory=tmp_path / "dir")
+        resolve_prompt_embed_cache_settings(enable=True, directory=tmp_path / "dir")
 
 
 def test_the_serve_command_takes_a_key_file_flag_and_no_key_flag() -> None:
@@ -213,3 +221,64 @@ def test_the_stage_install_signs_with_the_key_file_and_shares_with_the_group(tmp
     (path,) = files(tmp_path / "root")
     assert signature_valid(path.read_bytes(), KEY) and path.stat().st_gid == group
     assert stat.S_IMODE(path.stat().st_mode) == 0o660 and cache.directory.modes.group == group
+
+
+def test_a_worker_without_the_engines_key_refuses_to_start(tmp_path, monkeypatch) -> None:
+    """The env-var key does not travel in the settings; its id does, so a worker missing it says so."""
+    monkeypatch.setenv(KEY_ENV, KEY.decode())
+    sent = resolve_prompt_embed_cache_settings(enable=True, directory=tmp_path).as_dict()
+    assert KEY.decode() not in repr(sent)
+    settings_type = type(resolve_prompt_embed_cache_settings())
+    assert settings_type.from_dict(sent, "the stage config").directory_key_id == sent["directory_key_id"]
+    monkeypatch.delenv(KEY_ENV)
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"signing key id [0-9a-f]{16}, but this process has none"):
+        settings_type.from_dict(sent, "the stage config")
+    monkeypatch.setenv(KEY_ENV, "another key of sixteen bytes or more")
+    with pytest.raises(PromptEmbedCacheConfigError, match="this process has another"):
+        settings_type.from_dict(sent, "the stage config")
+
+
+def test_a_pipe_or_link_planted_while_a_process_waits_for_a_claim_is_never_opened(tmp_path) -> None:
+    """The wait reads the entry's file again and again: each read must be as careful as the first."""
+    holder, holder_cache = process(tmp_path)
+    identity, witness = _key_of(holder, 0)
+    assert holder_cache.directory.load(identity, witness) == (False, None)  # claims prompt 0, encodes "later"
+    waiter, cache = process(tmp_path, directory_key=None)
+    tier = cache.directory
+    tier.claim_wait_s = 1.0
+    path = tier._path(tier.namespace, identity)
+    original = tier._try_claim
+
+    def plant_then_claim(claim_key, entry):  # after the first read found nothing, as a racing writer would
+        if not path.exists() and not path.is_symlink():
+            os.mkfifo(path)
+        return original(claim_key, entry)
+
+    tier._try_claim = plant_then_claim
+    began = time.monotonic()
+    assert same(encode(waiter, 0), reference(0))  # a plain open() of the pipe would block here for good
+    assert time.monotonic() - began < 5 and cache.snapshot().dir_rejections[NOT_A_FILE] >= 1
+
+
+def test_a_file_larger_than_the_budget_is_refused_before_it_is_read(tmp_path) -> None:
+    writer, cache = process(tmp_path)
+    encode(writer, 0)
+    (path,) = files(tmp_path)
+    with open(path, "r+b") as file:
+        file.truncate(64 * 2**20)  # sparse: what a hostile writer makes to exhaust readers' memory
+    reader, cache = process(tmp_path, directory_bytes=2**20)
+    assert same(encode(reader, 0), reference(0)) and reader.encoder_runs == 1
+    assert cache.snapshot().dir_rejections == {TOO_LARGE: 1}
+
+
+def test_a_signature_that_is_not_ascii_is_a_mismatch(tmp_path) -> None:
+    writer, _ = process(tmp_path, directory_key=KEY)
+    encode(writer, 0)
+    (path,) = files(tmp_path)
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    header["__metadata__"]["signature"] = "é" * 64
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    assert signature_valid(len(text).to_bytes(8, "little") + text + data[8 + length :], KEY) is False

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from engine_support import tiny_spec
 from vllm_omni_prompt_cache.demo import serving
 from vllm_omni_prompt_cache.demo.serving import Server
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
+from vllm_omni_prompt_cache.directory_trust import host_id
 
 pytestmark = pytest.mark.engine
 
@@ -86,6 +88,8 @@ def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_pa
             if index % 2 == 0 and a.process.poll() is None:
                 try:
                     image = a.image(prompt, seed)
+                except urllib.error.HTTPError:
+                    raise  # A answered with an error: a failure, not a dead replica
                 except OSError:  # refused, reset or cut off: A is gone
                     retried.append((prompt, seed))
                 else:
@@ -106,9 +110,26 @@ def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_pa
                 if future.result(timeout=120) != reference[request]:
                     wrong.append(("rollout", request))
         phases = {"replica A killed mid-rollout": phase(before_kill, b.counts(*WATCHED), len(requests), wrong)}
-        # The next process on the directory removes what the killed replica left.
-        next_process = DirectoryTier(root, None, lambda: "only scanning")
+
+        # 1b. What a replica killed mid-encode leaves, made for certain: each entry's file replaced by A's
+        # claim and a temporary file of A's, named after A's (dead) process. B takes every claim over at
+        # once instead of waiting 10 s for it; the next process removes the temporaries.
+        dead = f"{host_id()}-{a.pid}"
+        for entry in root.glob("*/*.safetensors"):
+            entry.unlink()
+            entry.with_suffix(".claim").write_text(f"{dead} {'0' * 32}")
+            entry.with_name(f".{entry.name}.{dead}.{'0' * 8}.tmp").write_bytes(b"half a file")
+        before, began = b.counts(*WATCHED), time.monotonic()
+        for prompt in PROMPTS:
+            if b.image(prompt, 2) != reference[(prompt, 2)]:
+                wrong.append(("A's leftovers", prompt))
+        phases["a killed replica's claims and temporaries"] = counted = phase(
+            before, b.counts(*WATCHED), len(PROMPTS), wrong
+        )
+        assert counted["dir_stale_claims_total"] >= len(PROMPTS) - 1 and time.monotonic() - began < 10
+        next_process = DirectoryTier(root, None, lambda: "only scanning")  # its rescan, as any process's
         next_process.enforce_budget()
+        assert next_process.leftovers_removed >= len(PROMPTS) - 1
         assert leftovers(root) == [], [path.name for path in leftovers(root)]
 
         # 2. The directory removed under B: every prompt is encoded again and the directory made anew.

@@ -581,9 +581,7 @@ def test_the_budget_never_touches_files_it_did_not_write(tmp_path) -> None:
     assert (tmp_path / "notes.safetensors").exists()
     writer, cache = process(tmp_path, directory_bytes=1)  # an entry larger than the whole budget
     encode(writer, 5)
-    # Not written; and its first use rescanned the root, where its budget has room for no file at all.
-    assert cache.snapshot().dir_write_errors == 1 and cache.snapshot().dir_evictions == 1
-    assert not files(tmp_path) and (checkpoint / "model.safetensors").exists()
+    assert cache.snapshot().dir_write_errors == 1 and len(files(tmp_path)) == 1
 
 
 def test_a_directory_that_cannot_be_written_leaves_every_call_served(tmp_path) -> None:

@@ -9,6 +9,7 @@ value came from and what is allowed; nothing is silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -106,7 +107,7 @@ def _fraction(value: Any) -> float | None:
             return 0.0
         scale = 100.0 if text.endswith("%") else 1.0
         try:
-            value = float(text.rstrip("%")) / scale
+            value = float(text.removesuffix("%")) / scale
         except ValueError:
             return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -416,6 +417,10 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
     )
 
 
+#: The key of :meth:`PromptEmbedCacheSettings.as_dict` that carries the signing key's id.
+KEY_ID = "directory_key_id"
+
+
 @dataclass(frozen=True)
 class PromptEmbedCacheSettings:
     """Every setting resolved once, with where each value came from (for logs and errors).
@@ -439,18 +444,22 @@ class PromptEmbedCacheSettings:
     encoder_on_miss: bool = ENCODER_ON_MISS.default  # text encoders on the device only while a miss encodes
     audit: float = AUDIT.default  # share of hits re-encoded and compared (0: none)
     sources: Mapping[str, str] = field(default_factory=dict)
+    #: A name of the directory's signing key that says nothing of it (None: no key), so a worker that
+    #: reads another key, or none, from its own environment refuses to start instead of signing nothing.
+    directory_key_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Return the settings as plain values keyed by setting name, plus their sources."""
         return {
             **{setting.name: _plain(setting, getattr(self, setting.field)) for setting in SETTINGS},
             "sources": dict(self.sources),
+            KEY_ID: self.directory_key_id,
         }
 
     @classmethod
     def from_dict(cls, carried: Mapping[str, Any], source: str) -> PromptEmbedCacheSettings:
         """Return the settings :meth:`as_dict` wrote, validating each value again (it crossed a boundary)."""
-        unknown = set(carried) - {setting.name for setting in SETTINGS} - {"sources"}
+        unknown = set(carried) - {setting.name for setting in SETTINGS} - {"sources", KEY_ID}
         if unknown:
             raise PromptEmbedCacheConfigError(
                 f"unknown prompt-embed cache setting(s) {sorted(unknown)} in {source}: "
@@ -461,7 +470,17 @@ class PromptEmbedCacheSettings:
             for setting in SETTINGS
             if carried.get(setting.name) is not None
         }
-        return _checked(cls(**values, sources=dict(carried.get("sources") or {})))
+        settings = _checked(cls(**values, sources=dict(carried.get("sources") or {})))
+        if KEY_ID in carried and carried[KEY_ID] != settings.directory_key_id:
+            from vllm_omni_prompt_cache.directory_trust import KEY_ENV
+
+            held = "none" if settings.directory_key_id is None else f"another (id {settings.directory_key_id})"
+            raise PromptEmbedCacheConfigError(
+                f"the settings in {source} were resolved with directory signing key id {carried[KEY_ID]}, but this "
+                f"process has {held}: give every process of the engine the same key ({KEY_ENV} or "
+                f"{DIRECTORY_KEY_FILE.name})"
+            )
+        return settings
 
 
 def _plain(setting: Setting, value: Any) -> Any:
@@ -505,14 +524,26 @@ def resolve_settings(
 
 
 def _checked(settings: PromptEmbedCacheSettings, environ: Mapping[str, str] | None = None) -> PromptEmbedCacheSettings:
-    """Return ``settings`` once the directory's trust settings make sense together; raise naming them."""
-    from vllm_omni_prompt_cache.directory_trust import KEY_ENV, read_key
+    """Return ``settings`` with its signing key's id, once the directory's trust settings make sense
+    together; raise naming them. A disabled cache checks nothing (a key exported fleet-wide is fine)."""
+    from vllm_omni_prompt_cache.directory_trust import KEY_ENV, key_id, read_key
 
+    if not settings.enabled:
+        return settings
     source = settings.sources.get(DIRECTORY_KEY_FILE.name, "the stage's settings")
     environ = os.environ if environ is None else environ
     key = read_key(settings.directory_key_file, source, environ)  # raises for a bad or doubled key
-    if settings.directory is not None:
-        return settings
+    if settings.directory is None:
+        given = [f"environment variable {KEY_ENV}"] if KEY_ENV in environ else []
+        for setting in (DIRECTORY_KEY_FILE, DIRECTORY_GROUP):
+            if getattr(settings, setting.field) is not None:
+                given.append(f"{setting.name} from {settings.sources.get(setting.name, 'the stage settings')}")
+        if given:
+            raise PromptEmbedCacheConfigError(
+                f"{' and '.join(given)} set, but {DIRECTORY.name} is not: they apply to the directory tier only "
+                f"(give {DIRECTORY.name}, or unset them)"
+            )
+    return dataclasses.replace(settings, directory_key_id=key_id(key))
     given = [f"environment variable {KEY_ENV}"] if KEY_ENV in environ else []
     for setting in (DIRECTORY_KEY_FILE, DIRECTORY_GROUP):
         if getattr(settings, setting.field) is not None:

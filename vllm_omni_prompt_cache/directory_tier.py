@@ -54,8 +54,10 @@ import torch
 import xxhash
 
 from vllm_omni_prompt_cache.directory_trust import (
+    KEY_ENV,
     PRIVATE,
     Modes,
+    header_of,
     owner_gone,
     owner_tag,
     sign,
@@ -84,7 +86,9 @@ CLAIM_WAIT_S = 10.0
 # What this package writes under the root; a rescan touches nothing else.
 _NAMESPACE_NAME = re.compile(r"^[0-9a-f]{32}$")
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{40}\.safetensors$")
-_TEMPORARY_NAME = re.compile(r"^\.[0-9a-f]{40}\.safetensors\.(?P<owner>(?:[0-9a-f]{8}-)?\d+)\.[0-9a-f]{8}\.tmp$")
+_TEMPORARY_NAME = re.compile(
+    r"^\.([0-9a-f]{40}\.safetensors|NAMESPACE\.json)\.(?P<owner>(?:[0-9a-f]{8}-)?\d+)\.[0-9a-f]{8}\.tmp$"
+)
 _CLAIM_NAME = re.compile(r"^[0-9a-f]{40}\.claim$")
 
 # Reasons a file is removed on read (the ``reason`` label of the rejection counts).
@@ -96,6 +100,7 @@ WITNESS = "key bytes differ"
 UNSIGNED = "unsigned"
 SIGNATURE = "signature mismatch"
 NOT_A_FILE = "a link or not a regular file"
+TOO_LARGE = "larger than the directory's budget"
 
 #: dtypes a file can hold (what safetensors stores).
 _STORABLE_DTYPES = frozenset(
@@ -180,13 +185,7 @@ def _checksum(tensors: list[torch.Tensor], metadata: dict[str, str]) -> str:
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:
-    header_length = int.from_bytes(data[:8], "little")
-    if len(data) < 8 or header_length <= 0 or 8 + header_length > len(data):
-        raise ValueError("truncated header")
-    metadata = json.loads(data[8 : 8 + header_length]).get("__metadata__")
-    if not isinstance(metadata, dict):
-        raise ValueError("no metadata")
-    return metadata
+    return header_of(data)[1]["__metadata__"]
 
 
 def _witness_tensor(part: bytes) -> torch.Tensor:
@@ -232,9 +231,10 @@ class DirectoryTier:
         self._written_since_scan = 0
         self._writes_since_scan = 0
         # Entries this process is encoding, by (epoch of the encode, identity), to their claim files and
-        # the claim file's inode (a claim taken over by another process is not this one's to remove).
-        self._claims: dict[tuple[int, Hashable], tuple[Path, int]] = {}
-        self._scanned_once = False  # the first use rescans: a crashed process's leftovers go at once
+        # what this process wrote in them (a claim taken over by another process is not this one's).
+        self._claims: dict[tuple[int, Hashable], tuple[Path, str]] = {}
+        self._scanned_once = False  # the first use removes crashed processes' leftovers, in the background
+        self.first_scan = threading.Event()
         self.claim_wait_s = CLAIM_WAIT_S
         # Counts since the tier was made, read by the store's snapshot.
         self.hits = 0
@@ -298,8 +298,6 @@ class DirectoryTier:
                     break
 
     def _warn_untrusted(self, how: str) -> None:
-        from vllm_omni_prompt_cache.directory_trust import KEY_ENV
-
         warn_once(
             f"the directory tier is not signed and others can write to it ({how}): whoever can write there "
             f"can change the embeddings this process serves; set a signing key ({KEY_ENV} or "
@@ -365,7 +363,7 @@ class DirectoryTier:
         namespace = self._namespace_at(epoch)
         if namespace is None:
             return False, None
-        self._scan_once()
+        self._scan_once(namespace)
         path = self._path(namespace, identity)
         waited = False
         try:
@@ -415,6 +413,8 @@ class DirectoryTier:
             status = os.fstat(fd)
             if not stat.S_ISREG(status.st_mode):
                 raise _Rejected(NOT_A_FILE)
+            if self.max_bytes is not None and status.st_size > LOW_WATER * self.max_bytes:
+                raise _Rejected(TOO_LARGE)  # never written here: not worth reading into memory
             if self._key is None and (how := writable_by_others(path, status=status)) is not None:
                 self._warn_untrusted(how)
             return file.read()
@@ -531,21 +531,28 @@ class DirectoryTier:
             raise
 
     def _reject(self, claim_key: tuple[int, Hashable], path: Path, reason: str, claim: bool) -> None:
-        _remove(path)
+        self._discard(path, reason)
         with self._lock:
             self.misses += 1
-            self.rejections[reason] += 1
         if claim:
             self._try_claim(claim_key, path)  # the caller encodes it again: let others wait for that
+
+    def _discard(self, path: Path, reason: str) -> None:
+        """Remove a file that must not be used, counting why."""
+        _remove(path)
+        with self._lock:
+            self.rejections[reason] += 1
 
     def _try_claim(self, claim_key: tuple[int, Hashable], path: Path) -> bool | None:
         """Create the entry's claim file: True if this process now holds it, False if another does, None
         if no claim can be made here (a read-only or missing directory). A claim whose process is gone,
         or older than :attr:`claim_wait_s` (a crashed encoder's on another host), is removed first."""
         claim = path.with_suffix(CLAIM_SUFFIX)
-        if _claim_abandoned(claim, self.claim_wait_s) and _remove(claim):
+        abandoned = _abandoned_claim(claim, self.claim_wait_s)
+        if abandoned is not None and _remove_claim(claim, abandoned):
             with self._lock:
                 self.stale_claims += 1
+        tag = f"{owner_tag()} {uuid.uuid4().hex}"  # whose claim, and which one of theirs
         try:
             fd = self.modes.create(claim)
         except FileExistsError:
@@ -553,16 +560,16 @@ class DirectoryTier:
         except OSError:
             return None
         try:
-            os.write(fd, owner_tag().encode())
-            inode = os.fstat(fd).st_ino
+            os.write(fd, tag.encode())
         except OSError:
-            inode = -1
-        finally:
             os.close(fd)
+            _remove(claim)
+            return None
+        os.close(fd)
         with self._lock:
             for other in [key for key, (held, _) in self._claims.items() if held == claim]:
                 del self._claims[other]  # an earlier claim of this file, voided (released or taken over)
-            self._claims[claim_key] = (claim, inode)
+            self._claims[claim_key] = (claim, tag)
         return True
 
     def _claim_or_wait(self, claim_key: tuple[int, Hashable], path: Path) -> tuple[bytes | None, bool]:
@@ -575,17 +582,13 @@ class DirectoryTier:
             claimed = self._try_claim(claim_key, path)
             if claimed is None:
                 return None, waited  # nobody can claim here: encode without waiting
+            data = self._read_if_there(path)  # written meanwhile (its claim released), or now
             if claimed:
-                try:  # the file may have been written, and its claim released, since the first read
-                    data = path.read_bytes()
-                except OSError:
-                    return None, waited  # ours to encode
-                self._release(claim_key)
-                return data, waited
-            try:
-                return path.read_bytes(), waited  # the other process finished
-            except OSError:
-                pass
+                if data is not None:
+                    self._release(claim_key)
+                return data, waited  # None: ours to encode
+            if data is not None:
+                return data, waited  # the other process finished
             if time.monotonic() >= deadline:
                 with self._lock:
                     self.wait_timeouts += 1
@@ -593,6 +596,16 @@ class DirectoryTier:
             waited = True
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
+
+    def _read_if_there(self, path: Path) -> bytes | None:
+        """Return the file's bytes, or None when there is none; a link or pipe there is removed and counted."""
+        try:
+            return self._read(path)
+        except OSError:
+            return None
+        except _Rejected as rejected:
+            self._discard(path, str(rejected))
+            return None
 
     def release(self, identity: Hashable, epoch: int | None = None) -> None:
         """Give up the entry's claim for an encode that began at ``epoch`` (None: now), if this process
@@ -602,15 +615,8 @@ class DirectoryTier:
     def _release(self, claim_key: tuple[int, Hashable]) -> None:
         with self._lock:
             held = self._claims.pop(claim_key, None)
-        if held is None:
-            return
-        claim, inode = held
-        try:
-            if os.stat(claim, follow_symlinks=False).st_ino != inode:
-                return  # taken over by another process meanwhile: its claim now
-        except OSError:
-            return
-        _remove(claim)
+        if held is not None:
+            _remove_claim(*held)  # only while it is still this one: another process may have taken it over
 
     def enforce_budget(self) -> None:
         """Rescan this package's files under the root; over budget, remove the least recently used down to
@@ -656,31 +662,64 @@ class DirectoryTier:
             self.evictions += removed
             self.leftovers_removed += leftovers
 
-    def _scan_once(self) -> None:
-        """Rescan on this tier's first use: a crashed process's leftovers go before anyone waits on them."""
-        if not self._scanned_once:
-            self._scanned_once = True
-            self.enforce_budget()
+    def _scan_once(self, namespace: str) -> None:
+        """On this tier's first use, remove in the background what crashed processes left in its namespace
+        (a claim of a gone process met before that is taken over anyway); :attr:`first_scan` is set after."""
+        if self._scanned_once:
+            return
+        self._scanned_once = True
+        threading.Thread(target=self._remove_leftovers, args=(self.root / namespace,), daemon=True).start()
+
+    def _remove_leftovers(self, directory: Path) -> None:
+        removed = 0
+        now = time.time()
+        try:
+            for entry in os.scandir(directory):
+                with contextlib.suppress(OSError):
+                    age = now - entry.stat(follow_symlinks=False).st_mtime
+                    if _leftover(entry.name, Path(entry.path), age) and _remove(Path(entry.path)):
+                        removed += 1
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self.leftovers_removed += removed
+            self.first_scan.set()
 
 
 class _Rejected(Exception):
     """A file that must not be used; its message is the reason."""
 
 
-def _claim_abandoned(claim: Path, wait_s: float) -> bool:
-    """Return True for a claim file whose process is gone, or that is older than ``wait_s``."""
+def _read_claim(claim: Path) -> tuple[str, float] | None:
+    """Return a claim file's content and age in seconds, or None (absent, a link, unreadable)."""
     try:
         fd = os.open(claim, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return False
+        return None
     try:
-        owner = os.read(fd, 64).decode("ascii", "replace")
-        age = time.time() - os.fstat(fd).st_mtime
+        return os.read(fd, 128).decode("ascii", "replace"), time.time() - os.fstat(fd).st_mtime
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
-    return owner_gone(owner) or age > wait_s
+
+
+def _abandoned_claim(claim: Path, wait_s: float) -> str | None:
+    """Return the content of a claim file whose process is gone, or that is older than ``wait_s``; else None."""
+    read = _read_claim(claim)
+    if read is None:
+        return None
+    content, age = read
+    return content if owner_gone(content) or age > wait_s else None
+
+
+def _remove_claim(claim: Path, content: str) -> bool:
+    """Remove ``claim`` if it still holds ``content``: a claim another process made since is left alone.
+    (Between the read and the removal another process could still replace it: at worst one entry is
+    then encoded twice, never served wrong.)"""
+    read = _read_claim(claim)
+    return read is not None and read[0] == content and _remove(claim)
 
 
 def _leftover(name: str, path: Path, age: float) -> bool:
@@ -688,7 +727,7 @@ def _leftover(name: str, path: Path, age: float) -> bool:
     if (temporary := _TEMPORARY_NAME.match(name)) is not None:
         return age > STALE_TEMPORARY_S or owner_gone(temporary["owner"])
     if _CLAIM_NAME.match(name):
-        return age > STALE_TEMPORARY_S or _claim_abandoned(path, STALE_TEMPORARY_S)
+        return age > STALE_TEMPORARY_S or _abandoned_claim(path, STALE_TEMPORARY_S) is not None
     return False
 
 

@@ -79,7 +79,12 @@ def read_key(key_file: str | None, source: str, environ: Mapping[str, str] | Non
     return key
 
 
-def _header(data: bytes) -> tuple[int, dict]:
+def key_id(key: bytes | None) -> str | None:
+    """Return a name of ``key`` that says nothing of it (to check that two processes hold the same one)."""
+    return None if key is None else hmac.new(key, b"vllm-omni-prompt-cache key id", hashlib.sha256).hexdigest()[:16]
+
+
+def header_of(data: bytes) -> tuple[int, dict]:
     """Return a safetensors file's header length and header; raise ValueError for a damaged one."""
     if len(data) < 8:
         raise ValueError("truncated header")
@@ -110,7 +115,7 @@ def _mac(key: bytes, header: dict, body: memoryview) -> str:
 
 def sign(data: bytes, key: bytes) -> bytes:
     """Return a safetensors file's bytes with its signature added to the header's metadata."""
-    length, header = _header(data)
+    length, header = header_of(data)
     body = memoryview(data)[8 + length :]
     header["__metadata__"][SIGNATURE_FIELD] = _mac(key, header, body)
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -121,10 +126,12 @@ def sign(data: bytes, key: bytes) -> bytes:
 def signature_valid(data: bytes, key: bytes) -> bool | None:
     """Return True when ``data`` carries a valid signature under ``key``, False for a wrong one, None for
     none; raise ValueError for a header that cannot be read."""
-    length, header = _header(data)
+    length, header = header_of(data)
     signature = header["__metadata__"].get(SIGNATURE_FIELD)
     if not isinstance(signature, str):
         return None
+    if not signature.isascii():
+        return False
     return hmac.compare_digest(signature, _mac(key, header, memoryview(data)[8 + length :]))
 
 
@@ -152,7 +159,12 @@ class Modes:
             os.mkdir(path, self.directory)
         except FileExistsError:
             return False
-        self._own(path, self.directory)
+        if self.group is not None:  # through a descriptor: a link swapped in meanwhile is not followed
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                self._own(fd, self.directory)
+            finally:
+                os.close(fd)
         return True
 
     def create(self, path: Path, flags: int = 0) -> int:
@@ -165,11 +177,11 @@ class Modes:
             raise
         return fd
 
-    def _own(self, target: Path | int, mode: int) -> None:
+    def _own(self, fd: int, mode: int) -> None:
         if self.group is None:
             return  # the umask applies, and can only narrow the mode
-        os.chown(target, -1, self.group)
-        os.chmod(target, mode)  # past the umask: the group asked for write
+        os.fchown(fd, -1, self.group)
+        os.fchmod(fd, mode)  # past the umask: the group asked for write
 
 
 #: What a tier uses without a shared group.
@@ -195,11 +207,14 @@ def writable_by_others(path: Path, *, status: os.stat_result | None = None) -> s
 def host_id() -> str:
     """Return 8 hex digits naming this host and process-id namespace: pids mean something only there."""
     parts = [socket.gethostname()]
-    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
-        try:
-            parts.append(Path(source).read_text().strip() if "boot" in source else str(os.stat(source).st_ino))
-        except OSError:
-            parts.append("?")
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    except OSError:
+        parts.append("?")
+    try:
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))  # containers on one host: other pid spaces
+    except OSError:
+        parts.append("?")
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
@@ -209,8 +224,9 @@ def owner_tag() -> str:
 
 
 def owner_gone(tag: str) -> bool:
-    """Return True when ``tag`` (:func:`owner_tag`) names a process of this host that no longer exists."""
-    host, _, pid = tag.partition("-")
+    """Return True when ``tag`` (:func:`owner_tag`, perhaps followed by a space and more) names a process
+    of this host that no longer exists. A reused pid reads as alive: the caller falls back to age."""
+    host, _, pid = tag.split(" ", 1)[0].partition("-")
     if host != host_id() or not pid.isdecimal():
         return False  # another host's (or an older format's): only its age can tell
     try:

@@ -104,8 +104,9 @@ def _as_prompt(value: Any) -> Any:
     return None
 
 
-def _private(path: str, flags: int) -> int:
-    """Open the ledger as the directory tier creates its files: no group or other write, never via a link."""
+def _no_group_write(path: str, flags: int) -> int:
+    """Open the ledger without group or other write (a shared group's members skip, not write, prompts),
+    never through a link."""
     return os.open(path, flags | os.O_NOFOLLOW, 0o644)
 
 
@@ -172,7 +173,7 @@ async def precompute(
             )
             now = await cache_stats(engine) or CacheStats()
             if now.dir_write_errors == last.dir_write_errors and now.dir_off_reason is None:
-                with open(ledger, "a", encoding="utf-8", opener=_private) as record:
+                with open(ledger, "a", encoding="utf-8", opener=_no_group_write) as record:
                     record.write("".join(f"{prompt_digest(prompt)}\n" for prompt in batch))
             else:  # some of its files may be missing: a later run sends the batch again
                 unrecorded += len(batch)

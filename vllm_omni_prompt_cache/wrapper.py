@@ -39,6 +39,7 @@ from vllm_omni_prompt_cache.fingerprint import (
     pipeline_fingerprint,
 )
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.proofs import (
     DECLARED_BY_CLASS,
     DECLARED_IN_CODE,
@@ -297,10 +298,10 @@ def _observed(
         result = calls(args, kwargs)
         if inside.encoded:
             return result
+        if audit is not None and audit.due():  # its encode places the encoders: no placement was saved
+            return calls.audited(args, kwargs, result)
         if moves is not None:
             moves.served_without_encoding()
-        if audit is not None and audit.due():
-            result = calls.audited(args, kwargs, result)
     return result
 
 
@@ -320,6 +321,21 @@ def _noting_encodes(encode_fn: Callable[..., Any], inside: threading.local, pipe
             return encode_fn(*args, **kwargs)
 
     return encode
+
+
+def identical(left: Any, right: Any) -> bool:
+    """Return True when two outputs are the same values (NaN and infinities in the same places too)."""
+    if isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor):
+        if left.shape != right.shape or left.dtype != right.dtype or left.device != right.device:
+            return False
+        if left.is_floating_point() or left.is_complex():
+            return bool(torch.allclose(left, right, rtol=0.0, atol=0.0, equal_nan=True))
+        return torch.equal(left, right)
+    if isinstance(left, (tuple, list)) and isinstance(right, (tuple, list)):
+        return len(left) == len(right) and all(identical(a, b) for a, b in zip(left, right, strict=True))
+    if isinstance(left, Mapping) and isinstance(right, Mapping):
+        return left.keys() == right.keys() and all(identical(left[key], right[key]) for key in left)
+    return type(left) is type(right) and left == right
 
 
 def _local_device(pipeline: Any, recorded: str) -> torch.device:
@@ -456,8 +472,12 @@ class _CachedCalls:
     def audited(self, args: tuple, kwargs: dict, served: Any) -> Any:
         """Encode a call that was served from the cache again and compare; return what the call gets:
         ``served`` when they agree, else the fresh encode (and the cache is off from now on)."""
-        fresh = self.encode_fn(*args, **kwargs)
-        why, _ = compare_outputs(served, fresh)
+        try:
+            fresh = self.encode_fn(*args, **kwargs)
+            why = None if identical(served, fresh) else compare_outputs(served, fresh)[0]
+        except Exception as error:  # out of memory, say: the call was served; the audit is what failed
+            warn_once(f"an audit's encode failed ({type(error).__qualname__}: {error}); the hit was served")
+            return served
         self.cache.record_audit(mismatch=why is not None)
         if why is None:
             return served

@@ -112,7 +112,7 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             metavar=metavar,
             help=f"{setting.help} Allowed: {setting.allowed}. Default: {_describe_default(setting)}. "
-            f"Env: {setting.env}.",
+            f"Env: {setting.env}.".replace("%", "%%"),  # argparse formats help with %
         )
 
 

@@ -144,6 +144,15 @@ def install_for_stage(
             ranks,
         )
         directory = None
+    audit = settings.audit
+    if audit and ranks > 1:
+        logger.warning(
+            "vllm-omni-prompt-cache: audits off: this diffusion stage runs on %d ranks, and an audit that finds a "
+            "difference on one rank only would turn the cache off there alone (one rank encoding, and running "
+            "the encoder's collectives, while another hits).",
+            ranks,
+        )
+        audit = 0.0
     key_source = settings.sources.get(DIRECTORY_KEY_FILE.name, "the stage's settings")
     if settings.encoder_on_miss:
         _check_encoder_on_miss(pipeline, settings)
@@ -167,7 +176,7 @@ def install_for_stage(
         directory_bytes=settings.directory_bytes,
         directory_key=None if directory is None else read_key(settings.directory_key_file, key_source),
         directory_group=settings.directory_group,
-        audit=settings.audit,
+        audit=audit,
         methods=resolve_declared_methods(settings.methods, settings.sources.get(METHODS.name, "the stage's settings")),
     )
     if cache is not None:
