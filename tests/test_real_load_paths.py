@@ -307,6 +307,9 @@ def test_deploy_config_extras_resolve_in_the_worker(tmp_path: Path, monkeypatch:
         METHODS.name: "default",
         DIRECTORY_BYTES.name: "default",
         ENCODER_ON_MISS.name: "default",
+        "prompt_embed_cache_dir_key_file": "default",
+        "prompt_embed_cache_dir_group": "default",
+        "prompt_embed_cache_audit": "default",
     }
 
 
