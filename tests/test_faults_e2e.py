@@ -35,6 +35,30 @@ def start(log: Path, *flags: str) -> Server:
     return serving.start(log, tiny_spec().model_dir, *flags)
 
 
+def start_together(logs_and_flags: dict[str, tuple[Path, tuple[str, ...]]]) -> dict[str, Server]:
+    """Start the servers at once and wait for each. Servers starting together can pick the same free
+    port for their engine's internal sockets (each probes, then binds later): one that fails with
+    EADDRINUSE is started once more, alone, rather than failing the test on the port race."""
+    servers = {name: start(log, *flags) for name, (log, flags) in logs_and_flags.items()}
+    started = time.monotonic()
+    try:
+        for name, server in servers.items():
+            try:
+                server.wait_until_healthy(started)
+            except serving.ServerError:
+                if "EADDRINUSE" not in serving.tail(server.log, 20_000):
+                    raise
+                server.stop()
+                log, flags = logs_and_flags[name]
+                servers[name] = server = start(log, *flags)
+                server.wait_until_healthy(time.monotonic())
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
+
+
 @pytest.fixture
 def disk(tmp_path) -> Path:
     """A 64 MiB tmpfs: remounted read-only by the test, it refuses writes even to root."""
@@ -65,15 +89,15 @@ def leftovers(root: Path) -> list[Path]:
 def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_path, disk) -> None:
     root = disk / "cache"
     shared = ("--enable-prompt-embed-cache", "--prompt-embed-cache-size", "1", "--prompt-embed-cache-dir", str(root))
-    servers = {
-        "A": start(tmp_path / "a.log", *shared),
-        "B": start(tmp_path / "b.log", *shared),
-        "R": start(tmp_path / "r.log", "--no-enable-prompt-embed-cache"),
-    }
+    servers: dict[str, Server] = {}
     try:
-        started = time.monotonic()
-        for server in servers.values():
-            server.wait_until_healthy(started)
+        servers = start_together(
+            {
+                "A": (tmp_path / "a.log", shared),
+                "B": (tmp_path / "b.log", shared),
+                "R": (tmp_path / "r.log", ("--no-enable-prompt-embed-cache",)),
+            }
+        )
         a, b, r = servers["A"], servers["B"], servers["R"]
         reference = {(prompt, seed): r.image(prompt, seed) for prompt in PROMPTS for seed in SEEDS}
         wrong: list[tuple] = []
