@@ -280,3 +280,18 @@ def test_a_counted_call_is_a_miss_when_its_check_runs_the_encoder(encoder) -> No
     stats = cache.snapshot()
     assert (stats.hits, stats.misses, stats.layout_checks) == (1, 2, 2)
     assert stats.calls == 3
+
+
+def test_infinities_and_nans_must_stand_in_the_same_places() -> None:
+    """An additive attention mask holds -inf: equal outputs with it match; moved or changed, they differ."""
+    masked = torch.tensor([[0.5, float("-inf"), float("nan")], [1.0, 2.0, float("inf")]])
+    assert compare_outputs(masked.clone(), masked) == (None, 0.0)
+    moved = masked.clone()
+    moved[0, 0], moved[0, 1] = float("-inf"), 0.5
+    assert compare_outputs(moved, masked)[0] == "non-finite values differ"
+    flipped = masked.clone()
+    flipped[1, 2] = float("-inf")
+    assert compare_outputs(flipped, masked)[0] == "non-finite values differ"
+    nudged = masked.clone()
+    nudged[1, 0] = 1.5  # a finite value off by 25% of its row's largest finite value
+    assert compare_outputs(nudged, masked)[0].startswith("row 1 differs")

@@ -323,21 +323,6 @@ def _noting_encodes(encode_fn: Callable[..., Any], inside: threading.local, pipe
     return encode
 
 
-def identical(left: Any, right: Any) -> bool:
-    """Return True when two outputs are the same values (NaN and infinities in the same places too)."""
-    if isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor):
-        if left.shape != right.shape or left.dtype != right.dtype or left.device != right.device:
-            return False
-        if left.is_floating_point() or left.is_complex():
-            return bool(torch.allclose(left, right, rtol=0.0, atol=0.0, equal_nan=True))
-        return torch.equal(left, right)
-    if isinstance(left, (tuple, list)) and isinstance(right, (tuple, list)):
-        return len(left) == len(right) and all(identical(a, b) for a, b in zip(left, right, strict=True))
-    if isinstance(left, Mapping) and isinstance(right, Mapping):
-        return left.keys() == right.keys() and all(identical(left[key], right[key]) for key in left)
-    return type(left) is type(right) and left == right
-
-
 def _local_device(pipeline: Any, recorded: str) -> torch.device:
     """Return where a file's tensor, encoded on ``recorded``, goes in this process: the CPU stays the
     CPU; an accelerator tensor goes where this pipeline's text encoder runs (not where its weights
@@ -474,7 +459,7 @@ class _CachedCalls:
         ``served`` when they agree, else the fresh encode (and the cache is off from now on)."""
         try:
             fresh = self.encode_fn(*args, **kwargs)
-            why = None if identical(served, fresh) else compare_outputs(served, fresh)[0]
+            why = compare_outputs(served, fresh)[0]
         except Exception as error:  # out of memory, say: the call was served; the audit is what failed
             warn_once(f"an audit's encode failed ({type(error).__qualname__}: {error}); the hit was served")
             return served

@@ -72,10 +72,6 @@ class Server:
             raise ServerError(f"no image for {prompt!r}")
         return base64.b64decode(data)
 
-    def count(self, family: str) -> float:
-        """Return one of the cache's families (short name, e.g. ``hits_total``) summed over every series."""
-        return total(scrape(self.base), METRIC_PREFIX + family)
-
     def counts(self, *families: str) -> dict[str, float]:
         """Return several of the cache's families (short names) from one scrape, each summed over its series."""
         scraped = scrape(self.base)
