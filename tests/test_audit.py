@@ -1,8 +1,9 @@
 """Audits: hits encoded again and compared, catching an encode that reads more than its arguments.
 
 The pipeline is a tiny real Qwen2 encoder behind a token-ID ``encode_prompt`` that, like
-Qwen-Image's (``QwenImagePipeline.encode_prompt`` reads ``self.prompt_template_encode``), prepends
-template tokens held on the pipeline, not passed as an argument. Changing the template changes
+Qwen-Image's (``QwenImagePipeline.encode_prompt`` calls ``_get_qwen_prompt_embeds``, which reads
+``self.prompt_template_encode``), prepends template tokens held on the pipeline, not passed as an
+argument. Changing the template changes
 the embedding of the same arguments, which no key can see.
 """
 
