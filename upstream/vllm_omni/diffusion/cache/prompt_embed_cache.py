@@ -20,9 +20,9 @@ Keys
 
 Exactness
     A digest is not proof. Each key also carries the bytes its digests were
-    computed from (the *witness*), and two keys are equal only when those
-    bytes are equal, so every hit compares them. A digest collision costs an
-    encode, never another prompt's embedding.
+    computed from (the *witness*); an entry keeps a copy, and every hit
+    compares the two. A digest collision costs an encode, never another
+    prompt's embedding.
 
 Bypasses
     Anything else (tensor subclasses, custom objects, a precomputed
@@ -94,6 +94,11 @@ _BYTES_PATTERN = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
 
 def _tensor_bytes(tensor: torch.Tensor) -> np.ndarray | None:
     """Return a tensor's values as contiguous CPU bytes (uint8), or None when it has none to read."""
+    if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.is_contiguous() and not tensor.requires_grad:
+        try:  # the common case, token ids already on the CPU: a view, no copy
+            return tensor.numpy().reshape(-1).view(np.uint8)
+        except TypeError:  # bf16, fp8: numpy has no such dtype
+            pass
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return None  # FakeTensor, DTensor, ...: their bytes are not their values
     if tensor.layout != torch.strided or tensor.is_meta or tensor.is_quantized or tensor.is_nested:
@@ -184,36 +189,24 @@ def _same_bytes(ours: tuple, theirs: tuple) -> bool:
 
 
 class _CallKey:
-    """The key of one call: ``identity`` hashes, ``identity`` and ``witness`` bytes compare.
-
-    A dict lookup therefore checks the witness on every hit. :meth:`frozen`
-    copies the witness so the stored key cannot change when the caller later
-    writes into its tensors.
+    """The key of one call: ``identity`` (hashable; digests stand for contents) and the
+    ``witness``, the bytes those digests were computed from. Two keys are equal only
+    when both are, and :class:`PromptEmbedCache` compares the witness on every hit.
     """
 
-    __slots__ = ("_hash", "identity", "witness")
+    __slots__ = ("identity", "witness")
 
     def __init__(self, identity: tuple, witness: tuple) -> None:
         self.identity = identity
         self.witness = witness
-        self._hash = hash(identity)
 
     def __hash__(self) -> int:
-        return self._hash
+        return hash(self.identity)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _CallKey):
             return NotImplemented
         return self.identity == other.identity and _same_bytes(self.witness, other.witness)
-
-    def frozen(self) -> _CallKey:
-        if all(type(part) is bytes for part in self.witness):
-            return self
-        return _CallKey(self.identity, tuple(p if type(p) is bytes else p.tobytes() for p in self.witness))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(part) if type(part) is bytes else part.nbytes for part in self.witness)
 
 
 def _detach_output(value: Any) -> Any:
@@ -247,8 +240,9 @@ def _value_nbytes(value: Any, seen: set | None = None) -> int:
     return 0
 
 
-def _key_nbytes(key: Any) -> int:
-    return key.nbytes if type(key) is _CallKey else 0
+def _split_key(key: Any) -> tuple[Any, tuple]:
+    """Return what a key is stored under and the witness its hits must match (none for plain keys)."""
+    return (key.identity, key.witness) if type(key) is _CallKey else (key, ())
 
 
 class PromptEmbedCache:
@@ -266,7 +260,7 @@ class PromptEmbedCache:
         self.max_size = max_size
         self.max_bytes = max_bytes
         self.enabled = enabled
-        self._store: OrderedDict[Any, tuple[Any, int]] = OrderedDict()  # key -> (value, its bytes)
+        self._store: OrderedDict[Any, tuple[Any, int, tuple]] = OrderedDict()  # -> (value, bytes, witness)
         self._lock = threading.Lock()
         self._nbytes = 0
         self._bypass_reasons: Counter[str] = Counter()
@@ -275,28 +269,35 @@ class PromptEmbedCache:
         self.bypassed = 0
 
     def get(self, key: Any) -> Any:
-        """Return the cached value, or ``_CACHE_MISS`` (a cached ``None`` is a hit)."""
+        """Return the cached value, or ``_CACHE_MISS`` (a cached ``None`` is a hit).
+
+        An entry whose witness differs from the key's (a digest collision) is a miss.
+        """
+        stored_under, witness = _split_key(key)
         with self._lock:
-            entry = self._store.get(key, _CACHE_MISS)
-            if entry is _CACHE_MISS:
+            entry = self._store.get(stored_under)
+            if entry is None or not _same_bytes(entry[2], witness):
                 self.misses += 1
                 return _CACHE_MISS
-            self._store.move_to_end(key)
+            self._store.move_to_end(stored_under)
             self.hits += 1
             return entry[0]
 
     def put(self, key: Any, value: Any) -> bool:
-        """Store *value*, evicting least-recently-used entries; return False when it alone is too large."""
-        if type(key) is _CallKey:
-            key = key.frozen()
-        nbytes = _value_nbytes(value) + _key_nbytes(key)
+        """Store *value*, evicting least-recently-used entries; return False when it alone is too large.
+
+        The witness is copied: the caller may write into its tensors later.
+        """
+        stored_under, witness = _split_key(key)
+        witness = tuple(part if type(part) is bytes else part.tobytes() for part in witness)
+        nbytes = _value_nbytes(value) + sum(len(part) for part in witness)
         with self._lock:
-            old = self._store.pop(key, None)
+            old = self._store.pop(stored_under, None)
             if old is not None:
                 self._nbytes -= old[1]
             if self.max_bytes is not None and nbytes > self.max_bytes:
                 return False
-            self._store[key] = (value, nbytes)
+            self._store[stored_under] = (value, nbytes, witness)
             self._nbytes += nbytes
             while len(self._store) > self.max_size or (self.max_bytes is not None and self._nbytes > self.max_bytes):
                 self._nbytes -= self._store.popitem(last=False)[1][1]

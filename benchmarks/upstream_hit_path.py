@@ -1,0 +1,171 @@
+"""What a cached call costs with the proposed upstream module, side by side with vLLM-Omni 0.30's own
+module and this package's plugin, in one process (the numbers ``upstream/PR.md`` quotes).
+
+    python benchmarks/upstream_hit_path.py [--rounds 60] [--write benchmarks/results/upstream_hit_path.md]
+
+Each implementation wraps the same pipeline, whose ``encode_prompt`` returns a ready tensor, so a
+row's time is the wrapper's own cost: key, lookup and (for ours) the witness compare on a hit, or the
+key attempt and the original call on a bypass. Every call passes fresh tensors (``clone()``), as the K
+siblings of a rollout group do; "bare call" is the same call with no cache. Rounds of each variant
+are interleaved, and the best and median round per call are reported. One real encode of a 22M
+Qwen2 text encoder ([1,512]) is timed for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from vllm_omni_prompt_cache.demo.machine import cpu_summary
+
+ROOT = Path(__file__).resolve().parent.parent
+PROPOSED = ROOT / "upstream" / "vllm_omni" / "diffusion" / "cache" / "prompt_embed_cache.py"
+PROMPT = "a photo of a red fox standing on a snowy hill at dawn, highly detailed"
+
+
+class Pipeline:
+    """A verl-omni-shaped token-ID ``encode_prompt`` (it also takes text) whose encoder costs nothing."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.output = (torch.zeros(1, 512, 64), torch.ones(1, 512, dtype=torch.bool))
+
+    def encode_prompt(
+        self, prompt=None, prompt_ids=None, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512
+    ):
+        self.runs += 1
+        return self.output
+
+
+def implementations() -> dict[str, Callable[[Pipeline], object]]:
+    from vllm_omni_prompt_cache import install_prompt_embed_cache
+    from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
+
+    spec = importlib.util.spec_from_file_location("proposed_prompt_embed_cache", PROPOSED)
+    proposed: ModuleType = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proposed)
+    stock = upstream_cache_module()
+    return {
+        "no cache (bare call)": lambda pipeline: None,
+        "vLLM-Omni 0.30 module": lambda pipeline: stock.install_prompt_embed_cache(pipeline, max_size=8),
+        "proposed module": lambda pipeline: proposed.install_prompt_embed_cache(pipeline, max_size=8),
+        "this package's plugin": lambda pipeline: install_prompt_embed_cache(pipeline, max_size=8),
+    }
+
+
+def cases() -> dict[str, Callable[[], dict]]:
+    generator = torch.Generator().manual_seed(0)
+    small = torch.randint(1, 32_000, (1, 512), generator=generator)
+    large = torch.randint(1, 32_000, (16, 1024), generator=generator)
+    return {
+        "text prompt": lambda: {"prompt": PROMPT, "num_images_per_prompt": 1},
+        "[1,512] int64 ids + bool mask": lambda: {"prompt_ids": small.clone(), "attention_mask": small != 0},
+        "[16,1024] int64 ids + bool mask": lambda: {"prompt_ids": large.clone(), "attention_mask": large != 0},
+    }
+
+
+def time_round(call: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def one_real_encode_ms() -> float:
+    from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+
+    encoder = build_qwen2_encoder(vocab_size=32_000, hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6)
+    pipeline = TokenIdTextPipeline(encoder)
+    ids = torch.randint(1, 32_000, (1, 512), generator=torch.Generator().manual_seed(1))
+    times = []
+    for _ in range(6):
+        start = time.perf_counter()
+        pipeline.encode_prompt(ids, ids != 0)
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) * 1e3
+
+
+def measure(rounds: int) -> list[dict]:
+    rows = []
+    for case, make_kwargs in cases().items():
+        calls = 200 if case.startswith("[16") else 1000
+        variants = {}
+        for name, install in implementations().items():
+            pipeline = Pipeline()
+            install(pipeline)
+            pipeline.encode_prompt(**make_kwargs())  # fill the cache where there is one
+            runs_before = pipeline.runs
+            variants[name] = (pipeline, runs_before, [])
+        gc.disable()
+        try:
+            for _ in range(rounds):
+                for pipeline, _, times in variants.values():
+                    times.append(time_round(lambda p=pipeline, k=make_kwargs: p.encode_prompt(**k()), calls))
+        finally:
+            gc.enable()
+        bare = min(variants["no cache (bare call)"][2])
+        for name, (pipeline, runs_before, times) in variants.items():
+            reached_encoder = pipeline.runs - runs_before
+            did = "encoder ran" if reached_encoder else "hit"
+            cache = getattr(pipeline, "_prompt_embed_cache", None)
+            if cache is not None and cache.stats()["bypassed"]:
+                did = "bypassed: encoder ran"
+            rows.append(
+                {
+                    "case": case,
+                    "implementation": name,
+                    "did": "-" if name.startswith("no cache") else did,
+                    "best_us": min(times),
+                    "median_us": statistics.median(times),
+                    "over_bare_us": min(times) - bare,
+                }
+            )
+    return rows
+
+
+def render(rows: list[dict], encode_ms: float, rounds: int) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    lines = [
+        f"{cpu_summary()}; Python {sys.version.split()[0]}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads); {datetime.now(UTC):%Y-%m-%d %H:%M} UTC at commit "
+        f"{commit.stdout.strip() or 'unknown'}; {rounds} interleaved rounds per variant.",
+        "",
+        "| call | implementation | what the call did | best us/call | median us/call | best over the bare call (us) |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['case']} | {row['implementation']} | {row['did']} | {row['best_us']:.2f} | "
+            f"{row['median_us']:.2f} | {row['over_bare_us']:.2f} |"
+        )
+    lines += ["", f"One real encode for scale (22M-param Qwen2 text encoder, [1,512], best of 5): {encode_ms:.1f} ms."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=60, help="interleaved timing rounds per variant (>= 1)")
+    parser.add_argument("--write", type=Path, help="also write the table to this file")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    rows = measure(args.rounds)
+    table = render(rows, one_real_encode_ms(), args.rounds)
+    print(table)
+    if args.write:
+        args.write.write_text(table)
+
+
+if __name__ == "__main__":
+    main()

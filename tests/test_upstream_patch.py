@@ -1,0 +1,209 @@
+"""The upstream change in ``upstream/``: its check script on a copy of the installed vLLM-Omni 0.30, and
+upstream's public contract, which the proposed module, the stock module and this plugin all keep."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+pytest.importorskip("vllm_omni", reason="the upstream change is checked against the vllm-omni extra")
+
+from vllm_omni_prompt_cache.vllm_omni import bindings
+
+UPSTREAM = Path(__file__).resolve().parent.parent / "upstream"
+PROPOSED = UPSTREAM / "vllm_omni" / "diffusion" / "cache" / "prompt_embed_cache.py"
+CHECK = UPSTREAM / "check.sh"
+ENV_VARS = (
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_SIZE",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_MAX_BYTES",
+)
+
+
+def _installed_package() -> Path:
+    return Path(importlib.util.find_spec("vllm_omni").origin).parent
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_check(target: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(CHECK), str(target)], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_check_script_passes_on_a_copy_of_the_installed_package(tmp_path: Path) -> None:
+    installed = _installed_package()
+    installed_module = installed / "diffusion" / "cache" / "prompt_embed_cache.py"
+    before = _sha(installed_module)
+    copy = tmp_path / "tree" / "vllm_omni"
+    shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
+
+    result = _run_check(copy)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+    assert "running ours only" in output  # a wheel carries no upstream test file
+    assert _sha(copy / "diffusion" / "cache" / "prompt_embed_cache.py") == _sha(PROPOSED)
+    assert "clear_prompt_embed_cache()" in (copy / "diffusion" / "worker" / "diffusion_worker.py").read_text()
+    assert _sha(installed_module) == before  # the installed package every other test imports is untouched
+
+
+@pytest.mark.parametrize("kind", ["installed", "not a package"])
+def test_check_script_refuses_what_it_must_not_change(tmp_path: Path, kind: str) -> None:
+    target = _installed_package() if kind == "installed" else tmp_path
+    result = _run_check(target)
+    assert result.returncode == 2
+    assert ("installed package" if kind == "installed" else "is not a vllm_omni package directory") in result.stderr
+
+
+def test_the_proposed_module_needs_nothing_vllm_does_not_install() -> None:
+    tree = ast.parse(PROPOSED.read_text())
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    imported |= {
+        node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
+    third_party = imported - set(sys.stdlib_module_names) - {"__future__"}
+    assert third_party == {"numpy", "torch", "vllm", "xxhash", "blake3"}
+    required = {req.split(">")[0].split("=")[0].split("<")[0].strip() for req in importlib.metadata.requires("vllm")}
+    assert {"numpy", "torch", "blake3"} <= required  # xxhash is optional: blake3 stands in without it
+
+
+def test_pr_description_explains_every_changed_upstream_test() -> None:
+    plugin = _load(UPSTREAM / "check_plugin.py", "upstream_check_plugin")
+    description = (UPSTREAM / "PR.md").read_text()
+    for name in plugin.CHANGED:
+        assert name.split("::")[1].split("[")[0] in description, name
+
+
+# Upstream's public contract, held by every implementation a pipeline may be given.
+
+
+@pytest.fixture(params=["stock 0.30", "proposed", "plugin"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    if request.param == "stock 0.30":
+        return bindings.upstream_cache_module()
+    if request.param == "proposed":
+        return _load(PROPOSED, "proposed_prompt_embed_cache")
+    from vllm_omni.plugins import load_omni_general_plugins
+
+    load_omni_general_plugins()  # the plugin rebinds the real module's names to this package's
+    import vllm_omni.diffusion.cache.prompt_embed_cache as module
+
+    return module
+
+
+class _Pipeline:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode_prompt(self, prompt, device=None, num_images_per_prompt: int = 1, prompt_embeds=None):
+        self.calls += 1
+        return torch.full((num_images_per_prompt, 2), float(len(prompt)))
+
+
+def test_public_names_and_signatures(implementation: ModuleType) -> None:
+    install = inspect.signature(implementation.install_prompt_embed_cache).parameters
+    assert list(install)[:4] == ["pipeline", "max_size", "enabled", "model_tag"]
+    assert (install["max_size"].default, install["enabled"].default, install["model_tag"].default) == (32, True, None)
+    assert all(p.default is not p.empty for name, p in install.items() if name != "pipeline")
+    resolve = inspect.signature(implementation.resolve_prompt_embed_cache_config).parameters
+    assert list(resolve) == ["enable", "max_size"]
+    assert list(inspect.signature(implementation.uninstall_prompt_embed_cache).parameters) == ["pipeline"]
+    assert implementation._CACHE_MISS is not None
+
+
+def test_store_contract(implementation: ModuleType) -> None:
+    cache = implementation.PromptEmbedCache(max_size=2)
+    miss = implementation._CACHE_MISS
+    assert cache.get("a") is miss
+    cache.put("a", None)  # a cached None is a hit
+    assert cache.get("a") is None
+    cache.put("b", 2)
+    cache.get("a")  # "a" becomes most recent
+    cache.put("c", 3)  # evicts "b"
+    assert cache.get("b") is miss and cache.get("c") == 3
+    cache.put("c", 4)
+    assert cache.get("c") == 4
+    stats = cache.stats()
+    assert {"size", "max_size", "hits", "misses", "bypassed"} <= set(stats)
+    assert (stats["size"], stats["max_size"], stats["hits"], stats["misses"]) == (2, 2, 4, 2)
+    with cache._lock:  # how upstream's wrapper counts a bypass
+        cache.bypassed += 1
+    cache.clear()
+    assert cache.stats()["size"] == 0 and cache.stats()["hits"] == 4 and cache.stats()["bypassed"] == 1
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            implementation.PromptEmbedCache(max_size=bad)
+
+
+def test_wrapper_contract(implementation: ModuleType) -> None:
+    assert implementation.install_prompt_embed_cache(object()) is None
+    pipeline = _Pipeline()
+    cache = implementation.install_prompt_embed_cache(pipeline, max_size=4, model_tag="t")
+    assert implementation.install_prompt_embed_cache(pipeline, max_size=16) is cache and cache.max_size == 4
+    first = pipeline.encode_prompt("a red fox")
+    assert torch.equal(pipeline.encode_prompt(prompt="a red fox"), first)
+    pipeline.encode_prompt("a red fox", prompt_embeds=torch.zeros(1))  # precomputed: bypassed
+    assert (pipeline.calls, cache.stats()["hits"], cache.stats()["bypassed"]) == (2, 1, 1)
+    cache.enabled = False
+    pipeline.encode_prompt("a red fox")
+    assert pipeline.calls == 3 and cache.stats()["hits"] == 1
+    implementation.uninstall_prompt_embed_cache(pipeline)
+    pipeline.encode_prompt("a red fox")
+    assert pipeline.calls == 4 and getattr(pipeline, "_prompt_embed_cache", None) is None
+    implementation.uninstall_prompt_embed_cache(_Pipeline())  # not wrapped: nothing to do
+
+
+def test_config_contract(implementation: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    resolve = implementation.resolve_prompt_embed_cache_config
+    assert resolve() == (False, 32)
+    assert resolve(enable=True, max_size=8) == (True, 8)
+    monkeypatch.setenv("OMNI_DIFFUSION_PROMPT_EMBED_CACHE", "off")
+    monkeypatch.setenv("OMNI_DIFFUSION_PROMPT_EMBED_CACHE_SIZE", "7")
+    assert resolve(enable=True, max_size=99) == (False, 7)
+
+
+def test_token_id_tensors_hit_except_on_the_stock_module(implementation: ModuleType, request) -> None:
+    """The behaviour the change is for: K fresh id tensors of one prompt, one encode."""
+
+    class TokenIdPipeline:
+        calls = 0
+
+        def encode_prompt(self, prompt_ids, attention_mask=None):
+            TokenIdPipeline.calls += 1
+            return prompt_ids.float() * attention_mask
+
+    pipeline = TokenIdPipeline()
+    cache = implementation.install_prompt_embed_cache(pipeline)
+    ids = torch.tensor([[5, 6, 7, 0]])
+    for _ in range(8):
+        pipeline.encode_prompt(ids.clone(), attention_mask=(ids != 0).clone())
+    stock = request.node.callspec.params["implementation"] == "stock 0.30"
+    assert TokenIdPipeline.calls == (8 if stock else 1)
+    assert cache.stats()["bypassed"] == (8 if stock else 0)
