@@ -131,6 +131,9 @@ class TestContentKeys:
         nan = torch.tensor([float("nan")])
         assert _hashable(nan) == _hashable(nan.clone())
         assert _hashable(torch.ones(2, dtype=torch.bfloat16)) != _hashable(torch.ones(2, dtype=torch.float16))
+        complex_values = torch.tensor([1 + 2j, 3 - 1j])
+        assert _hashable(complex_values.conj()) == _hashable(complex_values.conj().resolve_conj())  # a lazy view
+        assert _hashable(complex_values.conj()) != _hashable(complex_values)
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     def test_cpu_and_cuda_copies_share_one_entry(self):

@@ -97,7 +97,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> np.ndarray | None:
     if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.is_contiguous() and not tensor.requires_grad:
         try:  # the common case, token ids already on the CPU: a view, no copy
             return tensor.numpy().reshape(-1).view(np.uint8)
-        except TypeError:  # bf16, fp8: numpy has no such dtype
+        except (TypeError, RuntimeError):  # bf16 or fp8 (no numpy dtype), a conjugate or negative view
             pass
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return None  # FakeTensor, DTensor, ...: their bytes are not their values
