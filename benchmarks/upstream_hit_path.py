@@ -1,14 +1,16 @@
 """What a cached call costs with the proposed upstream module, side by side with vLLM-Omni 0.30's own
 module and this package's plugin, in one process (the numbers ``upstream/PR.md`` quotes).
 
-    python benchmarks/upstream_hit_path.py [--rounds 60] [--write benchmarks/results/upstream_hit_path.md]
+    python benchmarks/upstream_hit_path.py [--rounds 60] [--main-module PATH] [--write FILE]
 
 Each implementation wraps the same pipeline, whose ``encode_prompt`` returns a ready tensor, so a
 row's time is the wrapper's own cost: key, lookup and (for ours) the witness compare on a hit, or the
 key attempt and the original call on a bypass. Every call passes fresh tensors (``clone()``), as the K
 siblings of a rollout group do; "bare call" is the same call with no cache. Rounds of each variant
 are interleaved, and the best and median round per call are reported. One real encode of a 22M
-Qwen2 text encoder ([1,512]) is timed for scale.
+Qwen2 text encoder ([1,512]) is timed for scale. ``--main-module`` adds vLLM-Omni main's
+``prompt_embed_cache.py`` from a file you supply (main keys int64/bool tensors by their raw bytes,
+with the device); this repository carries no copy of it.
 """
 
 from __future__ import annotations
@@ -48,20 +50,26 @@ class Pipeline:
         return self.output
 
 
-def implementations() -> dict[str, Callable[[Pipeline], object]]:
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def implementations(main_module: Path | None) -> dict[str, Callable[[Pipeline], object]]:
     from vllm_omni_prompt_cache import install_prompt_embed_cache
     from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 
-    spec = importlib.util.spec_from_file_location("proposed_prompt_embed_cache", PROPOSED)
-    proposed: ModuleType = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(proposed)
-    stock = upstream_cache_module()
-    return {
-        "no cache (bare call)": lambda pipeline: None,
-        "vLLM-Omni 0.30 module": lambda pipeline: stock.install_prompt_embed_cache(pipeline, max_size=8),
-        "proposed module": lambda pipeline: proposed.install_prompt_embed_cache(pipeline, max_size=8),
-        "this package's plugin": lambda pipeline: install_prompt_embed_cache(pipeline, max_size=8),
-    }
+    modules = {"vLLM-Omni 0.30 module": upstream_cache_module()}
+    if main_module is not None:
+        modules["vLLM-Omni main module"] = _load(main_module, "main_prompt_embed_cache")
+    modules["proposed module"] = _load(PROPOSED, "proposed_prompt_embed_cache")
+    variants: dict[str, Callable[[Pipeline], object]] = {"no cache (bare call)": lambda pipeline: None}
+    for name, module in modules.items():
+        variants[name] = lambda pipeline, m=module: m.install_prompt_embed_cache(pipeline, max_size=8)
+    variants["this package's plugin"] = lambda pipeline: install_prompt_embed_cache(pipeline, max_size=8)
+    return variants
 
 
 def cases() -> dict[str, Callable[[], dict]]:
@@ -96,12 +104,12 @@ def one_real_encode_ms() -> float:
     return min(times[1:]) * 1e3
 
 
-def measure(rounds: int) -> list[dict]:
+def measure(rounds: int, main_module: Path | None) -> list[dict]:
     rows = []
     for case, make_kwargs in cases().items():
         calls = 200 if case.startswith("[16") else 1000
         variants = {}
-        for name, install in implementations().items():
+        for name, install in implementations(main_module).items():
             pipeline = Pipeline()
             install(pipeline)
             pipeline.encode_prompt(**make_kwargs())  # fill the cache where there is one
@@ -156,11 +164,14 @@ def render(rows: list[dict], encode_ms: float, rounds: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=60, help="interleaved timing rounds per variant (>= 1)")
+    parser.add_argument("--main-module", type=Path, help="vLLM-Omni main's prompt_embed_cache.py, to compare with")
     parser.add_argument("--write", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    rows = measure(args.rounds)
+    if args.main_module is not None and not args.main_module.is_file():
+        parser.error(f"--main-module {args.main_module}: no such file")
+    rows = measure(args.rounds, args.main_module)
     table = render(rows, one_real_encode_ms(), args.rounds)
     print(table)
     if args.write:

@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,27 +48,80 @@ def _load(path: Path, name: str) -> ModuleType:
     return module
 
 
+CHECK_PLUGIN = _load(UPSTREAM / "check" / "check_plugin.py", "upstream_check_plugin")
+
+
 def _run_check(target: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable}
     return subprocess.run(["bash", str(CHECK), str(target)], capture_output=True, text=True, env=env, timeout=600)
 
 
-def test_check_script_passes_on_a_copy_of_the_installed_package(tmp_path: Path) -> None:
+def _stand_in_upstream_tests(body_of: dict[str, str]) -> str:
+    """Write a file shaped like upstream's 0.30 test file: the tests the check expects to change, each
+    with the given body (default: an assertion that fails on the proposed module). Not upstream's
+    code: only its test names, which the check recognises a version by."""
+    default = "assert _hashable(torch.zeros(2)) is _NOT_HASHABLE"
+    lines = [
+        "import pytest",
+        "import torch",
+        "from vllm_omni.diffusion.cache.prompt_embed_cache import _NOT_HASHABLE, _hashable",
+    ]
+    classes: dict[str, list[str]] = {}
+    for name in CHECK_PLUGIN.CHANGED["vLLM-Omni 0.30"]:
+        cls, test = name.split("::")
+        test = test.split("[")[0]
+        if f"def {test}(" in "".join(classes.get(cls, [])):
+            continue
+        parametrize = "    @pytest.mark.parametrize('value', [0, 1, -5, 3.14, True, False])\n" if "[" in name else ""
+        args = "self, value" if "[" in name else "self"
+        body = body_of.get(test, default)
+        classes.setdefault(cls, []).append(f"{parametrize}    def {test}({args}):\n        {body}\n")
+    for cls, tests in classes.items():
+        lines.append(f"\n\nclass {cls}:\n" + "\n".join(tests))
+    return "\n".join(lines) + "\n"
+
+
+def test_check_script_on_a_copy_of_the_installed_package(tmp_path: Path) -> None:
     installed = _installed_package()
     installed_module = installed / "diffusion" / "cache" / "prompt_embed_cache.py"
     before = _sha(installed_module)
     copy = tmp_path / "tree" / "vllm_omni"
     shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
 
+    # A wheel's tree: no upstream test file, ours only.
     result = _run_check(copy)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     summary = result.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
-    assert "running ours only" in output  # a wheel carries no upstream test file
+    assert re.fullmatch(r"\d+ passed, 1 skipped in [\d.]+s", summary), summary  # skipped: the CUDA test
+    assert "running ours only" in output
     assert _sha(copy / "diffusion" / "cache" / "prompt_embed_cache.py") == _sha(PROPOSED)
     assert "clear_prompt_embed_cache()" in (copy / "diffusion" / "worker" / "diffusion_worker.py").read_text()
     assert _sha(installed_module) == before  # the installed package every other test imports is untouched
+
+    # Run again with a file where upstream's is: the worker is already patched, and the listed tests
+    # are recognised as the 0.30 version's and must fail on an assertion.
+    upstream_tests = copy.parent / "tests" / "diffusion" / "cache" / "test_prompt_embed_cache.py"
+    upstream_tests.write_text(_stand_in_upstream_tests({}))
+    result = _run_check(copy)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "already has the sleep change" in output
+    assert "the vLLM-Omni 0.30 version, 13 tests changed" in output
+    assert re.search(r" 13 xfailed in ", result.stdout), result.stdout[-2000:]
+
+    # A listed test that passes, or fails on something else than an assertion, fails the run.
+    upstream_tests.write_text(
+        _stand_in_upstream_tests(
+            {"test_numpy_scalar_is_unwrapped": "pass", "test_numpy_ndarray_is_not_hashable": "import no_such_module"}
+        )
+    )
+    result = _run_check(copy)
+    assert result.returncode != 0
+    failed = {line.split("::")[-1] for line in result.stdout.splitlines() if line.startswith("FAILED")}
+    assert failed == {"test_numpy_scalar_is_unwrapped", "test_numpy_ndarray_is_not_hashable"}, result.stdout[-3000:]
+    assert "[XPASS(strict)] meaning changed" in result.stdout
+    assert "ModuleNotFoundError: No module named 'no_such_module'" in result.stdout
 
 
 @pytest.mark.parametrize("kind", ["installed", "not a package"])
@@ -79,6 +133,8 @@ def test_check_script_refuses_what_it_must_not_change(tmp_path: Path, kind: str)
 
 
 def test_the_proposed_module_needs_nothing_vllm_does_not_install() -> None:
+    from packaging.requirements import Requirement
+
     tree = ast.parse(PROPOSED.read_text())
     imported = {
         alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
@@ -88,15 +144,17 @@ def test_the_proposed_module_needs_nothing_vllm_does_not_install() -> None:
     }
     third_party = imported - set(sys.stdlib_module_names) - {"__future__"}
     assert third_party == {"numpy", "torch", "vllm", "xxhash", "blake3"}
-    required = {req.split(">")[0].split("=")[0].split("<")[0].strip() for req in importlib.metadata.requires("vllm")}
+    required = {Requirement(requirement).name for requirement in importlib.metadata.requires("vllm")}
     assert {"numpy", "torch", "blake3"} <= required  # xxhash is optional: blake3 stands in without it
 
 
 def test_pr_description_explains_every_changed_upstream_test() -> None:
-    plugin = _load(UPSTREAM / "check_plugin.py", "upstream_check_plugin")
     description = (UPSTREAM / "PR.md").read_text()
-    for name in plugin.CHANGED:
-        assert name.split("::")[1].split("[")[0] in description, name
+    for changed in CHECK_PLUGIN.CHANGED.values():
+        for name in changed:
+            assert name.split("[")[0] in description, name
+            if "[" in name:
+                assert f"`[{name.split('[')[1]}`" in description, name
 
 
 # Upstream's public contract, held by every implementation a pipeline may be given.

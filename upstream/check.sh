@@ -8,7 +8,7 @@
 # the tests added), so an installed package is refused. The directory above it goes first on
 # PYTHONPATH. Upstream's own tests/diffusion/cache/test_prompt_embed_cache.py runs too when the tree
 # has one (a source checkout; a wheel has none), with the tests whose meaning the change alters
-# expected to fail (check_plugin.py lists them, PR.md says why). PYTHON picks the interpreter.
+# expected to fail (check/check_plugin.py lists them, PR.md says why). PYTHON picks the interpreter.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -30,6 +30,7 @@ case "$package" in
         ;;
 esac
 root=$(dirname "$package")
+command -v patch >/dev/null || { echo "$0: needs patch(1)" >&2; exit 2; }
 
 # The module, and the worker's sleep change (skipped when this tree already has it).
 cp "$here/vllm_omni/diffusion/cache/prompt_embed_cache.py" "$package/diffusion/cache/prompt_embed_cache.py"
@@ -38,7 +39,7 @@ worker_patch="$here/vllm_omni/diffusion/worker/diffusion_worker.py.patch"
 if patch --dry-run --silent --reverse --force "$worker" "$worker_patch" >/dev/null 2>&1; then
     echo "diffusion_worker.py already has the sleep change"
 else
-    patch --fuzz=3 --no-backup-if-mismatch "$worker" "$worker_patch"
+    patch --fuzz=3 --no-backup-if-mismatch --reject-file=- "$worker" "$worker_patch"
 fi
 
 tests=()
@@ -58,7 +59,9 @@ fi
 # This repository's plugin, if installed alongside, rebinds the module's names: keep it out.
 export VLLM_OMNI_PROMPT_CACHE_PLUGIN=0
 export CHECK_VLLM_OMNI_DIR="$package"
-export PYTHONPATH="$root:$here${PYTHONPATH:+:$PYTHONPATH}"
+export CHECK_PROPOSED_MODULE="$here/vllm_omni/diffusion/cache/prompt_embed_cache.py"
+export CHECK_WORKER_PATCH="$worker_patch"
+export PYTHONPATH="$root:$here/check${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
 exec "$python" -m pytest -p check_plugin -p no:cacheprovider -W ignore::pytest.PytestUnknownMarkWarning \
-    -q -rxX "${tests[@]}"
+    -q -rfExX "${tests[@]}"

@@ -59,6 +59,12 @@ class TextEncoderCountersExtension(CustomPipelineWorkerExtension):
             "placer": moves.placer,
         }
 
+    def runner_prompt_embed_cache_stats(self) -> dict[str, Any] | None:
+        """Return the runner's own ``get_prompt_embed_cache_stats()``: whatever cache vLLM-Omni's runner
+        installed (this package's plugin adds the same method to the worker; stock vLLM-Omni does not)."""
+        runner = getattr(self, "model_runner", None)
+        return None if runner is None else runner.get_prompt_embed_cache_stats()
+
     def text_encoder_bytes(self) -> int:
         """Return the bytes of the pipeline's text encoders' parameters and buffers."""
         pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)

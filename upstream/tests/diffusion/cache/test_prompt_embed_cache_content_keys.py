@@ -137,13 +137,22 @@ class TestContentKeys:
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     def test_cpu_and_cuda_copies_share_one_entry(self):
-        pipe = _TokenIdPipeline()
+        class CudaPipeline(_TokenIdPipeline):
+            """Moves the ids to the encoder's device first, as token-ID encode_prompt methods do."""
+
+            def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):
+                device = self.text_encoder.weight.device
+                embeds, _ = super().encode_prompt(prompt_ids.to(device), attention_mask.to(device))
+                return embeds, attention_mask.to(device)
+
+        pipe = CudaPipeline()
+        pipe.text_encoder.cuda()
         cache = install_prompt_embed_cache(pipe)
         ids, mask = _rollout_ids(0)
-        pipe.encode_prompt(ids, mask)
-        pipe.text_encoder.cuda()
-        pipe.encode_prompt(ids.cuda(), mask.cuda())
+        from_cpu, _ = pipe.encode_prompt(ids, mask)
+        from_cuda, _ = pipe.encode_prompt(ids.cuda(), mask.cuda())
         assert pipe.call_count == 1 and cache.stats()["hits"] == 1
+        assert from_cuda.is_cuda and torch.equal(from_cuda, from_cpu)
 
     def test_tensor_subclasses_and_meta_tensors_bypass(self):
         class Tagged(torch.Tensor):
@@ -174,6 +183,11 @@ class TestContentKeys:
         recoloured = palette.copy()
         recoloured.putpalette([0, 0, 255] * 256)  # same indices, other colours
         assert _hashable(palette) != _hashable(recoloured)
+        opaque, translucent = palette.copy(), palette.copy()
+        opaque.putpalette([255, 0, 0, 255] * 256, rawmode="RGBA")
+        translucent.putpalette([255, 0, 0, 128] * 256, rawmode="RGBA")  # differs in alpha only
+        assert opaque.convert("RGBA").tobytes() != translucent.convert("RGBA").tobytes()
+        assert _hashable(opaque) != _hashable(translucent)
 
 
 # ---------------------------------------------------------------------------
@@ -244,6 +258,32 @@ class TestWitness:
         assert torch.equal(pipe.encode_prompt(original, mask)[0], first)
         assert pipe.call_count == 2
 
+    def test_an_output_that_is_an_input_is_copied_before_it_is_kept(self):
+        pipe = _TokenIdPipeline()  # hands its attention_mask back, as Qwen-Image-style encodes do
+        install_prompt_embed_cache(pipe)
+        ids, mask = _rollout_ids(0)
+        _, returned_mask = pipe.encode_prompt(ids, mask)
+        assert returned_mask is mask
+        expected = mask.clone()
+        mask[:, -3:] = True  # the adapter reuses its mask buffer for the next batch
+        _, cached_mask = pipe.encode_prompt(ids.clone(), expected.clone())
+        assert pipe.call_count == 1
+        assert torch.equal(cached_mask, expected)
+
+    def test_an_encode_that_writes_into_its_inputs_still_hits_later(self):
+        class Consuming(_TokenIdPipeline):
+            def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):
+                out = super().encode_prompt(prompt_ids, attention_mask)
+                prompt_ids.zero_()  # an encode that recycles its input buffer
+                return out
+
+        pipe = Consuming()
+        cache = install_prompt_embed_cache(pipe)
+        ids, mask = _rollout_ids(0)
+        first, _ = pipe.encode_prompt(ids.clone(), mask)
+        again, _ = pipe.encode_prompt(ids.clone(), mask)
+        assert pipe.call_count == 1 and cache.stats()["hits"] == 1 and torch.equal(again, first)
+
     def test_keys_built_without_xxhash_are_exact_too(self, monkeypatch):
         monkeypatch.setitem(sys.modules, "xxhash", None)  # an environment without xxhash
         spec = importlib.util.spec_from_file_location("pec_without_xxhash", pec.__file__)
@@ -293,6 +333,16 @@ class TestByteBudget:
         embeds = torch.zeros(4, 8)
         cache.put("k", (embeds, embeds[:2], embeds))
         assert cache.stats()["bytes"] == embeds.nbytes
+
+    def test_an_output_of_unknown_size_is_returned_but_not_kept(self):
+        class SparsePipeline:
+            def encode_prompt(self, prompt):
+                return torch.eye(3).to_sparse()
+
+        pipe = SparsePipeline()
+        cache = install_prompt_embed_cache(pipe)
+        assert pipe.encode_prompt("cat").is_sparse
+        assert cache.stats()["size"] == 0 and cache.stats()["misses"] == 1
 
     def test_clear_returns_the_bytes(self):
         cache = PromptEmbedCache(max_size=4, max_bytes=1 << 20)

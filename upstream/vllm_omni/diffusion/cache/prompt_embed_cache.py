@@ -31,10 +31,11 @@ Bypasses
 
 Memory
     ``max_size`` bounds the entries and ``max_bytes`` (optional) the bytes
-    they hold: output tensors plus witnesses. Values are detached and shared
-    with callers, who treat them as read-only. The diffusion worker clears the
-    cache before it sleeps, since the entries live outside the allocator's
-    pools.
+    they hold: output tensors (on their device) plus witnesses (host memory).
+    Values are detached and shared with later callers, who treat them as
+    read-only; an output tensor that is one of the call's own inputs (a mask
+    handed back) is copied first. The diffusion worker clears the cache before
+    it sleeps, since the entries live outside the allocator's pools.
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def _hashable(obj: Any, witness: list | None = None) -> Any:
     """Return an exact, hashable stand-in for *obj*, or ``_NOT_HASHABLE``.
 
     Array-like values are keyed by a digest of their bytes; pass a list as
-    *witness* to collect those bytes (see :class:`_CallKey`). Types are
-    checked exactly: subclasses may compare or encode differently.
+    *witness* to collect those bytes (see :class:`_CallKey`). Python scalars
+    and containers are matched by exact type, since a subclass may compare or
+    encode differently; tensor subclasses other than ``nn.Parameter`` have no key.
     """
     kind = type(obj)
     if obj is None or kind is str or kind is bytes:
@@ -170,11 +172,12 @@ def _hashable(obj: Any, witness: list | None = None) -> Any:
         return ("__dict__", tuple(items))
     image_module = sys.modules.get("PIL.Image")  # no PIL imported means no PIL image
     if image_module is not None and isinstance(obj, image_module.Image):
-        palette = obj.getpalette() if obj.mode in ("P", "PA") else None
+        palette = obj.palette if obj.mode in ("P", "PA") else None
         transparency = _hashable(obj.info.get("transparency"))
         if transparency is _NOT_HASHABLE:
             return _NOT_HASHABLE
-        extra = (None if palette is None else tuple(palette), transparency)
+        colours = None if palette is None else (palette.mode, tuple(obj.getpalette(rawmode=None) or ()))
+        extra = (colours, transparency)
         return (*_content("__pil_image__", obj.mode, obj.size, obj.tobytes(), witness), extra)
     return _NOT_HASHABLE
 
@@ -182,7 +185,7 @@ def _hashable(obj: Any, witness: list | None = None) -> Any:
 def _same_bytes(ours: tuple, theirs: tuple) -> bool:
     if len(ours) != len(theirs):
         return False
-    for a, b in zip(ours, theirs, strict=True):
+    for a, b in zip(ours, theirs, strict=False):  # lengths checked above
         if (a if type(a) is bytes else a.tobytes()) != (b if type(b) is bytes else b.tobytes()):
             return False
     return True
@@ -208,36 +211,59 @@ class _CallKey:
             return NotImplemented
         return self.identity == other.identity and _same_bytes(self.witness, other.witness)
 
+    def copied(self) -> _CallKey:
+        """Return this key with its own copy of the witness bytes."""
+        return _CallKey(self.identity, tuple(p if type(p) is bytes else p.tobytes() for p in self.witness))
 
-def _detach_output(value: Any) -> Any:
-    """Detach tensors in the return value so the cache never holds grad state."""
+
+def _storage_id(tensor: torch.Tensor) -> tuple | None:
+    """Return where a tensor's storage lives, or None for tensors without one (sparse, nested, ...)."""
+    try:
+        storage = tensor.untyped_storage()
+        return (storage.device, storage.data_ptr(), storage.nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _detach_output(value: Any, inputs: set | frozenset = frozenset()) -> Any:
+    """Detach tensors in the return value so the cache never holds grad state.
+
+    A tensor whose storage is in *inputs* (the call's own arguments) is cloned.
+    """
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        detached = value.detach()
+        if inputs and _storage_id(detached) in inputs:
+            detached = detached.clone()
+        return detached
     if isinstance(value, tuple):
-        detached = tuple(_detach_output(v) for v in value)
+        detached = tuple(_detach_output(v, inputs) for v in value)
         return type(value)(*detached) if hasattr(value, "_fields") else detached  # keep named tuples
     if isinstance(value, list):
-        return [_detach_output(v) for v in value]
+        return [_detach_output(v, inputs) for v in value]
     if isinstance(value, dict):
-        return {k: _detach_output(v) for k, v in value.items()}
+        return {k: _detach_output(v, inputs) for k, v in value.items()}
     return value
 
 
-def _value_nbytes(value: Any, seen: set | None = None) -> int:
-    """Return the bytes of the tensor storages *value* keeps alive, each storage counted once."""
+def _value_nbytes(value: Any, seen: set | None = None) -> int | None:
+    """Return the bytes of the tensor storages *value* keeps alive, each counted once (None: unknown)."""
     seen = set() if seen is None else seen
     if isinstance(value, torch.Tensor):
-        storage = value.untyped_storage()
-        ident = (storage.device, storage.data_ptr())
-        if ident in seen:
+        storage = _storage_id(value)
+        if storage is None:
+            return None
+        if storage in seen:
             return 0
-        seen.add(ident)
-        return storage.nbytes()
-    if isinstance(value, (tuple, list)):
-        return sum(_value_nbytes(v, seen) for v in value)
-    if isinstance(value, dict):
-        return sum(_value_nbytes(v, seen) for v in value.values())
-    return 0
+        seen.add(storage)
+        return storage[2]
+    items = value if isinstance(value, (tuple, list)) else value.values() if isinstance(value, dict) else ()
+    total = 0
+    for item in items:
+        nbytes = _value_nbytes(item, seen)
+        if nbytes is None:
+            return None
+        total += nbytes
+    return total
 
 
 def _split_key(key: Any) -> tuple[Any, tuple]:
@@ -284,13 +310,17 @@ class PromptEmbedCache:
             return entry[0]
 
     def put(self, key: Any, value: Any) -> bool:
-        """Store *value*, evicting least-recently-used entries; return False when it alone is too large.
+        """Store *value*, evicting least-recently-used entries; False when it alone is over
+        ``max_bytes``, or holds tensors without a countable storage (sparse, nested).
 
         The witness is copied: the caller may write into its tensors later.
         """
         stored_under, witness = _split_key(key)
         witness = tuple(part if type(part) is bytes else part.tobytes() for part in witness)
-        nbytes = _value_nbytes(value) + sum(len(part) for part in witness)
+        value_nbytes = _value_nbytes(value)
+        if value_nbytes is None:  # an output whose memory cannot be counted is not kept
+            return False
+        nbytes = value_nbytes + sum(len(part) for part in witness)
         with self._lock:
             old = self._store.pop(stored_under, None)
             if old is not None:
@@ -347,39 +377,47 @@ def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, 
     return bound.arguments
 
 
+def _key_or_reason(signature: inspect.Signature, model_tag: str, args: tuple, kwargs: dict) -> _CallKey | str:
+    """Return the call's cache key, or why the call must bypass the cache."""
+    arguments = _bind(signature, args, kwargs)
+    if type(arguments) is str:
+        return arguments
+    witness: list = []
+    items = []
+    for name in sorted(arguments):
+        value = arguments[name]
+        try:
+            h = _hashable(value, witness)
+        except Exception as error:  # a value that fails while being read, or nests too deep
+            return f"argument {name!r} raising {type(error).__name__} while being keyed"
+        if h is _NOT_HASHABLE:
+            return f"argument {name!r} of type {type(value).__module__}.{type(value).__qualname__}"
+        items.append((name, h))
+    return _CallKey((model_tag, tuple(items)), tuple(witness))
+
+
 def _build_key(signature: inspect.Signature, model_tag: str, args: tuple, kwargs: dict) -> _CallKey | None:
     """Return the call's cache key, or ``None`` if this call must bypass the cache.
 
     Positional and keyword spellings of one call bind to the same key.
     """
-    arguments = _bind(signature, args, kwargs)
-    if type(arguments) is str:
-        return None
-    witness: list = []
-    items = []
-    try:
-        for name in sorted(arguments):
-            h = _hashable(arguments[name], witness)
-            if h is _NOT_HASHABLE:
-                return None
-            items.append((name, h))
-    except Exception:  # a value that fails while being read (or nests too deep) just runs uncached
-        return None
-    return _CallKey((model_tag, tuple(items)), tuple(witness))
+    key = _key_or_reason(signature, model_tag, args, kwargs)
+    return None if type(key) is str else key
 
 
-def _bypass_reason(signature: inspect.Signature, args: tuple, kwargs: dict) -> str:
-    """Say why :func:`_build_key` gave no key (the slow path, taken only on a bypass)."""
-    arguments = _bind(signature, args, kwargs)
-    if type(arguments) is str:
-        return arguments
-    for name, value in arguments.items():
-        try:
-            if _hashable(value) is _NOT_HASHABLE:
-                return f"argument {name!r} of type {type(value).__module__}.{type(value).__qualname__}"
-        except Exception as error:
-            return f"argument {name!r} raising {type(error).__name__} while being keyed"
-    return "an argument that could not be keyed"
+def _tensor_storages(value: Any, found: set) -> set:
+    """Collect the storages of the tensors in *value* (an argument: keyed already, so acyclic)."""
+    if isinstance(value, torch.Tensor):
+        storage = _storage_id(value)
+        if storage is not None:
+            found.add(storage)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensor_storages(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensor_storages(item, found)
+    return found
 
 
 def _max_bytes_from_env() -> int | None:
@@ -408,7 +446,7 @@ def install_prompt_embed_cache(
     """Wrap ``pipeline.encode_prompt`` so results are cached by argument content.
 
     ``max_bytes=None`` reads ``OMNI_DIFFUSION_PROMPT_EMBED_CACHE_MAX_BYTES``
-    (unset: no byte limit). Idempotent: a second call returns the existing
+    (unset or ``none``: no byte limit); a number given here wins over it. Idempotent: a second call returns the existing
     cache. Returns ``None`` if the pipeline has no ``encode_prompt``.
     """
     existing = getattr(pipeline, "_prompt_embed_cache", None)
@@ -437,18 +475,20 @@ def install_prompt_embed_cache(
     def cached_encode_prompt(*args: Any, **kwargs: Any) -> Any:
         if not cache.enabled:
             return encode_fn(*args, **kwargs)
-        key = _build_key(signature, tag, args, kwargs)
-        if key is None:
-            reason = _bypass_reason(signature, args, kwargs)
-            if cache.count_bypass(reason):
-                logger.info("Prompt-embed cache on %s: calls with %s run uncached (said once).", tag, reason)
+        key = _key_or_reason(signature, tag, args, kwargs)
+        if type(key) is str:
+            if cache.count_bypass(key):
+                logger.info("Prompt-embed cache on %s: calls with %s run uncached (said once).", tag, key)
             return encode_fn(*args, **kwargs)
         hit = cache.get(key)
         if hit is not _CACHE_MISS:
             return hit
+        key = key.copied()  # before the encode, which may write into its inputs
         out = encode_fn(*args, **kwargs)
-        if not cache.put(key, _detach_output(out)):
-            logger.debug("Prompt-embed cache on %s: an output larger than max_bytes was not kept.", tag)
+        # An output tensor that is an input (a mask handed back) is copied: the caller may reuse it.
+        inputs = _tensor_storages((args, kwargs), set())
+        if not cache.put(key, _detach_output(out, inputs)):
+            logger.debug("Prompt-embed cache on %s: an output over max_bytes or of unknown size was not kept.", tag)
         return out
 
     cached_encode_prompt.__wrapped__ = encode_fn  # type: ignore[attr-defined]
