@@ -81,15 +81,22 @@ def _stand_in_upstream_tests(body_of: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_check_script_on_a_copy_of_the_installed_package(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def checked_copy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess, str]:
+    """A copy of the installed package that check.sh has run on once: the tree, the run, the installed
+    module's hash before it."""
     installed = _installed_package()
-    installed_module = installed / "diffusion" / "cache" / "prompt_embed_cache.py"
-    before = _sha(installed_module)
-    copy = tmp_path / "tree" / "vllm_omni"
+    before = _sha(installed / "diffusion" / "cache" / "prompt_embed_cache.py")
+    copy = tmp_path_factory.mktemp("tree") / "vllm_omni"
     shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy, _run_check(copy), before
+
+
+def test_check_script_on_a_copy_of_the_installed_package(checked_copy) -> None:
+    copy, result, before = checked_copy
+    installed_module = _installed_package() / "diffusion" / "cache" / "prompt_embed_cache.py"
 
     # A wheel's tree: no upstream test file, ours only.
-    result = _run_check(copy)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     summary = result.stdout.strip().splitlines()[-1]
@@ -122,6 +129,24 @@ def test_check_script_on_a_copy_of_the_installed_package(tmp_path: Path) -> None
     assert failed == {"test_numpy_scalar_is_unwrapped", "test_numpy_ndarray_is_not_hashable"}, result.stdout[-3000:]
     assert "[XPASS(strict)] meaning changed" in result.stdout
     assert "ModuleNotFoundError: No module named 'no_such_module'" in result.stdout
+
+
+@pytest.mark.engine
+def test_the_proposed_module_serves_a_rollout_through_the_real_engine(checked_copy, tmp_path: Path) -> None:
+    """vLLM-Omni's own runner installs the proposed module (plugin off); the patched worker clears it on sleep."""
+    copy, result, _ = checked_copy
+    assert result.returncode == 0
+    table = tmp_path / "rollout.md"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "upstream_rollout.py"
+    arguments = [str(copy), "--prompts", "2", "--group-size", "4", "--steps", "2", "--write", str(table)]
+    run = subprocess.run([sys.executable, str(script), *arguments], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    report = table.read_text()
+    # 2 prompts x 4 siblings, each with the shared negative prompt: 16 calls, 3 distinct prompts.
+    assert "| none | 16 | 16 | - | - | - |" in report
+    assert "| proposed module | 3 | 3 | 13 | 3 | 0 |" in report
+    assert "identical to the uncached run: 8 of 8 requests" in report
+    assert re.search(r"to 0 entries \(0 bytes\)", report), report
 
 
 @pytest.mark.parametrize("kind", ["installed", "not a package"])
