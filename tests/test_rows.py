@@ -559,3 +559,24 @@ def test_a_one_row_output_of_the_wrong_form_drops_the_layout_and_is_served_uncac
     assert torch.equal(embeds, QwenStyleTokenPipeline(encoder).encode_prompt(ids, mask, num_images_per_prompt=2)[0])
     assert "'copies not declared'" in caplog.text and len(cache) == 0
     assert cache.snapshot().whole_call_reasons == {LAYOUT_DROPPED_REASON: 1}
+
+
+class MaskHandedBack(QwenStyleTokenPipeline):
+    """Returns the attention mask it was given (a view of the caller's tensor), as some encodes do."""
+
+    def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):
+        embeds, _ = super().encode_prompt(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+        return embeds, attention_mask[:, : embeds.shape[1]]
+
+
+def test_a_row_that_is_a_view_of_the_callers_mask_is_kept_as_a_copy(encoder) -> None:
+    pipeline = MaskHandedBack(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    rows = token_rows(2)
+    ids, mask = collate(rows)
+    expected = [tensor.clone() for tensor in pipeline.encode_prompt(ids, mask)]
+    assert cache.stats()["rows_encoded"] == 2
+    mask.fill_(True)  # the adapter reuses its buffer for the next batch
+    embeds, cached_mask = pipeline.encode_prompt(*collate(rows))
+    assert pipeline.encoder_runs == 2  # one encode per row, none for the second call
+    assert torch.equal(cached_mask, expected[1]) and torch.equal(embeds, expected[0])

@@ -19,6 +19,7 @@ from vllm_omni_prompt_cache.store import (
     CacheStats,
     PromptEmbedCache,
     detach_value,
+    unaliased,
     value_nbytes,
 )
 
@@ -344,3 +345,14 @@ def test_snapshots_of_several_replicas_merge_into_one() -> None:
     assert CacheStats.merged([first, dataclasses.replace(second, max_bytes=None)]).max_bytes is None
     with pytest.raises(ValueError, match="no snapshots"):
         CacheStats.merged([])
+
+
+def test_unaliased_copies_only_outputs_that_share_an_inputs_storage() -> None:
+    ids, mask = torch.arange(6).view(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    embeds = torch.zeros(2, 3, 4)
+    kept = unaliased((embeds, {"mask": mask[:, :2]}, [mask]), ((ids,), {"attention_mask": mask}))
+    assert kept[0] is embeds  # not an input: kept as it is
+    assert torch.equal(kept[1]["mask"], mask[:, :2]) and kept[2][0] is not mask
+    for copy in (kept[1]["mask"], kept[2][0]):
+        assert copy.untyped_storage().data_ptr() != mask.untyped_storage().data_ptr()
+    assert unaliased(embeds, ((), {})) is embeds  # no tensor inputs: nothing to walk

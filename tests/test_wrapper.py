@@ -329,3 +329,29 @@ def test_hostile_arguments_run_uncached_with_the_same_result(encoder) -> None:
     }
     assert (stats["hits"], stats["misses"], stats["bypassed"]) == (0, 0, 2)
     assert pipeline.encoder_runs == 2
+
+
+class MaskHandedBack:
+    """Returns the attention mask it was given (the caller's tensor), as some encodes do. Its argument
+    names are not ones a row layout is inferred from, so its calls are keyed whole."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        self.encoder = encoder
+        self.encoder_runs = 0
+
+    @torch.inference_mode()
+    def encode_prompt(self, tokens, token_mask):
+        self.encoder_runs += 1
+        return self.encoder(input_ids=tokens, attention_mask=token_mask.long()).last_hidden_state, token_mask
+
+
+def test_an_output_that_is_the_callers_input_is_kept_as_a_copy(encoder) -> None:
+    pipeline = MaskHandedBack(encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    ids, mask = collate_rows(prompt_token_ids(2))
+    expected_embeds, expected_mask = (tensor.clone() for tensor in pipeline.encode_prompt(ids, mask))
+    runs = pipeline.encoder_runs  # the first call may also have tested an inferred row layout
+    mask.fill_(True)  # the adapter reuses its buffer for the next batch
+    embeds, cached_mask = pipeline.encode_prompt(ids.clone(), expected_mask.clone())
+    assert pipeline.encoder_runs == runs and cache.stats()["hits"] == 1
+    assert torch.equal(cached_mask, expected_mask) and torch.equal(embeds, expected_embeds)

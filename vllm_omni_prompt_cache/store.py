@@ -438,6 +438,38 @@ def detach_value(value: Any) -> Any:
     return map_tensors(value, torch.Tensor.detach)
 
 
+def _storages(value: Any, found: set[tuple[str, int]]) -> set[tuple[str, int]]:
+    """Collect where the tensors in ``value`` (nested tuples, lists, dicts) keep their storage."""
+    if isinstance(value, torch.Tensor):
+        if value.layout is torch.strided and not value.is_nested:
+            found.add((str(value.device), value.untyped_storage().data_ptr()))
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _storages(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _storages(item, found)
+    return found
+
+
+def unaliased(value: Any, inputs: Any) -> Any:
+    """Return ``value`` with each tensor that shares storage with a tensor of ``inputs`` cloned.
+
+    An encode may hand one of its inputs back (Qwen-Image-style encodes return the attention mask
+    they were given); kept as is, the entry would change when the caller reuses that buffer.
+    """
+    shared = _storages(inputs, set())
+    if not shared:
+        return value
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.layout is torch.strided and (str(tensor.device), tensor.untyped_storage().data_ptr()) in shared:
+            return tensor.clone()
+        return tensor
+
+    return map_tensors(value, own)
+
+
 def value_nbytes(value: Any) -> int:
     """Return the bytes of tensor storage that keeping ``value`` holds alive (shared storage once)."""
     seen: dict[tuple[str, int], int] = {}

@@ -50,7 +50,7 @@ from vllm_omni_prompt_cache.proofs import (
 )
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, UnstackableRows
-from vllm_omni_prompt_cache.store import ENCODE_PROMPT, PromptEmbedCache
+from vllm_omni_prompt_cache.store import ENCODE_PROMPT, PromptEmbedCache, unaliased
 
 if TYPE_CHECKING:
     from vllm_omni_prompt_cache.vllm_omni.methods import EncodeMethod
@@ -479,7 +479,7 @@ class _CachedCalls:
             cache.record_rows_encoded(1)
             return self.encode_fn(*args, **kwargs)
         try:
-            return cache.get_or_compute(key, lambda: layout.check_row(self.encode_fn(*args, **kwargs)), row=True)
+            return cache.get_or_compute(key, lambda: layout.check_row(self._encode_to_keep(args, kwargs)), row=True)
         except LayoutMismatch as error:  # the row was not stored; serve the call whole and uncached
             self.proof.refute(layout, str(error))
             cache.record_whole_call(LAYOUT_DROPPED_REASON)
@@ -549,7 +549,7 @@ class _CachedCalls:
         if type(key) is Bypass:
             cache.record_bypass(key.reason)
             return encode()
-        result = cache.get_or_compute(key, encode)
+        result = cache.get_or_compute(key, lambda: unaliased(encode(), (args, kwargs)))
         if infer and encoded and self.proof.claim_inference():
             adopted = None
             try:
@@ -618,9 +618,14 @@ class _CachedCalls:
     def _row_encoder(self, split: RowSplit) -> Callable[[int], Any]:
         def encode_row(index: int) -> Any:
             bound = inspect.BoundArguments(self.signature, split.call_arguments(index))  # type: ignore[arg-type]
-            return split.check_row(self.encode_fn(*bound.args, **bound.kwargs))
+            return split.check_row(self._encode_to_keep(bound.args, bound.kwargs))
 
         return encode_row
+
+    def _encode_to_keep(self, args: tuple, kwargs: dict) -> Any:
+        """Run the encoder for a result the cache keeps (keyed arguments only: bounded, acyclic); outputs
+        that are the call's own input tensors are copied."""
+        return unaliased(self.encode_fn(*args, **kwargs), (args, kwargs))
 
 
 class _MethodCounts:
