@@ -17,7 +17,9 @@ import argparse
 import asyncio
 import hashlib
 import os
+import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +72,18 @@ async def rollout(spec: Any, cached: bool) -> dict[str, Any]:
     }
 
 
-def render(spec: Any, off: dict[str, Any], on: dict[str, Any]) -> str:
+def render(spec: Any, off: dict[str, Any], on: dict[str, Any], package_label: str) -> str:
     import torch
 
     same = sum(torch.equal(off["latents"][index], on["latents"][index]) for index in off["latents"])
     stats, counted, slept = on["stats"], on["counted"], on["after_sleep"]
+    from vllm_omni_prompt_cache.demo.machine import cpu_summary
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     lines = [
+        f"{cpu_summary()}; {datetime.now(UTC):%Y-%m-%d %H:%M} UTC at commit {commit.stdout.strip() or 'unknown'}; "
+        f"vLLM-Omni tree: {package_label}.",
+        "",
         f"{len(spec.prompts)} prompts x {spec.group_size} siblings = {len(spec.requests())} requests, CFG with a "
         f"shared negative prompt, {spec.steps} steps at {spec.height}x{spec.width}, max_num_seqs {spec.max_num_seqs}.",
         "",
@@ -123,7 +131,9 @@ def main() -> None:
     )
     off = asyncio.run(rollout(spec, cached=False))
     on = asyncio.run(rollout(spec, cached=True))
-    table = render(spec, off, on)
+    import vllm_omni
+
+    table = render(spec, off, on, f"a copy of vLLM-Omni {vllm_omni.__version__} with the proposed change")
     print(table)
     if args.write:
         args.write.write_text(table)

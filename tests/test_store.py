@@ -7,6 +7,7 @@ import inspect
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -356,3 +357,11 @@ def test_unaliased_copies_only_outputs_that_share_an_inputs_storage() -> None:
     for copy in (kept[1]["mask"], kept[2][0]):
         assert copy.untyped_storage().data_ptr() != mask.untyped_storage().data_ptr()
     assert unaliased(embeds, ((), {})) is embeds  # no tensor inputs: nothing to walk
+
+
+def test_unaliased_copies_outputs_built_on_a_numpy_input() -> None:
+    token_ids = np.arange(4)
+    shared, own = torch.from_numpy(token_ids), torch.arange(4)
+    kept = unaliased((shared, own), ((token_ids,), {}))
+    assert torch.equal(kept[0], shared) and not np.shares_memory(kept[0].numpy(), token_ids)
+    assert kept[1] is own

@@ -39,7 +39,7 @@ worker_patch="$here/vllm_omni/diffusion/worker/diffusion_worker.py.patch"
 if patch --dry-run --silent --reverse --force "$worker" "$worker_patch" >/dev/null 2>&1; then
     echo "diffusion_worker.py already has the sleep change"
 else
-    patch --fuzz=3 --no-backup-if-mismatch --reject-file=- "$worker" "$worker_patch"
+    patch --fuzz=0 --no-backup-if-mismatch --reject-file=- "$worker" "$worker_patch"
 fi
 
 tests=()

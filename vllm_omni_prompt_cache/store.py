@@ -32,6 +32,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
+import numpy as np
 import torch
 
 from vllm_omni_prompt_cache.audit import Audit
@@ -438,32 +439,50 @@ def detach_value(value: Any) -> Any:
     return map_tensors(value, torch.Tensor.detach)
 
 
-def _storages(value: Any, found: set[tuple[str, int]]) -> set[tuple[str, int]]:
-    """Collect where the tensors in ``value`` (nested tuples, lists, dicts) keep their storage."""
+def _memory(tensor: torch.Tensor) -> tuple[str, int, int] | None:
+    """Return the memory a tensor's storage spans (device, start, end), or None when it has none to read."""
+    try:
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        return (str(tensor.device), start, start + storage.nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, wrapper subclasses
+        return None
+
+
+def _input_memory(value: Any, found: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Collect the memory of the tensors and numpy arrays in keyed arguments (acyclic, of known types)."""
     if isinstance(value, torch.Tensor):
-        if value.layout is torch.strided and not value.is_nested:
-            found.add((str(value.device), value.untyped_storage().data_ptr()))
+        memory = _memory(value)
+        if memory is not None:
+            found.append(memory)
+    elif isinstance(value, np.ndarray):
+        start, end = np.lib.array_utils.byte_bounds(value)
+        found.append(("cpu", start, end))
     elif isinstance(value, (tuple, list)):
         for item in value:
-            _storages(item, found)
+            _input_memory(item, found)
     elif isinstance(value, dict):
         for item in value.values():
-            _storages(item, found)
+            _input_memory(item, found)
     return found
 
 
 def unaliased(value: Any, inputs: Any) -> Any:
-    """Return ``value`` with each tensor that shares storage with a tensor of ``inputs`` cloned.
+    """Return ``value`` with each tensor whose memory overlaps a tensor or array of ``inputs`` cloned.
 
-    An encode may hand one of its inputs back (Qwen-Image-style encodes return the attention mask
-    they were given); kept as is, the entry would change when the caller reuses that buffer.
+    An encode may hand one of its inputs back, or build an output on it (Qwen-Image-style encodes
+    return the attention mask they were given); kept as is, the entry would change when the caller
+    reuses that buffer.
     """
-    shared = _storages(inputs, set())
+    shared = _input_memory(inputs, [])
     if not shared:
         return value
 
     def own(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.layout is torch.strided and (str(tensor.device), tensor.untyped_storage().data_ptr()) in shared:
+        memory = _memory(tensor)
+        if memory is not None and any(
+            memory[0] == device and memory[1] < end and start < memory[2] for device, start, end in shared
+        ):
             return tensor.clone()
         return tensor
 

@@ -14,6 +14,7 @@ It makes the run prove what it claims:
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 
@@ -77,11 +78,21 @@ def pytest_configure(config: pytest.Config) -> None:
     if prompt_embed_cache.install_prompt_embed_cache.__module__ != prompt_embed_cache.__name__:
         raise pytest.UsageError("prompt_embed_cache's names were rebound after import (a plugin?)")
     with open(_environment("CHECK_WORKER_PATCH")) as patch_file:
-        added = [line[1:] for line in patch_file.read().splitlines() if line.startswith("+") and line[1:2] != "+"]
+        hunk = patch_file.read().split("\n@@", 1)[1].splitlines()[1:]
+    # The added lines, then the line the patch places them before.
+    change = [line[1:] for line in hunk if line.startswith("+")] + [next(line[1:] for line in hunk if line[:1] == " ")]
     with open(diffusion_worker.__file__) as worker_file:
-        worker = worker_file.read().splitlines()
-    if not all(line in worker for line in added):
-        raise pytest.UsageError(f"{diffusion_worker.__file__} lacks the sleep change")
+        source = worker_file.read()
+    sleep = next(
+        node
+        for cls in ast.parse(source).body
+        if isinstance(cls, ast.ClassDef) and cls.name == "DiffusionWorker"
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef) and node.name == "sleep"
+    )
+    body = "\n".join(source.splitlines()[sleep.lineno - 1 : sleep.end_lineno])
+    if "\n".join(change) not in body:
+        raise pytest.UsageError(f"DiffusionWorker.sleep in {diffusion_worker.__file__} lacks the sleep change")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -270,6 +270,36 @@ class TestWitness:
         assert pipe.call_count == 1
         assert torch.equal(cached_mask, expected)
 
+    def test_an_output_built_on_a_numpy_input_is_copied_before_it_is_kept(self):
+        class Pipeline:
+            def encode_prompt(self, token_ids):
+                return torch.from_numpy(token_ids)  # shares the caller's memory
+
+        pipe = Pipeline()
+        cache = install_prompt_embed_cache(pipe)
+        token_ids = np.arange(4)
+        pipe.encode_prompt(token_ids)
+        token_ids[:] = 9
+        assert torch.equal(pipe.encode_prompt(np.arange(4)), torch.arange(4))
+        assert cache.stats()["hits"] == 1
+
+    def test_an_output_that_cannot_be_kept_still_reaches_the_caller(self, monkeypatch):
+        warned = []
+        monkeypatch.setattr(pec.logger, "warning", lambda msg, *args: warned.append(msg % args))
+
+        def no_memory(value, inputs=None):
+            raise torch.OutOfMemoryError("no memory for the copy")
+
+        monkeypatch.setattr(pec, "_detach_output", no_memory)
+        pipe = _TokenIdPipeline()
+        cache = install_prompt_embed_cache(pipe)
+        ids, mask = _rollout_ids(0)
+        for _ in range(2):
+            embeds, _ = pipe.encode_prompt(ids, mask)
+            assert embeds.shape == (2, 12, WIDTH)
+        assert pipe.call_count == 2 and cache.stats()["size"] == 0
+        assert len(warned) == 1 and "no memory for the copy" in warned[0]
+
     def test_an_encode_that_writes_into_its_inputs_still_hits_later(self):
         class Consuming(_TokenIdPipeline):
             def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):

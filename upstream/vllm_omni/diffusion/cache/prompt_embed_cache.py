@@ -225,14 +225,24 @@ def _storage_id(tensor: torch.Tensor) -> tuple | None:
         return None
 
 
-def _detach_output(value: Any, inputs: set | frozenset = frozenset()) -> Any:
+def _overlaps(tensor: torch.Tensor, inputs: list[tuple[str, int, int]]) -> bool:
+    """Return whether the tensor's storage overlaps memory of the call's inputs (see :func:`_input_memory`)."""
+    storage = _storage_id(tensor)
+    if storage is None:
+        return False
+    device, start = str(storage[0]), storage[1]
+    end = start + storage[2]
+    return any(device == in_device and start < in_end and in_start < end for in_device, in_start, in_end in inputs)
+
+
+def _detach_output(value: Any, inputs: list[tuple[str, int, int]] | None = None) -> Any:
     """Detach tensors in the return value so the cache never holds grad state.
 
-    A tensor whose storage is in *inputs* (the call's own arguments) is cloned.
+    A tensor whose memory overlaps *inputs* (the call's own arguments) is cloned.
     """
     if isinstance(value, torch.Tensor):
         detached = value.detach()
-        if inputs and _storage_id(detached) in inputs:
+        if inputs and _overlaps(detached, inputs):
             detached = detached.clone()
         return detached
     if isinstance(value, tuple):
@@ -405,18 +415,22 @@ def _build_key(signature: inspect.Signature, model_tag: str, args: tuple, kwargs
     return None if type(key) is str else key
 
 
-def _tensor_storages(value: Any, found: set) -> set:
-    """Collect the storages of the tensors in *value* (an argument: keyed already, so acyclic)."""
+def _input_memory(value: Any, found: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Collect the memory (device, start, end) of the tensors and numpy arrays in an already-keyed
+    argument (so acyclic and of known types), which an output may be built on."""
     if isinstance(value, torch.Tensor):
         storage = _storage_id(value)
         if storage is not None:
-            found.add(storage)
+            found.append((str(storage[0]), storage[1], storage[1] + storage[2]))
+    elif isinstance(value, np.ndarray):
+        start, end = np.lib.array_utils.byte_bounds(value)
+        found.append(("cpu", start, end))
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _tensor_storages(item, found)
+            _input_memory(item, found)
     elif isinstance(value, dict):
         for item in value.values():
-            _tensor_storages(item, found)
+            _input_memory(item, found)
     return found
 
 
@@ -471,6 +485,8 @@ def install_prompt_embed_cache(
     cache = PromptEmbedCache(max_size=max_size, enabled=enabled, max_bytes=max_bytes)
     tag = model_tag or type(pipeline).__name__
 
+    failed_to_keep: list[Exception] = []
+
     @functools.wraps(encode_fn)
     def cached_encode_prompt(*args: Any, **kwargs: Any) -> Any:
         if not cache.enabled:
@@ -484,10 +500,17 @@ def install_prompt_embed_cache(
         if hit is not _CACHE_MISS:
             return hit
         key = key.copied()  # before the encode, which may write into its inputs
+        inputs = _input_memory((args, kwargs), [])
         out = encode_fn(*args, **kwargs)
-        # An output tensor that is an input (a mask handed back) is copied: the caller may reuse it.
-        inputs = _tensor_storages((args, kwargs), set())
-        if not cache.put(key, _detach_output(out, inputs)):
+        try:
+            # An output built on an input (a mask handed back) is copied: the caller may reuse its buffer.
+            kept = cache.put(key, _detach_output(out, inputs))
+        except Exception as error:  # e.g. out of memory for the copy: the caller still gets its output
+            kept = False
+            if not failed_to_keep:
+                failed_to_keep.append(error)
+                logger.warning("Prompt-embed cache on %s: an output could not be kept (%r; said once).", tag, error)
+        if not kept:
             logger.debug("Prompt-embed cache on %s: an output over max_bytes or of unknown size was not kept.", tag)
         return out
 
