@@ -38,7 +38,8 @@ PROMPT = "a photo of a red fox standing on a snowy hill at dawn, highly detailed
 
 
 class Pipeline:
-    """A verl-omni-shaped token-ID ``encode_prompt`` (it also takes text) whose encoder costs nothing."""
+    """An ``encode_prompt`` taking text or token ids (the ids and mask parameters of verl-omni's
+    Qwen-Image encode, a ``prompt`` for text calls) whose encoder costs nothing."""
 
     def __init__(self) -> None:
         self.runs = 0

@@ -470,9 +470,9 @@ def _input_memory(value: Any, found: list[tuple[str, int, int]]) -> list[tuple[s
 def unaliased(value: Any, inputs: Any) -> Any:
     """Return ``value`` with each tensor whose memory overlaps a tensor or array of ``inputs`` cloned.
 
-    An encode may hand one of its inputs back, or build an output on it (Qwen-Image-style encodes
-    return the attention mask they were given); kept as is, the entry would change when the caller
-    reuses that buffer.
+    An encode may hand one of its inputs back, or build an output on it (verl-omni's LTX-2
+    ``_encode_token_ids`` returns a slice of the mask it was given when the ids need no padding);
+    kept as is, the entry would change when the caller reuses that buffer.
     """
     shared = _input_memory(inputs, [])
     if not shared:

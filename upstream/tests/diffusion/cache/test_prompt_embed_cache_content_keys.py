@@ -36,9 +36,12 @@ VOCAB, WIDTH = 64, 8
 
 
 class _TokenIdPipeline:
-    """A token-ID pipeline as RL rollout adapters drive it: int64 ids and a bool mask per call.
+    """A token-ID ``encode_prompt`` with the parameters of verl-omni's Qwen-Image one
+    (``verl_omni/pipelines/qwen_image_flow_grpo/common.py``): int64 ids and a bool mask per call.
 
-    The encoder is a real (tiny) embedding, so outputs depend on the ids' values.
+    The encoder is a real (tiny) embedding, so outputs depend on the ids' values. Unlike that
+    encode, it hands the caller's mask back (as verl-omni's LTX-2 ``_encode_token_ids`` can),
+    which the aliasing tests need.
     """
 
     def __init__(self):
@@ -46,7 +49,15 @@ class _TokenIdPipeline:
         self.text_encoder = torch.nn.Embedding(VOCAB, WIDTH)
         self.call_count = 0
 
-    def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):
+    def encode_prompt(
+        self,
+        prompt_ids,
+        attention_mask=None,
+        num_images_per_prompt=1,
+        prompt_embeds=None,
+        prompt_embeds_mask=None,
+        max_sequence_length=1024,
+    ):
         self.call_count += 1
         with torch.no_grad():
             embeds = self.text_encoder(prompt_ids[:, :max_sequence_length])
@@ -140,7 +151,7 @@ class TestContentKeys:
         class CudaPipeline(_TokenIdPipeline):
             """Moves the ids to the encoder's device first, as token-ID encode_prompt methods do."""
 
-            def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):
+            def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=1024):
                 device = self.text_encoder.weight.device
                 embeds, _ = super().encode_prompt(prompt_ids.to(device), attention_mask.to(device))
                 return embeds, attention_mask.to(device)
@@ -259,7 +270,7 @@ class TestWitness:
         assert pipe.call_count == 2
 
     def test_an_output_that_is_an_input_is_copied_before_it_is_kept(self):
-        pipe = _TokenIdPipeline()  # hands its attention_mask back, as Qwen-Image-style encodes do
+        pipe = _TokenIdPipeline()  # hands its attention_mask back, as some token-ID encodes do
         install_prompt_embed_cache(pipe)
         ids, mask = _rollout_ids(0)
         _, returned_mask = pipe.encode_prompt(ids, mask)
@@ -302,7 +313,7 @@ class TestWitness:
 
     def test_an_encode_that_writes_into_its_inputs_still_hits_later(self):
         class Consuming(_TokenIdPipeline):
-            def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):
+            def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=1024):
                 out = super().encode_prompt(prompt_ids, attention_mask)
                 prompt_ids.zero_()  # an encode that recycles its input buffer
                 return out
