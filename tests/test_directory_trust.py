@@ -239,22 +239,27 @@ def test_a_worker_without_the_engines_key_refuses_to_start(tmp_path, monkeypatch
 
 
 def test_a_pipe_or_link_planted_while_a_process_waits_for_a_claim_is_never_opened(tmp_path) -> None:
-    """The wait reads the entry's file again and again: each read must be as careful as the first."""
+    """The wait reads the entry's file again and again: each read must be as careful as the first.
+
+    The pipe is planted through the tier's public claims: each time the waiter tries the entry's
+    claim, so after its first read found nothing (as a racing writer would) and before each read
+    of the wait.
+    """
     holder, holder_cache = process(tmp_path)
     identity, witness = _key_of(holder, 0)
     assert holder_cache.directory.load(identity, witness) == (False, None)  # claims prompt 0, encodes "later"
     waiter, cache = process(tmp_path, directory_key=None)
     tier = cache.directory
     tier.claim_wait_s = 1.0
-    path = tier._path(tier.namespace, identity)
-    original = tier._try_claim
+    path = tier.root / tier.namespace / (identity_name(identity) + SUFFIX)
+    try_claim = tier.claims.try_claim
 
-    def plant_then_claim(claim_key, entry):  # after the first read found nothing, as a racing writer would
+    def plant_then_claim(claim_key, entry):
         if not path.exists() and not path.is_symlink():
             os.mkfifo(path)
-        return original(claim_key, entry)
+        return try_claim(claim_key, entry)
 
-    tier._try_claim = plant_then_claim
+    tier.claims.try_claim = plant_then_claim
     began = time.monotonic()
     assert same(encode(waiter, 0), reference(0))  # a plain open() of the pipe would block here for good
     assert time.monotonic() - began < 5 and cache.snapshot().dir_rejections[NOT_A_FILE] >= 1

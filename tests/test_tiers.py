@@ -355,16 +355,16 @@ class WaitingPipeline(TokenIdTextPipeline):
 
 
 def test_two_processes_missing_one_prompt_at_once_encode_it_once(tmp_path, monkeypatch) -> None:
-    from vllm_omni_prompt_cache import directory_tier
+    from vllm_omni_prompt_cache import directory_claims
 
     real_sleep = time.sleep
 
-    def sleep_and_say(seconds: float) -> None:  # only the claim wait sleeps in directory_tier
+    def sleep_and_say(seconds: float) -> None:  # only the claim wait sleeps in directory_claims
         WaitingPipeline.other_waits.set()
         real_sleep(seconds)
 
     monkeypatch.setattr(
-        directory_tier, "time", SimpleNamespace(time=time.time, monotonic=time.monotonic, sleep=sleep_and_say)
+        directory_claims, "time", SimpleNamespace(time=time.time, monotonic=time.monotonic, sleep=sleep_and_say)
     )
     WaitingPipeline.other_waits.clear()
     encoder = build_qwen2_encoder()
@@ -450,7 +450,7 @@ def test_sleep_level_one_keeps_entries_in_host_memory_and_level_two_clears_every
     encode(pipeline, 0)
     assert sleep(worker, level=2) == 2
     assert (len(cache), len(cache.host)) == (0, 0)
-    assert cache.directory._namespace is None  # fingerprinted again on next use
+    assert cache.directory.namespace_state.current is None  # fingerprinted again on next use
     assert cache.directory.namespace == namespace  # the same weights came back: the same files
 
 
