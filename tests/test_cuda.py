@@ -151,7 +151,7 @@ def test_an_entry_leaving_gpu_memory_waits_in_pinned_host_memory_and_comes_back_
     del encoded  # the caller's reference to the stored value: the cache's own is what sleep must free
     allocated = torch.cuda.memory_allocated()
     assert cache.release_device_memory() == 1  # what level-1 sleep does
-    (host_entry,) = cache.host._entries.values()
+    (host_entry,) = cache.host.held()
     assert host_entry.value[0].is_pinned() and host_entry.devices[0].type == "cuda"
     del host_entry
     assert torch.cuda.memory_allocated() < allocated  # the cache holds no GPU memory while asleep

@@ -210,9 +210,9 @@ def race(cache, first: tuple[str, list], second: tuple[str, list], run, release:
     one of them; only then is ``release`` set (the encoder of ``first`` holds on it)."""
     threads = [threading.Thread(target=run, name=name, args=(name, batch)) for name, batch in (first, second)]
     threads[0].start()
-    wait_until(lambda: cache._flights, "the first batch has claimed its rows")
+    wait_until(lambda: len(cache.flights), "the first batch has claimed its rows")
     threads[1].start()
-    wait_until(lambda: any(flight.waiters for flight in list(cache._flights.values())), "the second batch waits")
+    wait_until(lambda: cache.flights.waiters(), "the second batch waits")
     release.set()
     for thread in threads:
         thread.join(30)
@@ -422,7 +422,7 @@ def test_a_row_whose_encode_raises_releases_the_rows_it_had_not_encoded(encoder)
     assert isinstance(outcome["failing"], RuntimeError)
     assert encoded == [("failing", len(a)), ("waiter", len(b))]  # b was never encoded by the failing call
     assert torch.equal(outcome["waiter"][0], rows_alone(QwenStyleTokenPipeline(encoder), [b], copies=1)[0])
-    assert not cache._flights
+    assert not len(cache.flights)
     stats = cache.snapshot()
     assert (stats.row_misses, stats.rows_encoded, stats.misses, len(cache)) == (1, 2, 2, 1)
 

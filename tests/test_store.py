@@ -19,10 +19,8 @@ from vllm_omni_prompt_cache.store import (
     UNSPECIFIED_REASON,
     CacheStats,
     PromptEmbedCache,
-    detach_value,
-    unaliased,
-    value_nbytes,
 )
+from vllm_omni_prompt_cache.values import detach_value, unaliased, value_nbytes
 
 
 def _signature(prompt_ids):
@@ -145,8 +143,7 @@ def test_identity_match_with_different_bytes_is_a_counted_bypass() -> None:
 def wait_for_waiters(cache: PromptEmbedCache, call_key: CallKey, count: int) -> None:
     """Block until ``count`` callers wait on the flight computing ``call_key`` (fails after 10 s)."""
     for _ in range(10_000):
-        flight = cache._flights.get(call_key.identity)
-        if flight is not None and flight.waiters >= count:
+        if cache.flights.waiters(call_key.identity) >= count:
             return
         time.sleep(0.001)
     pytest.fail(f"{count} waiters never arrived")

@@ -487,15 +487,18 @@ def test_a_host_copy_that_fails_drops_the_entry_and_raises_nothing(monkeypatch) 
 
 
 def test_an_entry_leaving_device_memory_before_a_clear_never_arrives_after_it() -> None:
-    """The host copy runs outside the store's lock; a clear() meanwhile makes the entry stale."""
+    """The host copy runs outside the store's lock; a clear() meanwhile makes the entry stale: the
+    ticket it left under goes stale (as PromptEmbedCache.clear() does, before the host tier empties)."""
+    from vllm_omni_prompt_cache.flights import Ticket
     from vllm_omni_prompt_cache.host_tier import HostTier
 
     host = HostTier(2**20)
-    epoch = host.epoch  # read when the entry left device memory
-    host.clear()  # new weights, while the copy was running
-    host.put(("tag", "prompt"), torch.ones(2), None, 8, epoch)
+    ticket = Ticket()  # the store's ticket when the entry left device memory
+    ticket.stale = True  # new weights, while the copy was running
+    host.clear()
+    host.put(("tag", "prompt"), torch.ones(2), None, 8, ticket)
     assert len(host) == 0 and host.demotions == 0
-    host.put(("tag", "prompt"), torch.ones(2), None, 8, host.epoch)
+    host.put(("tag", "prompt"), torch.ones(2), None, 8, Ticket())
     assert len(host) == 1
 
 

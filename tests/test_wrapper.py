@@ -277,7 +277,7 @@ def test_concurrent_identical_calls_share_one_encode_through_the_wrapper(encoder
         for thread in threads[1:]:
             thread.start()
         deadline = time.monotonic() + 10
-        while not any(flight.waiters >= 5 for flight in list(cache._flights.values())):
+        while cache.flights.waiters() < 5:  # one flight: the first caller's
             assert time.monotonic() < deadline, "the later callers never waited on the first one's encode"
             time.sleep(0.001)
     finally:

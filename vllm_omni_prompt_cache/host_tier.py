@@ -16,7 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vllm_omni_prompt_cache.flights import Ticket
 from vllm_omni_prompt_cache.keys import witness_matches
+from vllm_omni_prompt_cache.values import map_tensors
 
 
 class HostEntry(NamedTuple):
@@ -26,20 +28,6 @@ class HostEntry(NamedTuple):
     devices: tuple[torch.device, ...]  # of the value's tensors, in the order map_tensors visits them
     witness: tuple[bytes, ...] | None
     nbytes: int
-
-
-def map_tensors(value: Any, convert: Any) -> Any:
-    """Return ``value`` with each tensor replaced by ``convert(tensor)`` (tuples, lists, dicts rebuilt)."""
-    if isinstance(value, torch.Tensor):
-        return convert(value)
-    if isinstance(value, tuple):
-        mapped = [map_tensors(item, convert) for item in value]
-        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
-    if isinstance(value, list):
-        return [map_tensors(item, convert) for item in value]
-    if isinstance(value, dict):
-        return {key: map_tensors(item, convert) for key, item in value.items()}
-    return value
 
 
 def to_host(value: Any) -> tuple[Any, tuple[torch.device, ...]]:
@@ -71,7 +59,6 @@ class HostTier:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[Hashable, HostEntry] = OrderedDict()
         self._lock = threading.Lock()
-        self.epoch = 0  # bumped by clear(): an entry copied for an earlier epoch is dropped on arrival
         self.bytes = 0
         # Counts since the tier was made (clear() keeps them), read by the store's snapshot.
         self.hits = 0  # device misses served from here
@@ -82,11 +69,18 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, identity: Hashable, value: Any, witness: tuple[bytes, ...] | None, nbytes: int, epoch: int) -> None:
+    def held(self) -> list[HostEntry]:
+        """Return the entries in host memory now, least recently arrived first."""
+        with self._lock:
+            return list(self._entries.values())
+
+    def put(
+        self, identity: Hashable, value: Any, witness: tuple[bytes, ...] | None, nbytes: int, ticket: Ticket
+    ) -> None:
         """Copy an entry leaving the device tier into host memory, then evict the oldest over budget.
 
-        ``epoch``: :attr:`epoch` when the entry left the device tier (read under the store's lock); a
-        clear() since then means the entry is stale and it is dropped.
+        ``ticket``: the store's ticket when the entry left the device tier; a clear() since then made
+        it stale (before emptying this tier), and the entry is dropped.
         """
         if nbytes > self.max_bytes:
             with self._lock:
@@ -94,7 +88,7 @@ class HostTier:
             return
         host_value, devices = to_host(value)  # outside the lock: a device-to-host copy
         with self._lock:
-            if epoch != self.epoch:
+            if ticket.stale:
                 return
             self.demotions += 1
             previous = self._entries.pop(identity, None)
@@ -125,6 +119,5 @@ class HostTier:
     def clear(self) -> None:
         """Drop every entry (they are stale); counts are kept."""
         with self._lock:
-            self.epoch += 1
             self._entries.clear()
             self.bytes = 0

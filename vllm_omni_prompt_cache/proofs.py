@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from vllm_omni_prompt_cache.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.rows import RowLayout, RowOutput, RowSplit
-from vllm_omni_prompt_cache.store import ENCODE_PROMPT
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +255,17 @@ class LayoutProof:
         with self.lock:
             proven = list(self._proven.get((layout, split.kind()), ()))
         return not any(_covers(checked, strength) for checked in proven)
+
+    def settled(self, layout: RowLayout, split: RowSplit) -> bool:
+        """Return True when no call of ``split``'s kind needs measuring (:meth:`RowSplit.strength`) for a check:
+        the class vouches for ``layout``, or a check passed on such a call whose rows exercised everything
+        (they differed, and in length where an output is padded)."""
+        if self.trusted:
+            return True
+        strongest = tuple((True, output.pad_dim is not None) for output in layout.outputs)
+        with self.lock:
+            proven = self._proven.get((layout, split.kind()), ())
+            return any(_covers(checked, strongest) for checked in proven)
 
     def has_checked(self, layout: RowLayout, split: RowSplit) -> bool:
         """Return True when a check has passed ``layout`` on a call of ``split``'s kind."""

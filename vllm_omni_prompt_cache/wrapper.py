@@ -30,6 +30,7 @@ from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.audit import off_reason as audit_off_reason
 from vllm_omni_prompt_cache.audit import turn_off as turn_off_for_class
 from vllm_omni_prompt_cache.config import DIRECTORY_BYTES
+from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, Outcome, tally
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.directory_trust import Modes
 from vllm_omni_prompt_cache.fingerprint import (
@@ -49,8 +50,10 @@ from vllm_omni_prompt_cache.proofs import (
     infer_layout,
 )
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
+from vllm_omni_prompt_cache.row_batches import RowTally
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, UnstackableRows
-from vllm_omni_prompt_cache.store import ENCODE_PROMPT, PromptEmbedCache, unaliased
+from vllm_omni_prompt_cache.store import PromptEmbedCache
+from vllm_omni_prompt_cache.values import unaliased
 
 if TYPE_CHECKING:
     from vllm_omni_prompt_cache.vllm_omni.methods import EncodeMethod
@@ -172,7 +175,7 @@ def install_prompt_embed_cache(
         else:  # another method: its own keys (never an encode_prompt entry), layout and counters
             proof = _method_layout_proof(pipeline, method.name, signature, tag)
             method_tag = f"{tag}.{method.name}"
-        cache.method_counters(method.name)  # listed in stats() from now on
+        cache.register(method.name)  # listed in stats() from now on
         calls = _CachedCalls(
             cache,
             _noting_encodes(encode_fn, inside, pipeline),
@@ -397,11 +400,11 @@ def _layout_proof(
 
 
 class _CachedCalls:
-    """Serves one pipeline's ``encode_prompt`` calls: whole, row by row, or bypassed with a reason."""
+    """Serves one pipeline method's calls: whole, row by row, or bypassed with a reason; counts each call once."""
 
     def __init__(
         self,
-        cache: PromptEmbedCache,
+        store: PromptEmbedCache,
         encode_fn: Callable[..., Any],
         signature: inspect.Signature,
         key_builder: CallKeyBuilder,
@@ -411,7 +414,8 @@ class _CachedCalls:
         refusal: str | None = None,
         pipeline_class: type = object,
     ) -> None:
-        self.cache = _MethodCounts(cache, method)
+        self.store = store
+        self.method = method  # whose counters every count made here goes to
         self.pipeline_class = pipeline_class  # what an audit's mismatch turns the cache off for
         self.encode_fn = encode_fn
         self.signature = signature
@@ -420,39 +424,42 @@ class _CachedCalls:
         self.refusal = refusal  # why no call of this method may be cached (None: they may)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        cache = self.cache
-        if not cache.enabled:
-            cache.record_bypass(cache.store.off_reason or DISABLED_REASON)
-            return self.encode_fn(*args, **kwargs)
+        store = self.store
+        if not store.enabled:
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=store.off_reason or DISABLED_REASON))
         if self.refusal is not None:
-            cache.record_bypass(self.refusal)
-            return self.encode_fn(*args, **kwargs)
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=self.refusal))
         arguments = self.key_builder.bind(args, kwargs)
         if type(arguments) is Bypass:
-            cache.record_bypass(arguments.reason)
-            return self.encode_fn(*args, **kwargs)
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=arguments.reason))
         if self.key_builder.precomputed(arguments) is not None:
-            return self._whole(args, kwargs, arguments, rows=None)
+            return self._whole(args, kwargs, arguments)
         layout = self.proof.layout
         if layout is None:
-            return self._whole(args, kwargs, arguments, rows=None, infer=self.proof.may_infer)
+            return self._whole(args, kwargs, arguments, infer=self.proof.may_infer)
         try:
             single = layout.single_row_key(arguments)
             split = None if single is not None else layout.split(arguments)
         except Exception as error:  # hostile arguments: reading them as rows must not fail the call
-            cache.record_whole_call(f"rows could not be read: {type(error).__qualname__} raised")
-            return self._whole(args, kwargs, arguments, rows=None)
+            return self._whole(
+                args, kwargs, arguments, why=f"rows could not be read: {type(error).__qualname__} raised"
+            )
         if single is not None:
             return self._single_row(layout, args, kwargs, single)
         if type(split) is not RowSplit:
-            cache.record_whole_call(split)
-            return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments))
+            return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments), why=split)
         keys = self._row_keys(split)
         if type(keys) is Bypass:  # a shared argument no key can hold: no row can be keyed
-            cache.record_bypass(keys.reason)
-            cache.record_rows_encoded(split.batch)
-            return self.encode_fn(*args, **kwargs)
-        return self._by_rows(layout, split, keys, functools.partial(self.encode_fn, *args, **kwargs))
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=keys.reason, rows_encoded=split.batch))
+        return self._by_rows(layout, split, keys, args, kwargs)
+
+    def _count(self, counts: dict[str, Any]) -> None:
+        self.store.record(self.method, counts)
+
+    def _uncached(self, args: tuple, kwargs: dict, counts: dict[str, Any]) -> Any:
+        """Serve the call from the original function, not cached, counted as ``counts`` (a :func:`tally`)."""
+        self._count(counts)
+        return self.encode_fn(*args, **kwargs)
 
     def audited(self, args: tuple, kwargs: dict, served: Any) -> Any:
         """Encode a call that was served from the cache again and compare; return what the call gets:
@@ -463,93 +470,108 @@ class _CachedCalls:
         except Exception as error:  # out of memory, say: the call was served; the audit is what failed
             warn_once(f"an audit's encode failed ({type(error).__qualname__}: {error}); the hit was served")
             return served
-        self.cache.record_audit(mismatch=why is not None)
+        self.store.record_audit(mismatch=why is not None, method=self.method)
         if why is None:
             return served
         served_why = why.replace("assembled", "served").replace("uncached", "encoded again")
-        turn_off_for_class(self.cache.store, self.pipeline_class, self.key_builder.model_tag, served_why)
+        turn_off_for_class(self.store, self.pipeline_class, self.key_builder.model_tag, served_why)
         return fresh
 
     def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, key_arguments: Mapping[str, Any]) -> Any:
         """Serve a call that is its own only row, keyed by ``key_arguments`` (:meth:`RowLayout.single_row_key`)."""
-        cache = self.cache
         key = self.key_builder.build_from_arguments(key_arguments, row=True)
         if type(key) is Bypass:
-            cache.record_bypass(key.reason)
-            cache.record_rows_encoded(1)
-            return self.encode_fn(*args, **kwargs)
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=key.reason, rows_encoded=1))
         try:
-            return cache.get_or_compute(key, lambda: layout.check_row(self._encode_to_keep(args, kwargs)), row=True)
+            return self.store.serve(
+                key, lambda: layout.check_row(self._encode_to_keep(args, kwargs)), self._count_row, self.method
+            )
         except LayoutMismatch as error:  # the row was not stored; serve the call whole and uncached
             self.proof.refute(layout, str(error))
-            cache.record_whole_call(LAYOUT_DROPPED_REASON)
-            cache.record_rows_encoded(1)
-            return self.encode_fn(*args, **kwargs)
+            return self._uncached(args, kwargs, tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=1))
 
-    def _by_rows(self, layout: RowLayout, split: RowSplit, keys: list[CallKey], uncached: Callable[[], Any]) -> Any:
+    def _count_row(self, outcome: Outcome, reason: str | None) -> None:
+        """Count a call that is one row, as a call and as a row."""
+        self._count(
+            tally(
+                outcome,
+                reason=reason,
+                rows_hit=int(outcome is Outcome.HIT),
+                rows_missed=int(outcome is Outcome.MISS),
+                row_reasons=None if reason is None else {reason: 1},
+                rows_encoded=int(outcome is not Outcome.HIT),
+            )
+        )
+
+    def _by_rows(self, layout: RowLayout, split: RowSplit, keys: list[CallKey], args: tuple, kwargs: dict) -> Any:
         """Serve each distinct row from the cache or one encode of it alone; assemble the call's output.
 
-        A call that goes beyond what checks have proven the layout for is served from ``uncached()``
-        and compared with its assembled rows (:meth:`_check`).
+        A call that goes beyond what checks have proven the layout for is served from the uncached
+        call and compared with its assembled rows (:meth:`_check`).
         """
-        cache = self.cache
+        rows = RowTally()
+        dropped = tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=split.batch)  # then served uncached
         try:
-            values, encoded = cache.get_or_compute_rows(keys, self._row_encoder(split), count_call=False)
+            values = self.store.serve_rows(keys, self._row_encoder(split), rows, self.method)
         except LayoutMismatch as error:
-            cache.record_call(hit=False)
+            self._count(rows.counts(Outcome.MISS))
             self.proof.refute(layout, str(error))
-            cache.record_whole_call(LAYOUT_DROPPED_REASON)
-            cache.record_rows_encoded(split.batch)
-            return uncached()
+            return self._uncached(args, kwargs, dropped)
         except Exception as error:
-            cache.record_call(hit=False)
+            self._count(rows.counts(Outcome.MISS))
             if self.proof.trusted or self.proof.has_checked(layout, split) or _transient(error):
                 raise  # the encoder itself failed, as it would uncached
             # Rows cut by a layout no check has passed yet for such calls: the cut is the suspect.
             self.proof.refute(layout, f"its row calls raised {type(error).__qualname__}: {error}")
-            cache.record_whole_call(LAYOUT_DROPPED_REASON)
-            cache.record_rows_encoded(split.batch)
-            return uncached()
+            return self._uncached(args, kwargs, dropped)
         except BaseException:
-            cache.record_call(hit=False)
+            self._count(rows.counts(Outcome.MISS))
             raise
-        if not self.proof.trusted:  # measuring what the rows exercise costs comparisons: only when checked
+        if not self.proof.settled(layout, split):  # measuring what the rows exercise costs comparisons
             strength = split.strength(values)
             if self.proof.needs_check(layout, split, strength):
-                cache.record_call(hit=False)  # the check runs the encoder on the whole call
-                return self._check(layout, split, values, strength, uncached())
+                self._count(rows.counts(Outcome.MISS))  # the check runs the encoder on the whole call
+                return self._check(layout, split, values, strength, self.encode_fn(*args, **kwargs))
         try:
             assembled = split.assemble(values)
         except UnstackableRows:
-            cache.record_call(hit=False)
-            cache.record_whole_call(UNSTACKABLE_REASON)
-            cache.record_rows_encoded(split.batch)
-            return uncached()
-        cache.record_call(hit=encoded == 0)
+            self._count(rows.counts(Outcome.MISS))
+            return self._uncached(args, kwargs, tally(whole_call=UNSTACKABLE_REASON, rows_encoded=split.batch))
+        self._count(rows.counts(Outcome.MISS if rows.encoded else Outcome.HIT))
         return assembled
 
     def _whole(
-        self, args: tuple, kwargs: dict, arguments: dict[str, Any], rows: int | None, *, infer: bool = False
+        self,
+        args: tuple,
+        kwargs: dict,
+        arguments: dict[str, Any],
+        *,
+        rows: int | None = None,
+        why: str | None = None,
+        infer: bool = False,
     ) -> Any:
-        """Serve the call under one key; ``rows``: how many rows it encodes, when a layout says.
+        """Serve the call under one key; ``rows``: how many rows it encodes, when a layout says; ``why``:
+        why a call with a row layout is keyed whole.
 
         ``infer``: on a miss, try to infer a row layout from the call and its output (then check it).
         """
-        cache = self.cache
         encoded: list[Any] = []
 
         def encode() -> Any:
-            if rows:
-                cache.record_rows_encoded(rows)
             result = self.encode_fn(*args, **kwargs)
             encoded.append(result)
             return result
 
+        def count(outcome: Outcome, reason: str | None) -> None:
+            self._count(
+                tally(outcome, reason=reason, whole_call=why, rows_encoded=0 if outcome is Outcome.HIT else rows or 0)
+            )
+
         key = self.key_builder.build_from_arguments(arguments)
         if type(key) is Bypass:
-            cache.record_bypass(key.reason)
+            count(Outcome.BYPASS, key.reason)
             return encode()
-        result = cache.get_or_compute(key, lambda: unaliased(encode(), (args, kwargs)))
+        result = self.store.serve(key, lambda: unaliased(encode(), (args, kwargs)), count, self.method)
         if infer and encoded and self.proof.claim_inference():
             adopted = None
             try:
@@ -563,18 +585,21 @@ class _CachedCalls:
         layout = infer_layout(self.signature, arguments, output)
         if type(layout) is str:
             if layout != ONE_ROW:  # a one-row call says nothing: not worth a reason
-                self.cache.record_whole_call(f"no row layout inferred: {layout}")
+                self._count(tally(whole_call=f"no row layout inferred: {layout}"))
             return None
         split = layout.split(arguments)
         keys = None if type(split) is not RowSplit else self._row_keys(split)
         if keys is None or type(keys) is Bypass:
-            self.cache.record_whole_call("no row layout inferred: the call could not be split into rows")
+            self._count(tally(whole_call="no row layout inferred: the call could not be split into rows"))
             return None
+        rows = RowTally()
         try:
-            values, _ = self.cache.get_or_compute_rows(keys, self._row_encoder(split), count_call=False)
+            values = self.store.serve_rows(keys, self._row_encoder(split), rows, self.method)
         except LayoutMismatch as error:
             self.proof.refute(layout, str(error), inferred=True)
             return None
+        finally:
+            self._count(rows.counts(None))
         strength = split.strength(values)
         passed = self._check(layout, split, values, strength, output, inferred=True) is not None
         return layout if passed else None
@@ -594,12 +619,11 @@ class _CachedCalls:
         A match proves the layout for calls like this one; a mismatch turns rows off for the class.
         For an inferred layout, returns None on a mismatch (the caller already holds ``expected``).
         """
-        cache = self.cache
         try:
             why, gap = compare_outputs(split.assemble(values), expected)
         except UnstackableRows as error:
             why, gap = str(error), 0.0
-        cache.record_layout_check(split.batch, None if why else gap)
+        self.store.record_layout_check(split.batch, None if why else gap, method=self.method)
         if why is None:
             self.proof.prove(layout, split, strength)
             return expected
@@ -626,46 +650,6 @@ class _CachedCalls:
         """Run the encoder for a result the cache keeps (keyed arguments only: bounded, acyclic); outputs
         that are the call's own input tensors are copied."""
         return unaliased(self.encode_fn(*args, **kwargs), (args, kwargs))
-
-
-class _MethodCounts:
-    """The store as one method's calls see it: every count made through it is that method's."""
-
-    __slots__ = ("method", "store")
-
-    def __init__(self, store: PromptEmbedCache, method: str) -> None:
-        self.store = store
-        self.method = method
-
-    @property
-    def enabled(self) -> bool:
-        return self.store.enabled
-
-    def get_or_compute(self, key: CallKey, compute: Callable[[], Any], *, row: bool = False) -> Any:
-        return self.store.get_or_compute(key, compute, row=row, method=self.method)
-
-    def get_or_compute_rows(
-        self, keys: Sequence[CallKey], compute: Callable[[int], Any], *, count_call: bool = True
-    ) -> tuple[list[Any], int]:
-        return self.store.get_or_compute_rows(keys, compute, count_call=count_call, method=self.method)
-
-    def record_bypass(self, reason: str) -> None:
-        self.store.record_bypass(reason, method=self.method)
-
-    def record_whole_call(self, reason: str) -> None:
-        self.store.record_whole_call(reason, method=self.method)
-
-    def record_rows_encoded(self, rows: int) -> None:
-        self.store.record_rows_encoded(rows, method=self.method)
-
-    def record_call(self, *, hit: bool) -> None:
-        self.store.record_call(hit=hit, method=self.method)
-
-    def record_layout_check(self, rows: int, gap: float | None) -> None:
-        self.store.record_layout_check(rows, gap, method=self.method)
-
-    def record_audit(self, *, mismatch: bool) -> None:
-        self.store.record_audit(mismatch=mismatch, method=self.method)
 
 
 def _transient(error: Exception) -> bool:

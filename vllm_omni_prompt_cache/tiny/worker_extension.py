@@ -16,7 +16,7 @@ from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExte
 
 from vllm_omni_prompt_cache.fingerprint import encoder_modules
 from vllm_omni_prompt_cache.residency import EncoderMoves, module_nbytes
-from vllm_omni_prompt_cache.store import TIER_COUNTERS
+from vllm_omni_prompt_cache.stats import TIER_COUNTERS
 from vllm_omni_prompt_cache.vllm_omni.offload import observe_module_offload
 
 #: The move counts :meth:`TextEncoderCountersExtension.text_encoder_moves` returns (CacheStats names).

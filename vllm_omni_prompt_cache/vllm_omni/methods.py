@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.proofs import class_path
-from vllm_omni_prompt_cache.store import ENCODE_PROMPT
 
 #: Where this package's stand-ins of verl-omni's adapters live: recognised as the code they mirror.
 STAND_IN_PACKAGE = "vllm_omni_prompt_cache.tiny"

@@ -43,17 +43,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.store import (
-    COLLISION_REASON,
-    COUNTER_FIELDS,
-    METHOD_COUNTER_FIELDS,
-    REASON_FIELDS,
-    TIER_COUNTERS,
-    UNSPECIFIED_REASON,
-    CacheStats,
-    PromptEmbedCache,
-    ranked_reasons,
-)
+from vllm_omni_prompt_cache.counters import METHOD_COUNTER_FIELDS, REASON_FIELDS, ranked_reasons
+from vllm_omni_prompt_cache.stats import COUNTER_FIELDS, TIER_COUNTERS, CacheStats
+from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
