@@ -538,6 +538,30 @@ def test_the_one_row_test_reads_any_mask(mask, single) -> None:
     assert TOKEN_IDS.is_single_row({**arguments, "num_images_per_prompt": 1, "max_sequence_length": 8}) is single
 
 
+def test_a_one_row_key_reuses_the_mask_read_for_its_test_and_equals_the_key_of_that_row_cut_from_a_batch() -> None:
+    import inspect
+
+    from vllm_omni_prompt_cache.keys import CallKeyBuilder, freeze_witness, witness_matches
+
+    builder = CallKeyBuilder(inspect.signature(QwenStyleTokenPipeline.encode_prompt), "tiny")
+    ids = torch.tensor([[5, 6, 7]])
+    single = TOKEN_IDS.single_row_key(
+        {"self": None, "prompt_ids": ids, "attention_mask": ids != 0, "num_images_per_prompt": 1}
+        | {"max_sequence_length": 8}
+    )
+    (view,) = single.host_views.values()
+    assert view.base is not None or view.flags.owndata is False  # a view of the mask, not a copy
+    key = builder.build_from_arguments(single.arguments, row=True, host_views=single.host_views)
+    padded = torch.tensor([[5, 6, 7], [9, 0, 0]])
+    split = TOKEN_IDS.split(
+        {"self": None, "prompt_ids": padded, "attention_mask": padded != 0, "num_images_per_prompt": 1}
+        | {"max_sequence_length": 8}
+    )
+    cut = builder.build_from_arguments(split.key_arguments(0), row=True)
+    assert key.identity == cut.identity and witness_matches(freeze_witness(cut.witness), key.witness)
+    assert key.identity == builder.build_from_arguments(single.arguments, row=True).identity  # views change nothing
+
+
 def test_the_one_row_test_refuses_what_split_must_judge() -> None:
     ids = torch.ones(1, 0, dtype=torch.int64)
     base = {"num_images_per_prompt": 1, "max_sequence_length": 8}

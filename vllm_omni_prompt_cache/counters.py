@@ -57,10 +57,10 @@ class Counters:
     def add(self, counts: Mapping[str, Any]) -> None:
         """Add ``counts`` (field name to a number, or to counts by reason), as :func:`tally` makes them."""
         for name, value in counts.items():
-            if isinstance(value, Mapping):
-                getattr(self, name).update(value)
-            else:
+            if type(value) is int:
                 setattr(self, name, getattr(self, name) + value)
+            else:  # counts by reason
+                getattr(self, name).update(value)
 
 
 #: The counts of a :class:`Counters`, by name: what snapshots copy for each method.
@@ -106,8 +106,9 @@ def tally(
     return counts
 
 
-#: What a call served from an entry adds (the hit path's tally, made once).
+#: What a call served from an entry adds (the hit path's tallies, made once): keyed whole, or as its one row.
 WHOLE_HIT = tally(Outcome.HIT)
+ROW_HIT = tally(Outcome.HIT, rows_hit=1)
 
 
 def ranked_reasons(reasons: Counter[str]) -> dict[str, int]:

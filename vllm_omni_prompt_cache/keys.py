@@ -71,6 +71,20 @@ _NONE = ("none",)
 _ROW = ("row",)
 
 
+class Identity(tuple):
+    """A key identity that computes its hash once: a call's key is looked up in the entries, the
+    flights and the lower tiers, and a long identity is hashed anew by each plain-tuple lookup.
+    Equal to, and hashed as, the plain tuple of the same items."""
+
+    _hash: int | None = None
+
+    def __hash__(self) -> int:
+        hashed = self._hash
+        if hashed is None:
+            hashed = self._hash = tuple.__hash__(self)
+        return hashed
+
+
 class CallKey(NamedTuple):
     """The key of one cacheable call: ``identity`` to look up, ``witness`` to verify."""
 
@@ -111,10 +125,11 @@ def witness_matches(stored: tuple[bytes, ...], probe: tuple) -> bool:
 class _Encoder:
     """Turns one call's argument values into identity tuples, collecting the witness."""
 
-    __slots__ = ("digest", "items_left", "open_ids", "witness")
+    __slots__ = ("digest", "host_views", "items_left", "open_ids", "witness")
 
-    def __init__(self, digest: Callable[[Any], bytes]) -> None:
+    def __init__(self, digest: Callable[[Any], bytes], host_views: Mapping[int, np.ndarray] | None = None) -> None:
         self.digest = digest
+        self.host_views = host_views  # numpy views of contiguous CPU tensors already read, by id(tensor)
         self.witness: list = []
         self.items_left = MAX_KEY_ITEMS
         self.open_ids: set[int] = set()  # containers being encoded: the path from the argument down
@@ -196,8 +211,9 @@ class _Encoder:
         # .numpy() raises for requires_grad, conj/neg bits and bf16/fp8, which
         # then take the general path below.
         if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.layout is _STRIDED and tensor.is_contiguous():
+            views = self.host_views
             try:
-                array = tensor.numpy()
+                array = views[id(tensor)] if views and id(tensor) in views else tensor.numpy()
             except (RuntimeError, TypeError):
                 array = self._tensor_bytes(tensor)
         else:
@@ -312,17 +328,24 @@ class CallKeyBuilder:
                     return Bypass(f"precomputed {name} given")
         return None
 
-    def build_from_arguments(self, arguments: Mapping[str, Any], *, row: bool = False) -> CallKey | Bypass:
+    def build_from_arguments(
+        self,
+        arguments: Mapping[str, Any],
+        *,
+        row: bool = False,
+        host_views: Mapping[int, np.ndarray] | None = None,
+    ) -> CallKey | Bypass:
         """Return the key for already-bound arguments (defaults applied).
 
         ``row``: the key of one row of a call whose arguments :meth:`precomputed` already cleared
-        (the check is per call, not per row).
+        (the check is per call, not per row). ``host_views``: numpy views of contiguous CPU tensors
+        among the arguments that the caller already made, by ``id(tensor)``: read, not made again.
         """
         if not row:
             precomputed = self.precomputed(arguments)
             if precomputed is not None:
                 return precomputed
-        encoder = _Encoder(self.digest)
+        encoder = _Encoder(self.digest, host_views)
         encode = encoder.encode
         # Bound arguments come in signature order, so values alone identify the call.
         parts = [self.model_tag, _ROW] if row else [self.model_tag]
@@ -335,4 +358,4 @@ class CallKeyBuilder:
                 # User code raised (a __class__ property, an image's lazy load, a dict resized by
                 # another thread) or the stack ran out: the call may still work uncached.
                 return Bypass(f"argument {name!r}: {type(error).__qualname__} raised while keying")
-        return CallKey(tuple(parts), tuple(encoder.witness))
+        return CallKey(Identity(parts), tuple(encoder.witness))

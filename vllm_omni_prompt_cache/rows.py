@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -65,6 +65,14 @@ class RowOutput:
             raise ValueError(f"RowOutput.pad_dim must be None or an integer >= 1, got {self.pad_dim!r}")
         if self.copies not in ("interleave", "tile", None):
             raise ValueError(f"RowOutput.copies must be 'interleave', 'tile' or None, got {self.copies!r}")
+
+
+class SingleRow(NamedTuple):
+    """A call that is its own only row: the arguments its row key reads, and the numpy views of host
+    tensors already made to judge it (by ``id(tensor)``, for the key to reuse; None: none)."""
+
+    arguments: Mapping[str, Any]
+    host_views: dict[int, np.ndarray] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,44 +201,58 @@ class RowLayout:
         """Return True when the call is its own only row (see :meth:`single_row_key`)."""
         return self.single_row_key(arguments) is not None
 
-    def single_row_key(self, arguments: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    def single_row_key(self, arguments: Mapping[str, Any]) -> SingleRow | None:
         """Return the arguments a call's row key reads when the call is its own only row, else None.
 
-        That is one ``[1, ...]`` tensor row, or one prompt's token ids in a list of one, with one copy
-        and nothing to trim (every call at ``max_num_seqs`` 1). Tensor rows are keyed as given (the
-        arguments come back, not copied); a list of one holds its bare item there, as when the row
-        is cut from a batch (:meth:`RowSplit.key_arguments`). A cheap test, so that case costs about
-        what a whole call costs; None sends the call through :meth:`split`.
+        That is one ``[1, ...]`` tensor row with nothing to trim, or one prompt (a string, or its
+        text or token ids in a list of one), with one copy (every call at ``max_num_seqs`` 1). The
+        arguments come back as :meth:`RowSplit.key_arguments` would cut the row: a list of one holds
+        its bare item, and a tensor on a device is read to the host once, for the mask's last column
+        and for the key alike, as is the mask read to check its last column (:attr:`SingleRow.host_views`).
+        A cheap test, so that case costs about what a whole call costs; None sends the call through
+        :meth:`split`.
         """
         if self.copies is not None and (type(copies := arguments[self.copies]) is not int or copies != 1):
             return None
         width = None
-        listed = None  # row arguments given as one prompt's token ids in a list of one
+        prompts = False  # a row argument is a prompt: a string, or a list of one
+        cut: dict[str, Any] | None = None  # row arguments as the key reads them, where that differs
         for name in self.rows:
             value = arguments[name]
-            if value is None:
-                continue
-            if type(value) is list or type(value) is tuple:
-                if len(value) != 1 or not _token_list(value[0]):
+            kind = type(value)
+            if kind is torch.Tensor:
+                shape = value.shape
+                if len(shape) < 2 or shape[0] != 1 or (width is not None and shape[1] != width):
                     return None
-                listed = [*(listed or ()), name]
+                width = shape[1]
+                if not value.is_cpu:
+                    cut = {**(cut or {}), name: value.detach().cpu()}
+            elif value is None:  # shared by every row
                 continue
-            if type(value) is not torch.Tensor or value.dim() < 2 or value.shape[0] != 1:
+            elif kind is str:  # one prompt, keyed as given
+                prompts = True
+            elif (
+                (kind is list or kind is tuple) and len(value) == 1 and (type(value[0]) is str or _token_list(value[0]))
+            ):
+                prompts = True
+                cut = {**(cut or {}), name: value[0]}
+            else:
                 return None
-            width = value.shape[1] if width is None else width
-            if value.shape[1] != width:
-                return None
-        if listed:  # nothing to trim: the ids are as the caller cut them
-            single = width is None and self.mask is None
-            return {**arguments, **{name: arguments[name][0] for name in listed}} if single else None
-        if width is None:
-            return None
-        mask = None if self.mask is None else arguments[self.mask]  # a [1, width, ...] tensor: one of the rows
-        if mask is None:
-            return arguments
-        if mask.dim() != 2 or width == 0 or not _mask_array(mask[:, -1:])[0, 0]:
-            return None
-        return arguments
+        if width is None:  # prompts only: nothing to trim (token ids are as the caller cut them)
+            return SingleRow({**arguments, **(cut or {})}, None) if prompts and self.mask is None else None
+        if prompts:
+            return None  # prompts beside tensor rows: split() decides
+        host_views = None
+        if self.mask is not None:
+            mask = arguments[self.mask] if cut is None else cut.get(self.mask, arguments[self.mask])
+            if mask is not None:
+                if width == 0 or len(mask.shape) != 2:
+                    return None
+                view = _host_view(mask)
+                if not (view[0, -1] if view is not None else _mask_array(mask[:, -1:])[0, 0]):
+                    return None
+                host_views = None if view is None else {id(mask): view}
+        return SingleRow(arguments if cut is None else {**arguments, **cut}, host_views)
 
     def batch_size(self, arguments: Mapping[str, Any]) -> int | None:
         """Return how many rows the call holds, or None when its row arguments do not say."""
@@ -265,6 +287,13 @@ def _attended_lengths(mask: np.ndarray) -> list[int]:
         return [0] * attended.shape[0]
     last = attended.shape[1] - np.argmax(attended[:, ::-1], axis=1)
     return np.where(attended.any(axis=1), last, 0).tolist()
+
+
+def _host_view(mask: torch.Tensor) -> np.ndarray | None:
+    """Return a contiguous host mask of integers or booleans as numpy (what its key reads too), else None."""
+    if (mask.dtype is torch.bool or not (mask.is_floating_point() or mask.is_complex())) and mask.is_contiguous():
+        return mask.numpy()  # no autograd to refuse: only floating tensors require grad
+    return None
 
 
 def _mask_array(mask: torch.Tensor) -> np.ndarray:

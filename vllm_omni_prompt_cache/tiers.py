@@ -10,7 +10,6 @@ so other processes wait for its file instead of encoding it too; :meth:`LowerTie
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
@@ -99,7 +98,3 @@ class LowerTiers:
             )
         return levels
 
-
-def identity_of(key: CallKey | Hashable) -> Hashable:
-    """Return what ``key`` is looked up by: a CallKey's identity, any other key itself."""
-    return key.identity if type(key) is CallKey else key

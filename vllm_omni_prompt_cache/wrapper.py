@@ -30,7 +30,7 @@ from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.audit import off_reason as audit_off_reason
 from vllm_omni_prompt_cache.audit import turn_off as turn_off_for_class
 from vllm_omni_prompt_cache.config import DIRECTORY_BYTES
-from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, Outcome, tally
+from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, ROW_HIT, WHOLE_HIT, Outcome, tally
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.directory_trust import Modes
 from vllm_omni_prompt_cache.fingerprint import (
@@ -51,7 +51,7 @@ from vllm_omni_prompt_cache.proofs import (
 )
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
 from vllm_omni_prompt_cache.row_batches import RowTally
-from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, UnstackableRows
+from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, SingleRow, UnstackableRows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 from vllm_omni_prompt_cache.values import unaliased
 
@@ -477,9 +477,9 @@ class _CachedCalls:
         turn_off_for_class(self.store, self.pipeline_class, self.key_builder.model_tag, served_why)
         return fresh
 
-    def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, key_arguments: Mapping[str, Any]) -> Any:
-        """Serve a call that is its own only row, keyed by ``key_arguments`` (:meth:`RowLayout.single_row_key`)."""
-        key = self.key_builder.build_from_arguments(key_arguments, row=True)
+    def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, single: SingleRow) -> Any:
+        """Serve a call that is its own only row, keyed as :meth:`RowLayout.single_row_key` reads it."""
+        key = self.key_builder.build_from_arguments(single.arguments, row=True, host_views=single.host_views)
         if type(key) is Bypass:
             return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=key.reason, rows_encoded=1))
         try:
@@ -492,14 +492,16 @@ class _CachedCalls:
 
     def _count_row(self, outcome: Outcome, reason: str | None) -> None:
         """Count a call that is one row, as a call and as a row."""
+        if outcome is Outcome.HIT:
+            self._count(ROW_HIT)
+            return
         self._count(
             tally(
                 outcome,
                 reason=reason,
-                rows_hit=int(outcome is Outcome.HIT),
                 rows_missed=int(outcome is Outcome.MISS),
                 row_reasons=None if reason is None else {reason: 1},
-                rows_encoded=int(outcome is not Outcome.HIT),
+                rows_encoded=1,
             )
         )
 
@@ -563,6 +565,9 @@ class _CachedCalls:
             return result
 
         def count(outcome: Outcome, reason: str | None) -> None:
+            if outcome is Outcome.HIT and why is None:
+                self._count(WHOLE_HIT)
+                return
             self._count(
                 tally(outcome, reason=reason, whole_call=why, rows_encoded=0 if outcome is Outcome.HIT else rows or 0)
             )
