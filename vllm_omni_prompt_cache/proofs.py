@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -218,9 +218,9 @@ def class_path(kind: type) -> str:
 class LayoutProof:
     """A pipeline's row layout, where it came from, and what checks have proven it for.
 
-    A check on a call proves the layout for later calls of the same kind (:meth:`RowSplit.kind`)
+    A check on a call proves the layout for later calls of the same kind (:func:`call_kind`)
     whose rows exercise no more than the checked call's did, output by output
-    (:meth:`RowSplit.strength`): a check whose rows all had the same mask says nothing about the
+    (:func:`row_strength`): a check whose rows all had the same mask says nothing about the
     mask's copy order, and one whose rows all had the same length says nothing about padding, so
     a later call that has them is checked again.
     """
@@ -253,29 +253,29 @@ class LayoutProof:
         if self.trusted:
             return False  # the class (or the caller) vouches for its layout
         with self.lock:
-            proven = list(self._proven.get((layout, split.kind()), ()))
+            proven = list(self._proven.get((layout, call_kind(split)), ()))
         return not any(_covers(checked, strength) for checked in proven)
 
     def settled(self, layout: RowLayout, split: RowSplit) -> bool:
-        """Return True when no call of ``split``'s kind needs measuring (:meth:`RowSplit.strength`) for a check:
+        """Return True when no call of ``split``'s kind needs measuring (:func:`row_strength`) for a check:
         the class vouches for ``layout``, or a check passed on such a call whose rows exercised everything
         (they differed, and in length where an output is padded)."""
         if self.trusted:
             return True
         strongest = tuple((True, output.pad_dim is not None) for output in layout.outputs)
         with self.lock:
-            proven = self._proven.get((layout, split.kind()), ())
+            proven = self._proven.get((layout, call_kind(split)), ())
             return any(_covers(checked, strongest) for checked in proven)
 
     def has_checked(self, layout: RowLayout, split: RowSplit) -> bool:
         """Return True when a check has passed ``layout`` on a call of ``split``'s kind."""
         with self.lock:
-            return bool(self._proven.get((layout, split.kind())))
+            return bool(self._proven.get((layout, call_kind(split))))
 
     def prove(self, layout: RowLayout, split: RowSplit, strength: tuple) -> None:
         """Record that a call like ``split``, with ``strength``, matched its uncached output."""
         with self.lock:
-            self._proven.setdefault((layout, split.kind()), []).append(strength)
+            self._proven.setdefault((layout, call_kind(split)), []).append(strength)
 
     def claim_inference(self) -> bool:
         """Return True if this call may try to infer a layout now (then :meth:`end_inference` it)."""
@@ -315,6 +315,42 @@ class LayoutProof:
                 self.subject,
                 why,
             )
+
+
+def call_kind(split: RowSplit) -> tuple:
+    """Return what a layout check on ``split``'s call proves the layout for: calls with or without
+    several copies, unbatched or not, and with row arguments of the same forms."""
+    return (
+        split.copies > 1,
+        split.unbatched,
+        tuple((name, _form(split.arguments[name])) for name in split.layout.rows),
+    )
+
+
+def row_strength(split: RowSplit, row_values: Sequence[Any]) -> tuple[tuple[bool, bool], ...]:
+    """Return, per output, what a call's rows exercise: (two rows differ, two rows differ in length).
+
+    Measured on the rows' own outputs, so a check is known to have tested copy order and padding
+    only where its rows could tell them apart (see :class:`LayoutProof`).
+    """
+    distinct = list({id(value): value for value in row_values}.values())
+    measured = []
+    for position, output in enumerate(split.layout.outputs):
+        tensors = [value[position] for value in distinct]
+        first = tensors[0]
+        differ = any(t.shape != first.shape or not torch.equal(t, first) for t in tensors[1:])
+        lengths = output.pad_dim is not None and len({t.shape[output.pad_dim] for t in tensors}) > 1
+        measured.append((differ, lengths))
+    return tuple(measured)
+
+
+def _form(value: Any) -> str:
+    """Return what kind of value a row argument is, for a check's kind (see :func:`call_kind`)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor {value.dtype}"
+    if isinstance(value, (list, tuple)) and value:
+        return f"{type(value).__qualname__} of {type(value[0]).__qualname__}"
+    return type(value).__qualname__
 
 
 def _covers(checked: tuple, strength: tuple) -> bool:

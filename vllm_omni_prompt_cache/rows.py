@@ -303,15 +303,6 @@ def _mask_array(mask: torch.Tensor) -> np.ndarray:
     return (mask.detach() != 0).cpu().numpy()  # bf16 and other floats have no numpy view
 
 
-def _form(value: Any) -> str:
-    """Return what kind of value a row argument is, for a check's kind (see RowSplit.kind)."""
-    if isinstance(value, torch.Tensor):
-        return f"tensor {value.dtype}"
-    if isinstance(value, (list, tuple)) and value:
-        return f"{type(value).__qualname__} of {type(value[0]).__qualname__}"
-    return type(value).__qualname__
-
-
 class RowSplit:
     """One call cut into rows: each row's arguments for its key and for the encoder, and the assembly."""
 
@@ -344,30 +335,6 @@ class RowSplit:
                 if isinstance(value := self.arguments[name], torch.Tensor) and not value.is_cpu
             }
         return self._cpu_copies
-
-    def kind(self) -> tuple:
-        """Return what a layout check on this call proves the layout for (see wrapper.py)."""
-        return (
-            self.copies > 1,
-            self.unbatched,
-            tuple((name, _form(self.arguments[name])) for name in self.layout.rows),
-        )
-
-    def strength(self, row_values: Sequence[Any]) -> tuple[tuple[bool, bool], ...]:
-        """Return, per output, what this call's rows exercise: (two rows differ, two rows differ in length).
-
-        Measured on the rows' own outputs, so a check is known to have tested copy order and padding
-        only where its rows could tell them apart (see proofs.LayoutProof).
-        """
-        distinct = list({id(value): value for value in row_values}.values())
-        measured = []
-        for position, output in enumerate(self.layout.outputs):
-            tensors = [value[position] for value in distinct]
-            first = tensors[0]
-            differ = any(t.shape != first.shape or not torch.equal(t, first) for t in tensors[1:])
-            lengths = output.pad_dim is not None and len({t.shape[output.pad_dim] for t in tensors}) > 1
-            measured.append((differ, lengths))
-        return tuple(measured)
 
     def _row(self, value: Any, index: int, *, for_key: bool) -> Any:
         if isinstance(value, str):

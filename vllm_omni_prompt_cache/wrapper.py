@@ -48,6 +48,7 @@ from vllm_omni_prompt_cache.proofs import (
     LayoutProof,
     compare_outputs,
     infer_layout,
+    row_strength,
 )
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
 from vllm_omni_prompt_cache.row_batches import RowTally
@@ -530,7 +531,7 @@ class _CachedCalls:
             self._count(rows.counts(Outcome.MISS))
             raise
         if not self.proof.settled(layout, split):  # measuring what the rows exercise costs comparisons
-            strength = split.strength(values)
+            strength = row_strength(split, values)
             if self.proof.needs_check(layout, split, strength):
                 self._count(rows.counts(Outcome.MISS))  # the check runs the encoder on the whole call
                 return self._check(layout, split, values, strength, self.encode_fn(*args, **kwargs))
@@ -605,7 +606,7 @@ class _CachedCalls:
             return None
         finally:
             self._count(rows.counts(None))
-        strength = split.strength(values)
+        strength = row_strength(split, values)
         passed = self._check(layout, split, values, strength, output, inferred=True) is not None
         return layout if passed else None
 
