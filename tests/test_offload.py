@@ -66,8 +66,8 @@ def test_a_file_lands_where_the_offloaded_encoder_runs(tmp_path) -> None:
     under module offload, then to the writer's device index. (GPU stand-in: hooks target cuda:1.)"""
     pipeline = offloaded_pipeline("cuda:1")
     cache = runner.install_for_stage(pipeline, settings(prompt_embed_cache_dir=str(tmp_path)), "tiny")
-    assert cache.directory._local_device("cuda:3") == torch.device("cuda", 1)
-    assert cache.directory._local_device("cpu") == torch.device("cpu")
+    assert cache.directory.local_device("cuda:3") == torch.device("cuda", 1)
+    assert cache.directory.local_device("cpu") == torch.device("cpu")
 
 
 def test_module_offload_moves_are_counted_and_a_hit_moves_nothing() -> None:

@@ -559,7 +559,7 @@ def test_a_file_this_process_cannot_place_is_a_miss_and_stays_for_others(tmp_pat
     def no_memory(recorded):
         raise torch.OutOfMemoryError("no device memory left")
 
-    cache.directory._local_device = no_memory
+    cache.directory.local_device = no_memory
     assert same(encode(reader, 0), reference(0)) and reader.encoder_runs == 1
     stats = cache.snapshot()
     assert (stats.dir_hits, stats.dir_rejections) == (0, {})

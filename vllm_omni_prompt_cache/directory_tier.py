@@ -375,7 +375,7 @@ class DirectoryTier:
         self.claims = Claims(modes, self._read_if_there)
         self.namespace_state = NamespaceState(fingerprint, self._describe)
         self._description = ""  # what produced the namespace's entries (its NAMESPACE.json)
-        self._local_device = local_device
+        self.local_device = local_device
         self._lock = threading.Lock()
         # Counts since the tier was made, read by the store's snapshot (with those forwarded below).
         self.hits = 0
@@ -496,7 +496,7 @@ class DirectoryTier:
             return False, None
         try:  # a valid file this process cannot place (no memory left on the device): a miss, the file stays
             devices = json.loads(metadata["devices"])
-            placed = [tensor.to(self._local_device(device)) for tensor, device in zip(tensors, devices, strict=True)]
+            placed = [tensor.to(self.local_device(device)) for tensor, device in zip(tensors, devices, strict=True)]
         except Exception as error:
             warn_once(f"a directory entry could not be placed ({type(error).__qualname__}: {error})")
             with self._lock:
