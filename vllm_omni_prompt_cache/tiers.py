@@ -97,4 +97,3 @@ class LowerTiers:
                 dir_off_reason=directory.off_reason,
             )
         return levels
-
