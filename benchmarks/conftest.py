@@ -76,11 +76,15 @@ def time_uncached(benchmark, pipeline, ids, mask, group: str, variant: str, *, r
     benchmark.pedantic(lambda: original(ids.clone(), mask.clone()), rounds=rounds, warmup_rounds=1)
 
 
-def time_hits(benchmark, pipeline, ids, mask, group: str, variant: str, *, rounds: int, iterations: int) -> None:
-    """Time the whole wrapped call on a hit (fresh input tensors each call); fail if one encoded."""
+def time_hits(
+    benchmark, pipeline, ids, mask, group: str, variant: str, *, rounds: int, iterations: int, role: str = "ours"
+) -> None:
+    """Time the whole wrapped call on a hit (fresh input tensors each call); fail if one encoded.
+
+    ``role``: "alternative" for a row the group's "ours" row is compared with (a ratio in its table)."""
     runs_before = pipeline.encoder_runs
     benchmark.group = group
-    benchmark.extra_info.update(variant=variant, role="ours")
+    benchmark.extra_info.update(variant=variant, role=role)
     benchmark.pedantic(
         lambda: pipeline.encode_prompt(ids.clone(), mask.clone()), rounds=rounds, iterations=iterations, warmup_rounds=3
     )
