@@ -211,22 +211,23 @@ def test_stock_encode_prompt_output_is_laid_out_as_uncached(stock_text_pipelines
 
 
 def test_a_one_prompt_text_call_is_its_own_row(stock_text_pipelines) -> None:
-    """A call with one prompt and one copy is keyed as its row, with no check: it is the uncached call.
-
-    Its row is then the one a batch holding that prompt reads (a string and a list of one share it).
-    """
+    """A call with one prompt and one copy is keyed as its row. The first of its form is checked (the
+    layout is proven for vLLM-Omni, not declared by the class); later ones are served from the row
+    with no split, and a batch holding that prompt reads the same row."""
     cached, uncached = stock_text_pipelines
     cache = install_prompt_embed_cache(cached, max_size=16)
     try:
         embeds, mask = cached.encode_prompt("a red fox in the snow")
         want_embeds, want_mask = uncached.encode_prompt("a red fox in the snow")
-        assert torch.equal(embeds, want_embeds) and torch.equal(mask, want_mask)
+        assert torch.equal(embeds, want_embeds) and torch.equal(mask, want_mask)  # the check serves the uncached
         stats = cache.snapshot()
-        assert (stats.misses, stats.row_misses, stats.rows_encoded, stats.layout_checks) == (1, 1, 1, 0)
-        again, _ = cached.encode_prompt(["a red fox in the snow"])
+        assert (stats.misses, stats.row_misses, stats.rows_encoded, stats.layout_checks) == (1, 1, 1, 1)
+        again, _ = cached.encode_prompt("a red fox in the snow")
         assert torch.equal(again, embeds) and cached.encode_prompt("a red fox in the snow")[0] is again  # the entry
+        stats = cache.snapshot()
+        assert (stats.hits, stats.row_hits, stats.layout_checks) == (2, 2, 1)
         cached.encode_prompt(["sky", "a red fox in the snow"])  # checked (first batch): encodes "sky" alone
         stats = cache.snapshot()
-        assert (stats.hits, stats.row_hits, stats.rows_encoded) == (2, 3, 2)
+        assert (stats.hits, stats.row_hits, stats.rows_encoded, stats.layout_checks) == (2, 3, 2, 2)
     finally:
         uninstall_prompt_embed_cache(cached)

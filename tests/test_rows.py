@@ -604,3 +604,45 @@ def test_a_one_row_call_whose_output_is_a_view_of_the_callers_mask_is_kept_as_a_
     embeds, cached_mask = pipeline.encode_prompt(*collate(rows))
     assert pipeline.encoder_runs == 1
     assert torch.equal(cached_mask, expected[1]) and torch.equal(embeds, expected[0])
+
+
+def test_a_call_whose_assembly_raises_still_counts_its_rows_and_itself(encoder, monkeypatch) -> None:
+    """Rows served before the output could be assembled (no memory left for it, say) were served: counted."""
+    from vllm_omni_prompt_cache.rows import RowSplit
+
+    pipeline = QwenStyleTokenPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)
+    ids, mask = collate(token_rows(2, seed=31))
+    pipeline.encode_prompt(ids, mask)
+
+    def out_of_memory(self, row_values):
+        raise MemoryError("no memory for the output")
+
+    monkeypatch.setattr(RowSplit, "assemble", out_of_memory)
+    with pytest.raises(MemoryError):
+        pipeline.encode_prompt(ids.clone(), mask.clone())
+    stats = cache.snapshot()
+    assert (stats.row_misses, stats.row_hits, stats.rows_encoded) == (2, 2, 2)
+    assert (stats.misses, stats.hits) == (2, 0)  # the failed call is a call, as a whole call that raises is
+
+
+class FormSensitiveText:
+    """A text encode whose output for a bare string differs from that for a list of one (as pipelines that
+    template or pad the two forms apart do): rows of one form must never be served for the other unchecked."""
+
+    def encode_prompt(self, prompt, num_images_per_prompt=1):
+        bare = isinstance(prompt, str)
+        prompts = [prompt] if bare else list(prompt)
+        embeds = torch.tensor([[[float(len(each)) + (100.0 if bare else 0.0)]] for each in prompts])
+        return (embeds.repeat_interleave(num_images_per_prompt, 0),)
+
+
+@pytest.mark.parametrize("first", [["a", "bb"], "a"], ids=["after a batch", "after the bare string"])
+def test_a_one_prompt_call_is_not_served_the_other_forms_row_unchecked(first) -> None:
+    text = RowLayout(rows=("prompt",), copies="num_images_per_prompt", outputs=(RowOutput(pad_dim=1),), name="text")
+    path = f"{FormSensitiveText.__module__}.{FormSensitiveText.__qualname__}"
+    pipeline, reference = FormSensitiveText(), FormSensitiveText()
+    install_prompt_embed_cache(pipeline, max_size=16, row_layouts={path: text})  # a setting: checked, not trusted
+    pipeline.encode_prompt(first)
+    other = ["a"] if isinstance(first, str) else "a"
+    assert torch.equal(pipeline.encode_prompt(other)[0], reference.encode_prompt(other)[0])

@@ -315,6 +315,30 @@ def test_counters_are_assignable_as_upstreams_wrapper_does() -> None:
     assert cache.stats()["bypass_reasons"] == {}
 
 
+def test_upstreams_counting_under_the_lock_loses_no_count_made_meanwhile() -> None:
+    """Upstream's wrapper reads and assigns ``bypassed`` under ``cache._lock``; calls counting through the
+    store on other threads meanwhile must not be overwritten."""
+    cache = PromptEmbedCache()
+    rounds = 5_000
+
+    def upstream_style() -> None:
+        for _ in range(rounds):
+            with cache._lock:
+                cache.bypassed += 1
+
+    def ours() -> None:
+        for _ in range(rounds):
+            cache.record_bypass("cache disabled")
+
+    threads = [threading.Thread(target=upstream_style), threading.Thread(target=ours)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert cache.bypassed == 2 * rounds
+    assert cache.stats()["bypass_reasons"] == {UNSPECIFIED_REASON: rounds, "cache disabled": rounds}
+
+
 def test_stats_snapshot_deltas_and_summary() -> None:
     cache = PromptEmbedCache(max_size=4)
     before = cache.snapshot()

@@ -494,12 +494,37 @@ def test_an_entry_leaving_device_memory_before_a_clear_never_arrives_after_it() 
 
     host = HostTier(2**20)
     ticket = Ticket()  # the store's ticket when the entry left device memory
-    ticket.stale = True  # new weights, while the copy was running
+    ticket.weights.stale = True  # new weights, while the copy was running
     host.clear()
     host.put(("tag", "prompt"), torch.ones(2), None, 8, ticket)
     assert len(host) == 0 and host.demotions == 0
     host.put(("tag", "prompt"), torch.ones(2), None, 8, Ticket())
     assert len(host) == 1
+
+
+def test_an_entry_leaving_before_a_sleep_and_a_clear_never_arrives_after_them(monkeypatch) -> None:
+    """The host copy of an evicted entry is still running while the worker sleeps and then gets new
+    weights: the sleep's ticket shares the old weights, and the clear makes every ticket of them stale."""
+    from vllm_omni_prompt_cache.host_tier import HostTier
+
+    def sig(prompt_ids):
+        """A one-argument encode's signature, for its keys."""
+
+    builder = CallKeyBuilder(inspect.signature(sig), "tiny")
+    cache = PromptEmbedCache(max_size=1, host_bytes=2**20)
+    real_put, interrupted = HostTier.put, []
+
+    def put_after_a_sleep_and_a_clear(self, *args) -> None:
+        if not interrupted:  # the first copy: the one that left before both
+            interrupted.append(True)
+            cache.release_device_memory()
+            cache.clear()
+        real_put(self, *args)
+
+    monkeypatch.setattr(HostTier, "put", put_after_a_sleep_and_a_clear)
+    cache.put(builder.build((torch.tensor([1]),), {}), torch.ones(2))
+    cache.put(builder.build((torch.tensor([2]),), {}), torch.ones(2))  # evicts the first
+    assert interrupted and len(cache.host) == 0
 
 
 def test_a_result_encoded_before_new_weights_is_never_written_under_their_namespace(tmp_path) -> None:

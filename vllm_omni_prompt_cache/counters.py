@@ -1,7 +1,7 @@
 """What a cache counts, declared once, and the one function that turns what happened into counts.
 
 Every count belongs to the pipeline method whose call made it. A call's counts are made by
-:func:`tally` from what the call came to and added once, under one lock, when it ends (or raises).
+:func:`tally` from what the call came to and added under one lock when the call ends (or raises).
 A snapshot copies the fields of :class:`Counters` by name; it never lists them by hand.
 """
 
@@ -12,6 +12,7 @@ import enum
 import threading
 from collections import Counter
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 #: The method every pipeline encodes prompts with, upstream's one cached method: a count belongs to
@@ -107,8 +108,8 @@ def tally(
 
 
 #: What a call served from an entry adds (the hit path's tallies, made once): keyed whole, or as its one row.
-WHOLE_HIT = tally(Outcome.HIT)
-ROW_HIT = tally(Outcome.HIT, rows_hit=1)
+WHOLE_HIT: Mapping[str, Any] = MappingProxyType(tally(Outcome.HIT))
+ROW_HIT: Mapping[str, Any] = MappingProxyType(tally(Outcome.HIT, rows_hit=1))
 
 
 def ranked_reasons(reasons: Counter[str]) -> dict[str, int]:
@@ -118,20 +119,25 @@ def ranked_reasons(reasons: Counter[str]) -> dict[str, int]:
 
 class MethodCounters:
     """Every cached method's :class:`Counters`, by method: a store's totals are their sums. A method's
-    counters are made on first use; every addition and every read takes one lock."""
+    counters are made on first use.
+
+    Every addition and every read holds :attr:`lock`, re-entrant so that upstream's wrapper can count
+    under it as it does with its own cache (``with cache._lock: cache.bypassed += 1``): that
+    read-modify-write then loses no count another thread adds meanwhile.
+    """
 
     def __init__(self) -> None:
         self._by_method: dict[str, Counters] = {ENCODE_PROMPT: Counters()}
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def add(self, method: str, counts: Mapping[str, Any]) -> None:
-        """Add one call's :func:`tally` to ``method``'s counters."""
-        with self._lock:
+        """Add one :func:`tally` to ``method``'s counters."""
+        with self.lock:
             self._of(method).add(counts)
 
     def register(self, method: str) -> None:
         """Make ``method``'s counters now, at zero (snapshots list it from then on)."""
-        with self._lock:
+        with self.lock:
             self._of(method)
 
     def _of(self, method: str) -> Counters:
@@ -142,15 +148,15 @@ class MethodCounters:
 
     def total(self, name: str) -> Any:
         """Return the sum of one :class:`Counters` field over every method (a Counter for counts by reason)."""
-        with self._lock:
+        with self.lock:
             values = [getattr(counts, name) for counts in self._by_method.values()]
         return sum(values, Counter()) if isinstance(values[0], Counter) else sum(values)
 
     def assign(self, name: str, total: int, *, reason: str = "") -> None:
         """Make the sum of ``name`` ``total``, as upstream's code assigns ``cache.hits``: 0 resets every
         method's; another value moves encode_prompt's share (under ``reason`` for a count by reason)."""
-        now = self.total(name)
-        with self._lock:
+        with self.lock:
+            now = self.total(name)
             default = self._by_method[ENCODE_PROMPT]
             if total == 0:
                 for counts in self._by_method.values():
@@ -160,13 +166,18 @@ class MethodCounters:
             else:
                 setattr(default, name, kept + total - now)
 
-    def by_method(self) -> dict[str, dict[str, Any]]:
-        """Return each method's counts as plain values, reasons most common first."""
-        with self._lock:
-            return {
+    def read(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """Return every count summed over methods, and each method's, read at one moment; counts by
+        reason are plain dicts, most common first."""
+        with self.lock:
+            methods = {
                 method: {
                     name: ranked_reasons(value) if isinstance(value := getattr(counts, name), Counter) else value
                     for name in METHOD_COUNTER_FIELDS
                 }
                 for method, counts in self._by_method.items()
             }
+            totals = {name: self.total(name) for name in METHOD_COUNTER_FIELDS}
+        return {
+            name: ranked_reasons(value) if isinstance(value, Counter) else value for name, value in totals.items()
+        }, methods

@@ -3,7 +3,7 @@
 The first caller to miss a key *owns* its flight and encodes; callers missing the same key
 meanwhile *join* it and take its value, or claim the key again when the owner's encode raised.
 In-flight state is explicit: a flight is begun, then landed with a value or failed, and only then
-are its waiters woken (:meth:`Flight.finish`, outside the store's lock).
+are its waiters woken (:meth:`Flight.finish`).
 
 Every flight carries the store's :class:`Ticket` of the moment it began, so a result computed
 before a ``clear()`` (new weights) or a sleep is returned to its callers but never stored.
@@ -18,7 +18,7 @@ from typing import Any
 
 
 class Claim(enum.Enum):
-    """How a key is served (see PromptEmbedCache.claim)."""
+    """How a key is served (see :meth:`.lookups.Lookups.claim`)."""
 
     HIT = "served from an entry"
     OWN = "this caller encodes it and lands the flight"
@@ -26,18 +26,33 @@ class Claim(enum.Enum):
     DIRECT = "encode it without caching (a collision or a re-entrant call)"
 
 
-class Ticket:
-    """What entries are made under: the store takes a new ticket at each ``clear()`` and each sleep.
-
-    A flight's result is stored only while its ticket is the store's. ``stale``: set by ``clear()``,
-    for the entries' values themselves (the weights changed): an entry that left device memory under
-    a stale ticket is not kept in host memory either. A sleep leaves its old ticket valid.
-    """
+class Weights:
+    """The text-encoder weights entries are made with: stale once ``clear()`` says they changed."""
 
     __slots__ = ("stale",)
 
     def __init__(self) -> None:
         self.stale = False
+
+
+class Ticket:
+    """What entries are made under: the store takes a new ticket at each ``clear()`` and each sleep.
+
+    A flight's result is kept (and written through) only while its ticket is the store's. A sleep's
+    new ticket keeps the old one's :class:`Weights`; a ``clear()`` marks them stale and starts new
+    ones, so an entry that left device memory under any ticket of the old weights (before or after
+    a sleep) is not kept in host memory either.
+    """
+
+    __slots__ = ("weights",)
+
+    def __init__(self, weights: Weights | None = None) -> None:
+        self.weights = Weights() if weights is None else weights
+
+    @property
+    def stale(self) -> bool:
+        """True once the weights it was taken under changed: what it made is wrong now."""
+        return self.weights.stale
 
 
 class Flight:

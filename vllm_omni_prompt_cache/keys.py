@@ -84,6 +84,9 @@ class Identity(tuple):
             hashed = self._hash = tuple.__hash__(self)
         return hashed
 
+    def __reduce__(self) -> tuple:
+        return (Identity, (tuple(self),))  # the hash is this process's (strings hash per process): not sent
+
 
 class CallKey(NamedTuple):
     """The key of one cacheable call: ``identity`` to look up, ``witness`` to verify."""

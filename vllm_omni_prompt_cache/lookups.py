@@ -88,7 +88,7 @@ class Lookups:
                 for key, (decision, flight) in zip(keys, claims, strict=False):
                     if decision is Claim.OWN:
                         self.flights.fail(key.identity, flight)
-                        flight.finish()
+                        flight.finish()  # under the lock: no waiter can have joined it yet
                 raise
         return claims
 
@@ -103,7 +103,7 @@ class Lookups:
         flight = self.flights.get(key.identity)
         if flight is None:
             witness = freeze_witness(key.witness) if self.verify else None
-            return Claim.OWN, self.flights.begin(key.identity, witness, self.ticket, self.tiers.epoch())
+            return Claim.OWN, self.flights.begin(key.identity, witness, self.ticket, self.tiers.directory_epoch())
         if flight.witness is not None and not witness_matches(flight.witness, key.witness):
             return Claim.DIRECT, COLLISION_REASON
         if flight.owner == threading.get_ident():
@@ -133,7 +133,8 @@ class Lookups:
         flight.finish()
         tiers.demote(departures, flight.ticket)
         if not found and flight.ticket is self.ticket:  # files carry the key bytes whatever ``verify``
-            tiers.write(key, flight.witness or freeze_witness(key.witness), value, flight.tiers_epoch)
+            witness = flight.witness if flight.witness is not None else freeze_witness(key.witness)
+            tiers.write(key, witness, value, flight.tiers_epoch)
         elif not found:
             tiers.release(key, flight.tiers_epoch)
         return result, not found
@@ -159,15 +160,16 @@ class Lookups:
     def drop_all(self, *, stale: bool) -> tuple[Departures, Ticket]:
         """Forget every entry and flight and take a new ticket; return the entries that were held and it.
 
-        ``stale``: their values are wrong now (new weights): the old ticket goes stale, so entries
-        leaving under it are not kept in host memory either, and the lower tiers are cleared.
+        ``stale``: their values are wrong now (new weights): the weights of the old tickets go stale,
+        so entries leaving under them are not kept in host memory either, and the lower tiers are cleared.
         """
         with self.lock:
             departures = self.entries.drain()
             self.flights.clear()
             if stale:
-                self.ticket.stale = True  # before the host tier empties: a copy still arriving is dropped
-            self.ticket = ticket = Ticket()
-            if stale:
+                self.ticket.weights.stale = True  # before the host tier empties: a copy still arriving is dropped
+                self.ticket = ticket = Ticket()
                 self.tiers.clear()
+            else:
+                self.ticket = ticket = Ticket(self.ticket.weights)
         return departures, ticket

@@ -69,10 +69,12 @@ class RowOutput:
 
 class SingleRow(NamedTuple):
     """A call that is its own only row: the arguments its row key reads, and the numpy views of host
-    tensors already made to judge it (by ``id(tensor)``, for the key to reuse; None: none)."""
+    tensors already made to judge it (by ``id(tensor)``, for the key to reuse; None: none).
+    ``text``: the row is a text prompt, which a string and a list of one share (token ids have one form)."""
 
     arguments: Mapping[str, Any]
     host_views: dict[int, np.ndarray] | None
+    text: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,16 +209,18 @@ class RowLayout:
         That is one ``[1, ...]`` tensor row with nothing to trim, or one prompt (a string, or its
         text or token ids in a list of one), with one copy (every call at ``max_num_seqs`` 1). The
         arguments come back as :meth:`RowSplit.key_arguments` would cut the row: a list of one holds
-        its bare item, and a tensor on a device is read to the host once, for the mask's last column
-        and for the key alike, as is the mask read to check its last column (:attr:`SingleRow.host_views`).
-        A cheap test, so that case costs about what a whole call costs; None sends the call through
-        :meth:`split`.
+        its bare item, and a tensor on a device is read to the host once, for its key (the mask
+        first: a padded row reads nothing else). The numpy view made to read the mask's last column
+        goes to the key too (:attr:`SingleRow.host_views`). A cheap test, so that case costs about
+        what a whole call costs; None sends the call through :meth:`split`.
         """
         if self.copies is not None and (type(copies := arguments[self.copies]) is not int or copies != 1):
             return None
         width = None
         prompts = False  # a row argument is a prompt: a string, or a list of one
+        text = False  # one is text: a string and a list of one share its row
         cut: dict[str, Any] | None = None  # row arguments as the key reads them, where that differs
+        on_device: list[str] = []  # tensor rows to read to the host, once the mask says the row is whole
         for name in self.rows:
             value = arguments[name]
             kind = type(value)
@@ -226,32 +230,36 @@ class RowLayout:
                     return None
                 width = shape[1]
                 if not value.is_cpu:
-                    cut = {**(cut or {}), name: value.detach().cpu()}
+                    on_device.append(name)
             elif value is None:  # shared by every row
                 continue
             elif kind is str:  # one prompt, keyed as given
-                prompts = True
+                prompts = text = True
             elif (
                 (kind is list or kind is tuple) and len(value) == 1 and (type(value[0]) is str or _token_list(value[0]))
             ):
                 prompts = True
+                text = text or type(value[0]) is str
                 cut = {**(cut or {}), name: value[0]}
             else:
                 return None
         if width is None:  # prompts only: nothing to trim (token ids are as the caller cut them)
-            return SingleRow({**arguments, **(cut or {})}, None) if prompts and self.mask is None else None
+            return SingleRow({**arguments, **(cut or {})}, None, text=text) if prompts and self.mask is None else None
         if prompts:
             return None  # prompts beside tensor rows: split() decides
         host_views = None
-        if self.mask is not None:
-            mask = arguments[self.mask] if cut is None else cut.get(self.mask, arguments[self.mask])
-            if mask is not None:
-                if width == 0 or len(mask.shape) != 2:
-                    return None
-                view = _host_view(mask)
-                if not (view[0, -1] if view is not None else _mask_array(mask[:, -1:])[0, 0]):
-                    return None
-                host_views = None if view is None else {id(mask): view}
+        mask = None if self.mask is None else arguments[self.mask]  # a [1, width, ...] tensor row, or None
+        if mask is not None:
+            if width == 0 or len(mask.shape) != 2:
+                return None
+            if not mask.is_cpu:  # read first: a padded row goes to split() with nothing else read
+                mask = mask.detach().cpu()
+            view = _host_view(mask)
+            if not (view[0, -1] if view is not None else _mask_array(mask[:, -1:])[0, 0]):
+                return None
+            host_views = None if view is None else {id(mask): view}
+        if on_device:
+            cut = {name: mask if name == self.mask else arguments[name].detach().cpu() for name in on_device}
         return SingleRow(arguments if cut is None else {**arguments, **cut}, host_views)
 
     def batch_size(self, arguments: Mapping[str, Any]) -> int | None:

@@ -20,17 +20,15 @@ ranks that see the same calls take the same decisions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.counters import (
     ENCODE_PROMPT,
-    METHOD_COUNTER_FIELDS,
     WHOLE_HIT,
     MethodCounters,
     Outcome,
-    ranked_reasons,
     tally,
 )
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
@@ -112,8 +110,9 @@ class PromptEmbedCache:
 
     @property
     def _lock(self) -> Any:
-        """The lock upstream's wrapper takes to count a bypass (``cache.bypassed += 1``): part of its contract."""
-        return self._lookups.lock
+        """The lock upstream's wrapper takes to count (``with cache._lock: cache.bypassed += 1``), part of
+        its contract: every count is added under it (re-entrant)."""
+        return self._counters.lock
 
     @property
     def flights(self) -> Flights:
@@ -199,10 +198,12 @@ class PromptEmbedCache:
         entry = Entry.of(value, witness, keyed=keyed)
         lookups = self._lookups
         with lookups.lock:
-            ticket, epoch = lookups.ticket, self.tiers.epoch()
+            ticket, epoch = lookups.ticket, self.tiers.directory_epoch()
             departures = lookups.keep(key.identity if keyed else key, entry, ENCODE_PROMPT)
         self.tiers.demote(departures, ticket)
-        if keyed:  # files carry the key bytes whatever ``verify``: a process reading them may verify
+        # Files carry the key bytes whatever ``verify`` (a process reading them may verify); a clear()
+        # or a sleep since voids the write, as it voids an encode's.
+        if keyed and ticket is lookups.ticket:
             self.tiers.write(key, witness if witness is not None else freeze_witness(key.witness), value, epoch)
 
     def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, method: str = ENCODE_PROMPT) -> T:
@@ -243,7 +244,7 @@ class PromptEmbedCache:
         """List ``method`` in the stats from now on, at zero."""
         self._counters.register(method)
 
-    def record(self, method: str, counts: dict[str, Any]) -> None:
+    def record(self, method: str, counts: Mapping[str, Any]) -> None:
         """Add one call's :func:`~.counters.tally` to ``method``'s counters."""
         self._counters.add(method, counts)
 
@@ -261,9 +262,9 @@ class PromptEmbedCache:
 
     def record_layout_check(self, rows: int, gap: float | None, *, method: str = ENCODE_PROMPT) -> None:
         """Count one layout check whose uncached call encoded ``rows``; ``gap``: what it measured, None: mismatch."""
-        self.record(method, {"layout_checks": 1, "layout_check_rows": rows, "layout_mismatches": int(gap is None)})
-        if gap is not None:
-            with self._lookups.lock:
+        with self._counters.lock:
+            self.record(method, {"layout_checks": 1, "layout_check_rows": rows, "layout_mismatches": int(gap is None)})
+            if gap is not None:
                 self._max_gap = max(self._max_gap, gap)
 
     def clear(self) -> None:
@@ -293,8 +294,7 @@ class PromptEmbedCache:
         levels: dict[str, Any] = {}
         if moves is not None:  # outside the lock: a placement in progress holds the placement's lock
             levels.update(encoder_device_bytes=moves.device_bytes(), encoder_placer=moves.placer)
-        counts = {name: self._counters.total(name) for name in METHOD_COUNTER_FIELDS}
-        counts = {name: ranked_reasons(value) if isinstance(value, dict) else value for name, value in counts.items()}
+        counts, methods = self._counters.read()
         lookups = self._lookups
         with lookups.lock:
             return CacheStats(
@@ -310,7 +310,7 @@ class PromptEmbedCache:
                 enabled=self.enabled,
                 verify=self.verify,
                 layout_check_max_gap=self._max_gap,
-                methods=self._counters.by_method(),
+                methods=methods,
             )
 
     def stats(self) -> dict[str, Any]:

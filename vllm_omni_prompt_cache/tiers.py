@@ -30,7 +30,7 @@ class LowerTiers:
     def __bool__(self) -> bool:
         return self.host is not None or self.directory is not None
 
-    def epoch(self) -> int:
+    def directory_epoch(self) -> int:
         """Return the directory's epoch now (it moves when the weights change): what a flight writes for."""
         return 0 if self.directory is None else self.directory.epoch
 

@@ -440,12 +440,18 @@ class _CachedCalls:
             return self._whole(args, kwargs, arguments, infer=self.proof.may_infer)
         try:
             single = layout.single_row_key(arguments)
-            split = None if single is not None else layout.split(arguments)
+            split = None
+            if single is None or (single.text and not self.proof.trusted):
+                split = layout.split(arguments)
         except Exception as error:  # hostile arguments: reading them as rows must not fail the call
             return self._whole(
                 args, kwargs, arguments, why=f"rows could not be read: {type(error).__qualname__} raised"
             )
-        if single is not None:
+        # A prompt's row is shared by its forms ("a" and ["a"]), which a layout the class does not vouch
+        # for must have passed a check on before one is served for the other.
+        if single is not None and (
+            split is None or (type(split) is RowSplit and self.proof.has_checked(layout, split))
+        ):
             return self._single_row(layout, args, kwargs, single)
         if type(split) is not RowSplit:
             return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments), why=split)
@@ -513,35 +519,32 @@ class _CachedCalls:
         call and compared with its assembled rows (:meth:`_check`).
         """
         rows = RowTally()
+        call = Outcome.MISS  # unless every row was served without encoding and the output assembles
         dropped = tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=split.batch)  # then served uncached
         try:
-            values = self.store.serve_rows(keys, self._row_encoder(split), rows, self.method)
-        except LayoutMismatch as error:
-            self._count(rows.counts(Outcome.MISS))
-            self.proof.refute(layout, str(error))
-            return self._uncached(args, kwargs, dropped)
-        except Exception as error:
-            self._count(rows.counts(Outcome.MISS))
-            if self.proof.trusted or self.proof.has_checked(layout, split) or _transient(error):
-                raise  # the encoder itself failed, as it would uncached
-            # Rows cut by a layout no check has passed yet for such calls: the cut is the suspect.
-            self.proof.refute(layout, f"its row calls raised {type(error).__qualname__}: {error}")
-            return self._uncached(args, kwargs, dropped)
-        except BaseException:
-            self._count(rows.counts(Outcome.MISS))
-            raise
-        if not self.proof.settled(layout, split):  # measuring what the rows exercise costs comparisons
-            strength = row_strength(split, values)
-            if self.proof.needs_check(layout, split, strength):
-                self._count(rows.counts(Outcome.MISS))  # the check runs the encoder on the whole call
-                return self._check(layout, split, values, strength, self.encode_fn(*args, **kwargs))
-        try:
-            assembled = split.assemble(values)
-        except UnstackableRows:
-            self._count(rows.counts(Outcome.MISS))
-            return self._uncached(args, kwargs, tally(whole_call=UNSTACKABLE_REASON, rows_encoded=split.batch))
-        self._count(rows.counts(Outcome.MISS if rows.encoded else Outcome.HIT))
-        return assembled
+            try:
+                values = self.store.serve_rows(keys, self._row_encoder(split), rows, self.method)
+            except LayoutMismatch as error:
+                self.proof.refute(layout, str(error))
+                return self._uncached(args, kwargs, dropped)
+            except Exception as error:
+                if self.proof.trusted or self.proof.has_checked(layout, split) or _transient(error):
+                    raise  # the encoder itself failed, as it would uncached
+                # Rows cut by a layout no check has passed yet for such calls: the cut is the suspect.
+                self.proof.refute(layout, f"its row calls raised {type(error).__qualname__}: {error}")
+                return self._uncached(args, kwargs, dropped)
+            if not self.proof.settled(layout, split):  # measuring what the rows exercise costs comparisons
+                strength = row_strength(split, values)
+                if self.proof.needs_check(layout, split, strength):  # the check encodes the whole call
+                    return self._check(layout, split, values, strength, self.encode_fn(*args, **kwargs))
+            try:
+                assembled = split.assemble(values)
+            except UnstackableRows:
+                return self._uncached(args, kwargs, tally(whole_call=UNSTACKABLE_REASON, rows_encoded=split.batch))
+            call = Outcome.MISS if rows.encoded else Outcome.HIT
+            return assembled
+        finally:  # the rows and the call, counted whatever happened (an encode or an assembly that raised too)
+            self._count(rows.counts(call))
 
     def _whole(
         self,
