@@ -21,6 +21,20 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected tests' slow port-free subprocesses in a second lane (see ``background.py``)."""
+    import background
+
+    if not session.config.option.collectonly:
+        background.start_for(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import background
+
+    background.finish()
+
+
 @pytest.fixture(autouse=True)
 def no_refuted_layouts_carry_over() -> Iterator[None]:
     """A layout a test refutes (a class an audit turns off) stays so in the process: start each test afresh."""

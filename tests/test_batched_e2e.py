@@ -59,9 +59,36 @@ async def text_rollout(max_num_seqs: int, cache: bool) -> dict[str, Any]:
     return {"images": images, "stats": None if after is None else after.since(before)}
 
 
+class Collector(logging.Handler):
+    """Keeps the messages of the records it sees."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def batched() -> dict[str, Any]:
-    return run(text_rollout(max_num_seqs=4, cache=True))
+    """The batched rollout, with the worker's stats line logged after every call and kept under "log"
+    (one engine for the row counts and the log line; each had an engine of its own before)."""
+    from vllm_omni_prompt_cache.vllm_omni import runner
+
+    logger = logging.getLogger("vllm_omni_prompt_cache")
+    collector, level = Collector(), logger.level
+    original = runner.STATS_LOG_INTERVAL_S
+    runner.STATS_LOG_INTERVAL_S = 0.0  # log after every call
+    logger.addHandler(collector)
+    logger.setLevel(logging.INFO)
+    try:
+        result = run(text_rollout(max_num_seqs=4, cache=True))
+    finally:
+        runner.STATS_LOG_INTERVAL_S = original
+        logger.removeHandler(collector)
+        logger.setLevel(level)
+    return {**result, "log": collector.messages}
 
 
 def test_stock_text_pipeline_encodes_each_distinct_row_once_when_batched(batched) -> None:
@@ -82,17 +109,9 @@ def test_stock_text_pipeline_images_match_uncached_one_request_at_a_time() -> No
         assert cached["images"][index].tobytes() == image.tobytes(), index
 
 
-def test_the_worker_log_line_counts_rows(caplog) -> None:
-    from vllm_omni_prompt_cache.vllm_omni import runner
-
-    original = runner.STATS_LOG_INTERVAL_S
-    runner.STATS_LOG_INTERVAL_S = 0.0  # log after every call
-    try:
-        with caplog.at_level(logging.INFO, logger="vllm_omni_prompt_cache"):
-            run(text_rollout(max_num_seqs=4, cache=True))
-    finally:
-        runner.STATS_LOG_INTERVAL_S = original
-    lines = [record.getMessage() for record in caplog.records if "Prompt-embed cache: hit rate" in record.getMessage()]
+def test_the_worker_log_line_counts_rows(batched) -> None:
+    """Reads the log of the ``batched`` fixture's engine (it started an identical engine of its own before)."""
+    lines = [message for message in batched["log"] if "Prompt-embed cache: hit rate" in message]
     # Cumulative since the engine started: its warm-up request encoded one row too.
     assert lines and f"rows: {ROWS - DISTINCT_ROWS} hits, {DISTINCT_ROWS + 1} misses" in lines[-1]
     assert f"{DISTINCT_ROWS + 1} encoded" in lines[-1]

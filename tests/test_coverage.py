@@ -9,12 +9,12 @@ tests. The same process enumerates the classes (``coverage/classes.py``), after 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 
 pytest.importorskip("vllm_omni", reason="the coverage matrix runs vLLM-Omni's pipelines")
@@ -39,17 +39,38 @@ CLAIMED = claimed()
 PIPELINES = sorted(case.pipeline for case in all_cases())
 
 
-@pytest.fixture(scope="module")
-def measured() -> dict:
-    """Every case judged afresh, and every build path resolved, in a process of their own."""
-    environment = {**os.environ, "VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM": "1"}
-    result = subprocess.run(
+def judge_every_case() -> subprocess.CompletedProcess:
+    """Judge every case afresh and resolve every build path, in a process of their own."""
+    return subprocess.run(
         [sys.executable, "-m", "vllm_omni_prompt_cache.coverage", "--json"],
         capture_output=True,
         text=True,
         timeout=600,
-        env=environment,
+        env=background.environment(VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM="1"),
     )
+
+
+def start_judging() -> None:
+    background.submit("coverage", judge_every_case)
+
+
+#: The matrix's process starts in the background lane when the suite starts (see background.py).
+BACKGROUND_JOBS = {
+    name: start_judging
+    for name in (
+        "test_every_class_vllm_omni_ships_has_a_case_and_every_case_a_class",
+        "test_no_module_the_enumeration_could_not_import_defines_an_encode_method",
+        "test_every_claimed_row_holds",
+        "test_the_switch_reaches_every_pipelines_stage_on_either_builder",
+        "test_the_summary_line_counts_the_table",
+    )
+}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """Every case judged afresh, and every build path resolved, in a process of their own."""
+    result = background.result("coverage", judge_every_case)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

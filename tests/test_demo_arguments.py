@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 import torch
 
@@ -95,18 +96,32 @@ def test_matplotlib_is_only_needed_for_a_chart(monkeypatch) -> None:
     assert command.missing_extras(chart=True) == {"demo": ["matplotlib"]}
 
 
-def test_arguments_and_extras_are_checked_where_vllm_omni_is_not_installed() -> None:
-    """In a process where vllm, vllm_omni and diffusers cannot be imported, as after a core-only install."""
+def demo_where_vllm_omni_is_not_installed(*argv: str) -> subprocess.CompletedProcess:
+    """Run the demo in a process where vllm, vllm_omni and diffusers cannot be imported."""
     blocked = "import sys\nfor name in ('vllm', 'vllm_omni', 'diffusers'):\n    sys.modules[name] = None\n"
     run = "from vllm_omni_prompt_cache.cli import main\nmain({argv!r})\n"
+    code = blocked + run.format(argv=["demo", *argv])
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=background.environment()
+    )
 
-    def demo(*argv: str) -> subprocess.CompletedProcess:
-        code = blocked + run.format(argv=["demo", *argv])
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
-    bad = demo("--group-size", "0")
+def bad_and_missing() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    return demo_where_vllm_omni_is_not_installed("--group-size", "0"), demo_where_vllm_omni_is_not_installed()
+
+
+#: The two processes start in the background lane when the suite starts (see background.py).
+BACKGROUND_JOBS = {
+    "test_arguments_and_extras_are_checked_where_vllm_omni_is_not_installed": lambda: background.submit(
+        "demo: core-only", bad_and_missing
+    )
+}
+
+
+def test_arguments_and_extras_are_checked_where_vllm_omni_is_not_installed() -> None:
+    """In a process where vllm, vllm_omni and diffusers cannot be imported, as after a core-only install."""
+    bad, missing = background.result("demo: core-only", bad_and_missing)
     assert bad.returncode == 2 and "argument --group-size: expected an integer >= 1, got 0" in bad.stderr
-    missing = demo()
     assert missing.returncode == 2, missing.stderr[-2000:]
     assert "the demo needs vllm, vllm_omni, diffusers (the 'vllm-omni' extra)" in missing.stderr
     assert "pip install 'vllm-omni-prompt-cache[vllm-omni]'" in missing.stderr

@@ -10,6 +10,7 @@ image for the same prompt and seed: a wrong embedding would change it. The count
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
 import subprocess
 import threading
@@ -32,7 +33,18 @@ SEEDS = (0, 1, 2, 3)  # an RL group's siblings
 
 
 def start(log: Path, *flags: str) -> Server:
-    return serving.start(log, tiny_spec().model_dir, *flags)
+    """Start a server that picks its own torch.distributed master port.
+
+    An in-process engine of an earlier test leaves ``MASTER_PORT`` in this process's environment
+    (vLLM-Omni's worker sets it); servers started together would all inherit it and settle on the
+    same port, so one would fail with EADDRINUSE and start again alone (about 35 s here).
+    """
+    inherited = os.environ.pop("MASTER_PORT", None)
+    try:
+        return serving.start(log, tiny_spec().model_dir, *flags)
+    finally:
+        if inherited is not None:
+            os.environ["MASTER_PORT"] = inherited
 
 
 def start_together(logs_and_flags: dict[str, tuple[Path, tuple[str, ...]]]) -> dict[str, Server]:

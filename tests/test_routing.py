@@ -7,6 +7,7 @@ import subprocess
 import sys
 from fractions import Fraction
 
+import background
 import numpy as np
 import pytest
 import torch
@@ -99,17 +100,27 @@ def test_requests_without_usable_prompt_content_say_why(request_, reason):
         prompt_affinity_key(request_)
 
 
-def test_key_is_the_same_in_every_process():
+def keys_in_two_processes() -> set[str]:
     code = (
         "from vllm_omni_prompt_cache.routing import prompt_affinity_key as k; "
         f"print(k({{'prompt_ids': {IDS}, 'negative_prompt': 'blurry'}}), k('a red fox'))"
     )
-    runs = {
+    return {
         subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed}
         ).stdout
         for seed in ("1", "2")
     }
+
+
+#: The two processes start in the background lane when the suite starts (see background.py).
+BACKGROUND_JOBS = {
+    "test_key_is_the_same_in_every_process": lambda: background.submit("routing: keys", keys_in_two_processes)
+}
+
+
+def test_key_is_the_same_in_every_process():
+    runs = background.result("routing: keys", keys_in_two_processes)
     here = (
         f"{prompt_affinity_key({'prompt_ids': IDS, 'negative_prompt': 'blurry'})} {prompt_affinity_key('a red fox')}\n"
     )

@@ -13,6 +13,7 @@ import contextlib
 import subprocess
 from collections.abc import Iterator
 
+import background
 import pytest
 from engine_support import tiny_spec
 
@@ -29,10 +30,19 @@ def generate(base: str, prompt: str, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def served(log_path, *flags: str) -> Iterator[serving.Server]:
-    """Run ``vllm serve TINY --omni FLAGS`` until the block ends; yield it once healthy."""
+def served(log_path, *flags: str, kill: bool = False) -> Iterator[serving.Server]:
+    """Run ``vllm serve TINY --omni FLAGS`` until the block ends; yield it once healthy.
+
+    ``kill``: end it with SIGKILL (its whole session) instead of SIGTERM. vLLM-Omni 0.30's distributed
+    shutdown waits 30 s for its membership watcher (see ``demo/replicas.py``), and a test that reads
+    nothing from the server after the block has no use for that wait.
+    """
     with serving.served(log_path, tiny_spec().model_dir, *flags) as server:
-        yield server
+        try:
+            yield server
+        finally:
+            if kill:
+                server.kill()
 
 
 CACHE_FLAGS = (
@@ -84,7 +94,7 @@ def test_two_replicas_behind_prompt_affinity_encode_each_prompt_once(tmp_path) -
     distributed = serving.distributed_flags(2)
     # Room for every prompt on either replica: consistent hashing may send most of them to one.
     cache_flags = ("--enable-prompt-embed-cache", "--prompt-embed-cache-size", "128")
-    with served(tmp_path / "server.log", *cache_flags, *distributed) as server:
+    with served(tmp_path / "server.log", *cache_flags, *distributed, kill=True) as server:
         base = server.base
         serving.warm_up(server, 2)
         before = scrape(base)
@@ -106,13 +116,26 @@ def test_two_replicas_behind_prompt_affinity_encode_each_prompt_once(tmp_path) -
     assert sum(hits for _, hits, _ in per_replica.values()) == len(PROMPTS)
 
 
-def test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values() -> None:
-    result = subprocess.run(
+def serve_with_a_bad_flag() -> subprocess.CompletedProcess:
+    return subprocess.run(
         [VLLM, "serve", str(tiny_spec().model_dir), "--omni", "--prompt-embed-cache-size", "0"],
         capture_output=True,
         text=True,
         timeout=180,
+        env=background.environment(),
     )
+
+
+#: Refused before anything starts (no port): it runs in the background lane (see background.py).
+BACKGROUND_JOBS = {
+    "test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values": lambda: background.submit(
+        "serve: bad flag", serve_with_a_bad_flag
+    )
+}
+
+
+def test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values() -> None:
+    result = background.result("serve: bad flag", serve_with_a_bad_flag)
     assert result.returncode == 2, result.stderr[-3000:]  # argparse's usage error: nothing started
     assert "argument --prompt-embed-cache-size" in result.stderr
     assert "command-line flag --prompt-embed-cache-size" in result.stderr and "an integer >= 1" in result.stderr

@@ -4,18 +4,20 @@ upstream's public contract, which the proposed module, the stock module and this
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
-import os
 import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import background
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ CHECK_PLUGIN = _load(UPSTREAM / "check" / "check_plugin.py", "upstream_check_plu
 
 
 def _run_check(target: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable}
+    env = background.environment(PYTHON=sys.executable)
     return subprocess.run(["bash", str(CHECK), str(target)], capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -81,20 +83,68 @@ def _stand_in_upstream_tests(body_of: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.fixture(scope="module")
-def checked_copy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess, str]:
-    """A copy of the installed package that check.sh has run on once: the tree, the run, the installed
-    module's hash before it."""
+@dataclass
+class CheckRuns:
+    """check.sh run three times on one copy of the installed package, and what was seen after the first run."""
+
+    copy: Path
+    installed_before: str  # the installed module's hash before anything ran
+    first: subprocess.CompletedProcess  # on the wheel's tree as copied
+    module_after_first: str  # the copy's module's hash after the first run
+    worker_after_first: str  # the copy's worker's source after the first run
+    installed_after_first: str
+    second: subprocess.CompletedProcess  # with a stand-in upstream test file, every listed test failing
+    third: subprocess.CompletedProcess  # with one listed test passing and one failing on an import
+
+
+@functools.cache  # both background jobs use it; they run one after the other in the lane's one thread
+def check_three_times() -> CheckRuns:
+    """Copy the installed package and run check.sh on the copy three times (the test's steps, in order)."""
     installed = _installed_package()
-    before = _sha(installed / "diffusion" / "cache" / "prompt_embed_cache.py")
-    copy = tmp_path_factory.mktemp("tree") / "vllm_omni"
+    installed_module = installed / "diffusion" / "cache" / "prompt_embed_cache.py"
+    before = _sha(installed_module)
+    copy = background.scratch_dir("upstream") / "vllm_omni"
     shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    return copy, _run_check(copy), before
+    first = _run_check(copy)
+    seen_after_first = (
+        _sha(copy / "diffusion" / "cache" / "prompt_embed_cache.py"),
+        (copy / "diffusion" / "worker" / "diffusion_worker.py").read_text(),
+        _sha(installed_module),
+    )
+    upstream_tests = copy.parent / "tests" / "diffusion" / "cache" / "test_prompt_embed_cache.py"
+    upstream_tests.parent.mkdir(parents=True, exist_ok=True)  # check.sh makes it; not if the first run failed early
+    upstream_tests.write_text(_stand_in_upstream_tests({}))
+    second = _run_check(copy)
+    upstream_tests.write_text(
+        _stand_in_upstream_tests(
+            {"test_numpy_scalar_is_unwrapped": "pass", "test_numpy_ndarray_is_not_hashable": "import no_such_module"}
+        )
+    )
+    third = _run_check(copy)
+    return CheckRuns(copy, before, first, *seen_after_first, second, third)
 
 
-def test_check_script_on_a_copy_of_the_installed_package(checked_copy) -> None:
-    copy, result, before = checked_copy
-    installed_module = _installed_package() / "diffusion" / "cache" / "prompt_embed_cache.py"
+#: The three runs, then the rollout on the copy, start in the background lane when the suite starts
+#: (see background.py). Both jobs run there, one after the other: ``check_three_times`` runs once.
+BACKGROUND_JOBS = {
+    "test_check_script_on_a_copy_of_the_installed_package": lambda: background.submit(
+        "upstream: check.sh", check_three_times
+    ),
+    "test_the_proposed_module_serves_a_rollout_through_the_real_engine": lambda: background.submit(
+        "upstream: rollout", rollout_on_the_checked_copy
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def check_runs() -> CheckRuns:
+    return background.result("upstream: check.sh", check_three_times)
+
+
+def test_check_script_on_a_copy_of_the_installed_package(check_runs) -> None:
+    """The three runs of check.sh run in the background lane, in this order, before the assertions
+    (see ``check_three_times``); what the first left in the copy is read right after it."""
+    result, before = check_runs.first, check_runs.installed_before
 
     # A wheel's tree: no upstream test file, ours only.
     output = result.stdout + result.stderr
@@ -102,15 +152,13 @@ def test_check_script_on_a_copy_of_the_installed_package(checked_copy) -> None:
     summary = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"\d+ passed, 1 skipped in [\d.]+s", summary), summary  # skipped: the CUDA test
     assert "running ours only" in output
-    assert _sha(copy / "diffusion" / "cache" / "prompt_embed_cache.py") == _sha(PROPOSED)
-    assert "clear_prompt_embed_cache()" in (copy / "diffusion" / "worker" / "diffusion_worker.py").read_text()
-    assert _sha(installed_module) == before  # the installed package every other test imports is untouched
+    assert check_runs.module_after_first == _sha(PROPOSED)
+    assert "clear_prompt_embed_cache()" in check_runs.worker_after_first
+    assert check_runs.installed_after_first == before  # the installed package every other test imports is untouched
 
     # Run again with a file where upstream's is: the worker is already patched, and the listed tests
     # are recognised as the 0.30 version's and must fail on an assertion.
-    upstream_tests = copy.parent / "tests" / "diffusion" / "cache" / "test_prompt_embed_cache.py"
-    upstream_tests.write_text(_stand_in_upstream_tests({}))
-    result = _run_check(copy)
+    result = check_runs.second
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "already has the sleep change" in output
@@ -118,12 +166,7 @@ def test_check_script_on_a_copy_of_the_installed_package(checked_copy) -> None:
     assert re.search(r" 13 xfailed in ", result.stdout), result.stdout[-2000:]
 
     # A listed test that passes, or fails on something else than an assertion, fails the run.
-    upstream_tests.write_text(
-        _stand_in_upstream_tests(
-            {"test_numpy_scalar_is_unwrapped": "pass", "test_numpy_ndarray_is_not_hashable": "import no_such_module"}
-        )
-    )
-    result = _run_check(copy)
+    result = check_runs.third
     assert result.returncode != 0
     # "FAILED <node id>", with " - <reason>" after it where pytest does not truncate (CI=true)
     failed = {line.split()[1].split("::")[-1] for line in result.stdout.splitlines() if line.startswith("FAILED ")}
@@ -132,17 +175,30 @@ def test_check_script_on_a_copy_of_the_installed_package(checked_copy) -> None:
     assert "ModuleNotFoundError: No module named 'no_such_module'" in result.stdout
 
 
-@pytest.mark.engine
-def test_the_proposed_module_serves_a_rollout_through_the_real_engine(checked_copy, tmp_path: Path) -> None:
-    """vLLM-Omni's own runner installs the proposed module (plugin off); the patched worker clears it on sleep."""
-    copy, result, _ = checked_copy
-    assert result.returncode == 0
-    table = tmp_path / "rollout.md"
+def rollout_on_the_checked_copy() -> tuple[subprocess.CompletedProcess, str | None]:
+    """Run ``benchmarks/upstream_rollout.py`` on the checked copy; return the run and its table (None if unwritten)."""
+    copy = check_three_times().copy
+    table = background.scratch_dir("upstream-rollout") / "rollout.md"
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "upstream_rollout.py"
     arguments = [str(copy), "--prompts", "2", "--group-size", "4", "--steps", "2", "--write", str(table)]
-    run = subprocess.run([sys.executable, str(script), *arguments], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(script), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=background.environment(),
+    )
+    return run, table.read_text() if table.is_file() else None
+
+
+@pytest.mark.engine
+def test_the_proposed_module_serves_a_rollout_through_the_real_engine(check_runs) -> None:
+    """vLLM-Omni's own runner installs the proposed module (plugin off); the patched worker clears it on sleep.
+
+    The rollout's process runs in the background lane after the check runs (``rollout_on_the_checked_copy``)."""
+    assert check_runs.first.returncode == 0
+    run, report = background.result("upstream: rollout", rollout_on_the_checked_copy)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    report = table.read_text()
     # 2 prompts x 4 siblings, each with the shared negative prompt: 16 calls, 3 distinct prompts.
     assert "| none | 16 | 16 | - | - | - |" in report
     assert "| proposed module | 3 | 3 | 13 | 3 | 0 |" in report
