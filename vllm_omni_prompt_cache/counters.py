@@ -133,7 +133,7 @@ class MethodCounters:
     def add(self, method: str, counts: Mapping[str, Any]) -> None:
         """Add one :func:`tally` to ``method``'s counters."""
         with self.lock:
-            self._of(method).add(counts)
+            (self._by_method.get(method) or self._of(method)).add(counts)
 
     def register(self, method: str) -> None:
         """Make ``method``'s counters now, at zero (snapshots list it from then on)."""

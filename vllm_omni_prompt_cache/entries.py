@@ -7,7 +7,7 @@ out is returned to the caller, which decides where it goes next (the host tier) 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 from vllm_omni_prompt_cache.keys import witness_nbytes
@@ -34,24 +34,23 @@ Departures = list[tuple[Hashable, Entry]]
 
 class Entries:
     """Entries by key identity, least recently used first, within ``max_size`` entries and ``max_bytes``
-    bytes (None: no byte budget)."""
+    bytes (None: no byte budget).
+
+    ``get(identity)`` returns an entry (None: absent) and leaves its recency alone; ``refresh(identity)``
+    makes it the most recently used (a verified hit).
+    """
 
     def __init__(self, max_size: int, max_bytes: int | None) -> None:
         self.max_size = max_size
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: OrderedDict[Hashable, Entry] = OrderedDict()
+        # The hit path's two operations are the mapping's own (C) methods, not wrappers around them.
+        self.get: Callable[[Hashable], Entry | None] = self._entries.get
+        self.refresh: Callable[[Hashable], None] = self._entries.move_to_end
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def get(self, identity: Hashable) -> Entry | None:
-        """Return the entry for ``identity`` (None: absent); its recency is unchanged until :meth:`refresh`."""
-        return self._entries.get(identity)
-
-    def refresh(self, identity: Hashable) -> None:
-        """Make ``identity``'s entry the most recently used (a verified hit)."""
-        self._entries.move_to_end(identity)
 
     def put(self, identity: Hashable, entry: Entry) -> tuple[Departures, bool]:
         """Insert or replace ``identity``'s entry, then evict the least recently used over the budgets.

@@ -71,23 +71,6 @@ _NONE = ("none",)
 _ROW = ("row",)
 
 
-class Identity(tuple):
-    """A key identity that computes its hash once: a call's key is looked up in the entries, the
-    flights and the lower tiers, and a long identity is hashed anew by each plain-tuple lookup.
-    Equal to, and hashed as, the plain tuple of the same items."""
-
-    _hash: int | None = None
-
-    def __hash__(self) -> int:
-        hashed = self._hash
-        if hashed is None:
-            hashed = self._hash = tuple.__hash__(self)
-        return hashed
-
-    def __reduce__(self) -> tuple:
-        return (Identity, (tuple(self),))  # the hash is this process's (strings hash per process): not sent
-
-
 class CallKey(NamedTuple):
     """The key of one cacheable call: ``identity`` to look up, ``witness`` to verify."""
 
@@ -361,4 +344,4 @@ class CallKeyBuilder:
                 # User code raised (a __class__ property, an image's lazy load, a dict resized by
                 # another thread) or the stack ran out: the call may still work uncached.
                 return Bypass(f"argument {name!r}: {type(error).__qualname__} raised while keying")
-        return CallKey(Identity(parts), tuple(encoder.witness))
+        return CallKey(tuple(parts), tuple(encoder.witness))

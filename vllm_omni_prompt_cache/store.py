@@ -20,6 +20,7 @@ ranks that see the same calls take the same decisions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -243,6 +244,11 @@ class PromptEmbedCache:
     def register(self, method: str) -> None:
         """List ``method`` in the stats from now on, at zero."""
         self._counters.register(method)
+
+    def recorder(self, method: str) -> Callable[[Mapping[str, Any]], None]:
+        """Return the function that adds a :func:`~.counters.tally` to ``method``'s counters (what
+        :meth:`record` does, bound once for a method's every call)."""
+        return functools.partial(self._counters.add, method)
 
     def record(self, method: str, counts: Mapping[str, Any]) -> None:
         """Add one call's :func:`~.counters.tally` to ``method``'s counters."""

@@ -417,6 +417,7 @@ class _CachedCalls:
     ) -> None:
         self.store = store
         self.method = method  # whose counters every count made here goes to
+        self._count = store.recorder(method)  # adds one tally to them
         self.pipeline_class = pipeline_class  # what an audit's mismatch turns the cache off for
         self.encode_fn = encode_fn
         self.signature = signature
@@ -459,9 +460,6 @@ class _CachedCalls:
         if type(keys) is Bypass:  # a shared argument no key can hold: no row can be keyed
             return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=keys.reason, rows_encoded=split.batch))
         return self._by_rows(layout, split, keys, args, kwargs)
-
-    def _count(self, counts: dict[str, Any]) -> None:
-        self.store.record(self.method, counts)
 
     def _uncached(self, args: tuple, kwargs: dict, counts: dict[str, Any]) -> Any:
         """Serve the call from the original function, not cached, counted as ``counts`` (a :func:`tally`)."""
