@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -104,3 +105,14 @@ class WeightReloadingExtension(TextEncoderCountersExtension):
         weights = [(f"{component}.{name}", p.detach().clone()) for name, p in module.named_parameters()]
         pipeline.load_weights(weights)
         return len(weights)
+
+
+class MessageCollector(logging.Handler):
+    """Keeps the messages of the records at ``level`` or above that it sees."""
+
+    def __init__(self, level: int = logging.INFO) -> None:
+        super().__init__(level=level)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

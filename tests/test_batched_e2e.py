@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import GROUP_SIZE, PROMPTS, run
+from engine_support import GROUP_SIZE, PROMPTS, MessageCollector, run
 
 from vllm_omni_prompt_cache.demo.rollout import NEGATIVE_PROMPT, cache_stats, open_engine
 from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype, ensure_tiny_qwen_image
@@ -59,17 +59,6 @@ async def text_rollout(max_num_seqs: int, cache: bool) -> dict[str, Any]:
     return {"images": images, "stats": None if after is None else after.since(before)}
 
 
-class Collector(logging.Handler):
-    """Keeps the messages of the records it sees."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture(scope="module")
 def batched() -> dict[str, Any]:
     """The batched rollout, with the worker's stats line logged after every call and kept under "log"
@@ -77,7 +66,7 @@ def batched() -> dict[str, Any]:
     from vllm_omni_prompt_cache.vllm_omni import runner
 
     logger = logging.getLogger("vllm_omni_prompt_cache")
-    collector, level = Collector(), logger.level
+    collector, level = MessageCollector(), logger.level
     original = runner.STATS_LOG_INTERVAL_S
     runner.STATS_LOG_INTERVAL_S = 0.0  # log after every call
     logger.addHandler(collector)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from engine_support import RELOADING_EXTENSION, run, tiny_spec
+from engine_support import RELOADING_EXTENSION, MessageCollector, run, tiny_spec
 
 from vllm_omni_prompt_cache import PromptEmbedCacheSettings, install_prompt_embed_cache
 from vllm_omni_prompt_cache.demo.rollout import (
@@ -62,7 +62,7 @@ def test_engine_sleep_and_weight_loads_empty_the_cache_and_stats_are_logged(monk
             sizes["after deep sleep"] = await worker_value(engine, "get_prompt_embed_cache_stats")
         return sizes
 
-    worker_errors = ErrorCollector()
+    worker_errors = MessageCollector(logging.ERROR)
     worker_logger = logging.getLogger("vllm_omni.diffusion.worker.diffusion_worker")  # vLLM's loggers don't propagate
     worker_logger.addHandler(worker_errors)
     try:
@@ -88,17 +88,6 @@ def test_engine_sleep_and_weight_loads_empty_the_cache_and_stats_are_logged(monk
     assert any("cleared" in m and "text-encoder weights are being loaded" in m for m in messages)
     assert any("cleared" in m and "going to sleep" in m for m in messages)
     assert any(m.startswith("Prompt-embed cache: hit rate") for m in messages)
-
-
-class ErrorCollector(logging.Handler):
-    """Keeps the messages of ERROR records."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.ERROR)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 class TracedMask(torch.Tensor):
