@@ -2,9 +2,10 @@
 
 Most of the suite runs one thing at a time on one core. The slowest subprocesses (each imports vLLM,
 about 15 s, or runs the coverage matrix) need no port and touch no shared state, so they can run
-beside it. A test module names them in ``BACKGROUND_JOBS`` (test name -> a function that calls
-:func:`submit`); once collection ends, ``conftest.py`` starts those of the selected tests, in test
-order, on one background worker. The test then reads its job with :func:`result`, which waits for
+beside it. A test module names them in ``BACKGROUND_JOBS``: test name -> ``(key, function)``, the
+arguments of :func:`submit`, or a function that calls it (for a job with arguments). Once
+collection ends, ``conftest.py`` starts those of the selected tests, in test order, on one
+background worker. The test then reads its job with :func:`result`, which waits for
 it (or runs it, if nothing started it): what a test asserts and the commands it runs do not change,
 only when the command starts. Engines and servers stay in the main lane.
 
@@ -63,10 +64,13 @@ def start_for(items: list) -> None:
     for item in items:
         module = getattr(item, "module", None)
         name = getattr(item, "originalname", None)
-        starter = getattr(module, "BACKGROUND_JOBS", {}).get(name)
-        if starter is not None and (id(module), name) not in started:
+        job = getattr(module, "BACKGROUND_JOBS", {}).get(name)
+        if job is not None and (id(module), name) not in started:
             started.add((id(module), name))
-            starter()
+            if isinstance(job, tuple):
+                submit(*job)
+            else:
+                job()
 
 
 def finish() -> None:

@@ -112,9 +112,7 @@ def bad_and_missing() -> tuple[subprocess.CompletedProcess, subprocess.Completed
 
 #: The two processes start in the background lane when the suite starts (see background.py).
 BACKGROUND_JOBS = {
-    "test_arguments_and_extras_are_checked_where_vllm_omni_is_not_installed": lambda: background.submit(
-        "demo: core-only", bad_and_missing
-    )
+    "test_arguments_and_extras_are_checked_where_vllm_omni_is_not_installed": ("demo: core-only", bad_and_missing)
 }
 
 

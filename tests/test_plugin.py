@@ -312,22 +312,22 @@ def test_our_log_lines_show_with_vllms_handler_in_a_served_process() -> None:
 
 #: The subprocesses above start in the background lane when the suite starts (see background.py).
 BACKGROUND_JOBS = {
-    "test_rebinds_a_runner_module_imported_before_the_plugin_loaded": lambda: background.submit(
-        "plugin: runner first", runner_imported_first
+    "test_rebinds_a_runner_module_imported_before_the_plugin_loaded": ("plugin: runner first", runner_imported_first),
+    "test_another_version_with_every_hook_point_is_hooked_and_says_so_once": (
+        "plugin: newer version",
+        newer_version_hooked,
     ),
-    "test_another_version_with_every_hook_point_is_hooked_and_says_so_once": lambda: background.submit(
-        "plugin: newer version", newer_version_hooked
+    "test_a_version_lacking_a_cache_hook_point_stays_inert_and_names_it": (
+        "plugin: lacking a cache hook point",
+        lacking_a_cache_hook_point,
     ),
-    "test_a_version_lacking_a_cache_hook_point_stays_inert_and_names_it": lambda: background.submit(
-        "plugin: lacking a cache hook point", lacking_a_cache_hook_point
+    "test_a_version_lacking_a_feature_hook_point_turns_only_that_feature_off": (
+        "plugin: lacking a feature hook point",
+        lacking_a_feature_hook_point,
     ),
-    "test_a_version_lacking_a_feature_hook_point_turns_only_that_feature_off": lambda: background.submit(
-        "plugin: lacking a feature hook point", lacking_a_feature_hook_point
-    ),
-    "test_switched_off_by_environment_keeps_stock_behaviour": lambda: background.submit(
-        "plugin: switched off", switched_off_by_environment
-    ),
-    "test_our_log_lines_show_with_vllms_handler_in_a_served_process": lambda: background.submit(
-        "plugin: served-process logging", served_process_logging
+    "test_switched_off_by_environment_keeps_stock_behaviour": ("plugin: switched off", switched_off_by_environment),
+    "test_our_log_lines_show_with_vllms_handler_in_a_served_process": (
+        "plugin: served-process logging",
+        served_process_logging,
     ),
 }

@@ -54,7 +54,7 @@ def two_ranks() -> tuple[list, list]:
 
 
 #: The two rank processes start in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {"test_ranks_take_identical_decisions_and_evictions": lambda: background.submit("ranks", two_ranks)}
+BACKGROUND_JOBS = {"test_ranks_take_identical_decisions_and_evictions": ("ranks", two_ranks)}
 
 
 def test_ranks_take_identical_decisions_and_evictions() -> None:

@@ -114,9 +114,7 @@ def keys_in_two_processes() -> set[str]:
 
 
 #: The two processes start in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {
-    "test_key_is_the_same_in_every_process": lambda: background.submit("routing: keys", keys_in_two_processes)
-}
+BACKGROUND_JOBS = {"test_key_is_the_same_in_every_process": ("routing: keys", keys_in_two_processes)}
 
 
 def test_key_is_the_same_in_every_process():

@@ -128,9 +128,7 @@ def serve_with_a_bad_flag() -> subprocess.CompletedProcess:
 
 #: Refused before anything starts (no port): it runs in the background lane (see background.py).
 BACKGROUND_JOBS = {
-    "test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values": lambda: background.submit(
-        "serve: bad flag", serve_with_a_bad_flag
-    )
+    "test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values": ("serve: bad flag", serve_with_a_bad_flag)
 }
 
 

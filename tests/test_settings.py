@@ -170,9 +170,7 @@ def serve_help() -> subprocess.CompletedProcess:
 
 
 #: The help's process starts in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {
-    "test_help_lists_the_flags_under_a_titled_group": lambda: background.submit("serve help", serve_help)
-}
+BACKGROUND_JOBS = {"test_help_lists_the_flags_under_a_titled_group": ("serve help", serve_help)}
 
 
 def test_help_lists_the_flags_under_a_titled_group() -> None:

@@ -124,18 +124,6 @@ def check_three_times() -> CheckRuns:
     return CheckRuns(copy, before, first, *seen_after_first, second, third)
 
 
-#: The three runs, then the rollout on the copy, start in the background lane when the suite starts
-#: (see background.py). Both jobs run there, one after the other: ``check_three_times`` runs once.
-BACKGROUND_JOBS = {
-    "test_check_script_on_a_copy_of_the_installed_package": lambda: background.submit(
-        "upstream: check.sh", check_three_times
-    ),
-    "test_the_proposed_module_serves_a_rollout_through_the_real_engine": lambda: background.submit(
-        "upstream: rollout", rollout_on_the_checked_copy
-    ),
-}
-
-
 @pytest.fixture(scope="module")
 def check_runs() -> CheckRuns:
     return background.result("upstream: check.sh", check_three_times)
@@ -347,3 +335,14 @@ def test_token_id_tensors_hit_except_on_the_stock_module(implementation: ModuleT
     stock = request.node.callspec.params["implementation"] == "stock 0.30"
     assert TokenIdPipeline.calls == (8 if stock else 1)
     assert cache.stats()["bypassed"] == (8 if stock else 0)
+
+
+#: The three runs, then the rollout on the copy, start in the background lane when the suite starts
+#: (see background.py). Both jobs run there, one after the other: ``check_three_times`` runs once.
+BACKGROUND_JOBS = {
+    "test_check_script_on_a_copy_of_the_installed_package": ("upstream: check.sh", check_three_times),
+    "test_the_proposed_module_serves_a_rollout_through_the_real_engine": (
+        "upstream: rollout",
+        rollout_on_the_checked_copy,
+    ),
+}

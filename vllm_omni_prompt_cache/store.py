@@ -300,7 +300,8 @@ class PromptEmbedCache:
         levels: dict[str, Any] = {}
         if moves is not None:  # outside the lock: a placement in progress holds the placement's lock
             levels.update(encoder_device_bytes=moves.device_bytes(), encoder_placer=moves.placer)
-        counts, methods = self._counters.read()
+        with self._counters.lock:  # the largest gap is written with its check's counts, under this lock
+            (counts, methods), max_gap = self._counters.read(), self._max_gap
         lookups = self._lookups
         with lookups.lock:
             return CacheStats(
@@ -315,7 +316,7 @@ class PromptEmbedCache:
                 max_bytes=self.max_bytes,
                 enabled=self.enabled,
                 verify=self.verify,
-                layout_check_max_gap=self._max_gap,
+                layout_check_max_gap=max_gap,
                 methods=methods,
             )
 
