@@ -116,3 +116,12 @@ class MessageCollector(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+def found_method(methods: dict[str, dict[str, Any]]) -> str:
+    """Return the one encode method in a snapshot's ``methods`` that is not ``encode_prompt`` and was called:
+    the one the cache found by watching the encoders (which one it is follows from the adapter's code)."""
+    (name,) = [
+        name for name, counts in methods.items() if name != "encode_prompt" and counts["hits"] + counts["misses"]
+    ]
+    return name

@@ -22,9 +22,19 @@ IDS = torch.tensor([[3, 1, 4, 1, 5, 9]])
 
 
 class TemplatedPipeline(TokenIdTextPipeline):
-    """Prepends ``self.template_ids`` to the prompt's ids inside ``encode_prompt``: hidden state."""
+    """Prepends ``self.template_ids`` to the prompt's ids inside ``encode_prompt``: state the cache cannot see.
 
-    template_ids = torch.tensor([[7, 7]])
+    The template is kept on the text encoder (a component, which keys stand for by identity, as they do
+    for a tokenizer whose template changes): what the cache reads of the pipeline itself is keyed.
+    """
+
+    @property
+    def template_ids(self) -> torch.Tensor:
+        return getattr(self.text_encoder, "template_ids", torch.tensor([[7, 7]]))
+
+    @template_ids.setter
+    def template_ids(self, value: torch.Tensor) -> None:
+        self.text_encoder.template_ids = value
 
     def encode_prompt(self, prompt_ids, attention_mask=None):
         ids = torch.cat([self.template_ids.expand(prompt_ids.shape[0], -1), prompt_ids], dim=1)
@@ -36,7 +46,8 @@ def same(left: tuple, right: tuple) -> bool:
 
 
 def test_without_an_audit_a_changed_template_is_served_stale() -> None:
-    """What the audit is for: keys compare arguments, so the stale entry is served."""
+    """What the audit is for: keys compare arguments and the pipeline's own state, not a component's, so
+    the stale entry is served."""
     pipeline = TemplatedPipeline(build_qwen2_encoder())
     install_prompt_embed_cache(pipeline)
     before = pipeline.encode_prompt(IDS)

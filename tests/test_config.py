@@ -13,6 +13,7 @@ from vllm_omni_prompt_cache.config import (
     DIRECTORY_KEY_FILE,
     ENABLE,
     ENCODER_ON_MISS,
+    FIND_ENCODES,
     HOST_BYTES,
     MAX_BYTES,
     MAX_SIZE,
@@ -103,6 +104,9 @@ def test_byte_budget_spellings(monkeypatch, text, expected) -> None:
         (DIRECTORY_BYTES, "0"),
         (DIRECTORY_BYTES, "-1"),
         (DIRECTORY_BYTES, "lots"),
+        (FIND_ENCODES, "abc"),
+        (FIND_ENCODES, "-1"),
+        (FIND_ENCODES, ""),
         (ENCODER_ON_MISS, "abc"),
         (ENCODER_ON_MISS, "-1"),
         (ENCODER_ON_MISS, ""),
@@ -161,6 +165,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         methods="pkg.mod.Adapter=encode_ids+_encode_negative",
         encoder_on_miss="on",
         audit="5%",
+        find_encodes="off",
     )
     carried = settings.as_dict()
     assert carried == {
@@ -171,6 +176,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         BACKEND.name: "vllm-omni",
         ROW_LAYOUTS.name: {"pkg.mod.Adapter": "token-ids"},
         METHODS.name: {"pkg.mod.Adapter": "encode_ids+_encode_negative"},
+        FIND_ENCODES.name: False,
         HOST_BYTES.name: None,
         DIRECTORY.name: None,
         DIRECTORY_BYTES.name: 16 * 2**30,

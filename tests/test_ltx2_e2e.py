@@ -10,7 +10,8 @@ negative). Left-padding to the one ``max_sequence_length`` every request carries
 them further. The stock ``encode_prompt`` then receives the injected embeddings and encodes
 nothing. Two engines, cache off and on, same seeds. The adapter refuses request batching
 (``supports_request_batch = False``), and so does the engine: with ``max_num_seqs`` 4 it does not start.
-The LTX-2 family skips the engine's warm-up request, so nothing runs before the rollout.
+The LTX-2 family skips the engine's warm-up request, so nothing runs before the rollout: the cache
+finds ``_encode_token_ids`` by watching Gemma in the rollout's first request.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from typing import Any
 import pytest
 import torch
 from engine_support import GROUP_SIZE, PROMPTS, Counted, adapter_engine_kwargs, counted, final_output, run
+from renamed import renamed_module
 
 from vllm_omni_prompt_cache.demo.rollout import open_engine
+from vllm_omni_prompt_cache.tiny import ltx2_adapter
 from vllm_omni_prompt_cache.tiny.ltx2 import TINY_FRAME_RATE, TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, ensure_tiny_ltx2
 from vllm_omni_prompt_cache.tiny.ltx2_adapter import LTX2_FLOW_GRPO_PIPELINE
 
@@ -49,6 +52,9 @@ ALGO_ARGS = {
 }
 REQUESTS = len(PROMPTS) * GROUP_SIZE
 DISTINCT_ROWS = len(PROMPTS) + 1  # each prompt, and the shared empty negative
+#: Rows encoded before the encode method is wrapped: the rollout's first request, whose prompt's encode
+#: revealed it and whose negative ran inside the same forward (the LTX-2 family has no warm-up request).
+DISCOVERY_ROWS = 2
 
 
 @dataclass
@@ -63,10 +69,10 @@ class LtxRollout(Counted):
     seconds: float
 
 
-def engine_kwargs(cache: bool, max_num_seqs: int = 1) -> dict[str, Any]:
+def engine_kwargs(cache: bool, max_num_seqs: int = 1, pipeline: str = LTX2_FLOW_GRPO_PIPELINE) -> dict[str, Any]:
     """Return the ``AsyncOmni`` kwargs: the tiny LTX-2.3, the adapter, our counters, fp32, cache on or off."""
     return adapter_engine_kwargs(
-        ensure_tiny_ltx2(), LTX2_FLOW_GRPO_PIPELINE, cache=cache, max_num_seqs=max_num_seqs, cache_size=CACHE_SIZE
+        ensure_tiny_ltx2(), pipeline, cache=cache, max_num_seqs=max_num_seqs, cache_size=CACHE_SIZE
     )
 
 
@@ -91,11 +97,11 @@ def requests() -> list[tuple[int, dict[str, Any], int]]:
     ]
 
 
-async def send_rollout(cache: bool) -> LtxRollout:
+async def send_rollout(cache: bool, pipeline: str = LTX2_FLOW_GRPO_PIPELINE) -> LtxRollout:
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     started = time.perf_counter()
-    async with open_engine(engine_kwargs(cache)) as engine:
+    async with open_engine(engine_kwargs(cache, pipeline=pipeline)) as engine:
         init_seconds = time.perf_counter() - started
 
         async def one(index: int, request: dict[str, Any], seed: int) -> tuple[int, Any]:
@@ -155,9 +161,16 @@ def test_without_a_cache_every_prompt_and_negative_row_reaches_the_encoder(uncac
 def test_with_the_cache_each_distinct_row_is_encoded_once(cached) -> None:
     stats = cached.stats
     assert stats is not None and stats.enabled, stats
-    assert (cached.encoder_runs, cached.encoder_rows) == (DISTINCT_ROWS, DISTINCT_ROWS), stats
     token_calls = stats.methods.get("_encode_token_ids", {})
-    assert (token_calls.get("misses"), token_calls.get("hits")) == (DISTINCT_ROWS, 2 * REQUESTS - DISTINCT_ROWS), stats
+    # Found by watching the encoder in request 0 (its two rows ran before it was wrapped); then each
+    # distinct row once, and its first hit encoded again to check the inference (an audit).
+    assert token_calls.get("audits") == 1 and token_calls.get("audit_mismatches") == 0, stats
+    rows = DISCOVERY_ROWS + DISTINCT_ROWS + token_calls["audits"]
+    assert (cached.encoder_runs, cached.encoder_rows) == (rows, rows), stats
+    assert (token_calls.get("misses"), token_calls.get("hits")) == (
+        DISTINCT_ROWS,
+        2 * REQUESTS - DISCOVERY_ROWS - DISTINCT_ROWS,
+    ), stats
     # Each request's stock encode_prompt got the injected embeddings and passed them through.
     assert stats.bypassed == REQUESTS, stats
 
@@ -179,3 +192,26 @@ def test_the_engine_refuses_request_batching_for_the_adapter() -> None:
 
     with pytest.raises(RuntimeError, match="does not support request-level batching"):
         run(start())
+
+
+@pytest.fixture(scope="module")
+def renamed() -> LtxRollout:
+    """The adapter copied into a fresh module, its class and its encode method under names nobody listed."""
+    module = renamed_module(
+        ltx2_adapter,
+        {"LTX23PipelineWithLogProb": "Qv8VideoAdapter", "_encode_token_ids": "_embed_request_ids"},
+        "qv8_video_adapter",
+    )
+    return run(send_rollout(cache=True, pipeline=f"{module.__name__}.Qv8VideoAdapter"))
+
+
+def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached, cached, renamed) -> None:
+    """The adapter under names nobody listed counts exactly as named: found the same way (forward and
+    _inject_precomputed_prompt_embeds are tried first and refuted: a request object is no key)."""
+    found, named = renamed.stats.methods["_embed_request_ids"], cached.stats.methods["_encode_token_ids"]
+    counted = ("hits", "misses", "audits", "audit_mismatches")
+    assert {key: found[key] for key in counted} == {key: named[key] for key in counted}, renamed.stats
+    assert renamed.encoder_rows == cached.encoder_rows == DISCOVERY_ROWS + DISTINCT_ROWS + found["audits"]
+    for index in range(REQUESTS):
+        assert torch.equal(renamed.latents[index], uncached.latents[index]), index
+        assert torch.equal(renamed.videos[index], uncached.videos[index]), index

@@ -1,4 +1,4 @@
-"""Encode methods besides encode_prompt: known, declared, refused, on a real tiny transformers encoder.
+"""Encode methods besides encode_prompt: found by watching the encoders, declared, keyed on what they read.
 
 The classes below mirror the *call pattern* of verl-omni's adapters (main a1139baf) without their
 diffusion parts:
@@ -22,15 +22,11 @@ import logging
 import pytest
 import torch
 
-from vllm_omni_prompt_cache import install_prompt_embed_cache, uninstall_prompt_embed_cache
+from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
-from vllm_omni_prompt_cache.vllm_omni.methods import (
-    HIDDEN_INPUTS,
-    KNOWN_METHODS,
-    find_encode_methods,
-    resolve_declared_methods,
-)
+from vllm_omni_prompt_cache.vllm_omni.methods import find_encode_methods, resolve_declared_methods
 
 CLIP_LENGTH = 12
 T5_LENGTH = 16
@@ -48,10 +44,6 @@ def _padded(ids: list[list[int]], length: int) -> torch.Tensor:
 
 class SD3TokenIdPromptMixin:
     """Token-ID SD3 encoding, shaped like verl-omni's (see the module docstring)."""
-
-    # The cache recognises the method by its class's name and package: this class stands where
-    # verl-omni's is (a same-named class elsewhere is not recognised, see below).
-    __module__ = "verl_omni.pipelines.sd3_flow_grpo.common"
 
     text_encoder: torch.nn.Module
     encoder_rows: int
@@ -76,12 +68,12 @@ class SD3TokenIdPromptMixin:
         )
 
 
-class TextPipeline:
-    """The text path every pipeline has: ``encode_prompt(prompt)`` over the same encoder."""
+class TextPipeline(CountsEncoderRuns):
+    """The text path every pipeline has: ``encode_prompt(prompt)`` over the same encoder (its counters are
+    kept outside the instance, as a profiler's would be: they are not state the encode depends on)."""
 
     def __init__(self, encoder: torch.nn.Module) -> None:
         self.text_encoder = encoder
-        self.encoder_rows = 0
 
     @torch.inference_mode()
     def encode_prompt(self, prompt: str | list[str], num_images_per_prompt: int = 1) -> torch.Tensor:
@@ -99,49 +91,6 @@ class SD3StylePipeline(SD3TokenIdPromptMixin, TextPipeline):
 def ids(seed: int, length: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, 1000, (length,), generator=generator).tolist()
-
-
-def test_a_known_encode_method_is_cached_beside_encode_prompt_with_its_own_counts(encoder) -> None:
-    pipeline = SD3StylePipeline(encoder)
-    reference = SD3StylePipeline(encoder)
-    cache = install_prompt_embed_cache(pipeline, max_size=16)
-    assert [m.name for m in find_encode_methods(reference)] == ["encode_prompt", "encode_prompt_from_token_ids"]
-    clip, t5 = [ids(1, 7), ids(2, 9)], [ids(3, 11), ids(4, 5)]
-
-    # One request per forward, as at max_num_seqs 1: each sibling is a fresh list of one prompt.
-    for _ in range(4):
-        for row in range(2):
-            got = pipeline.encode_prompt_from_token_ids([list(clip[row])], [list(t5[row])], 1, T5_LENGTH)
-            want = reference.encode_prompt_from_token_ids([clip[row]], [t5[row]], 1, T5_LENGTH)
-            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        pipeline.encode_prompt([""])  # the CFG negative, through the text path
-    assert pipeline.encoder_rows == 3  # two prompts and the empty negative, each once
-
-    # A batch of both prompts, two copies each (max_num_seqs > 1): rows served, nothing encoded.
-    got = pipeline.encode_prompt_from_token_ids([clip[1], clip[0]], [t5[1], t5[0]], 2, T5_LENGTH)
-    want = reference.encode_prompt_from_token_ids([clip[1], clip[0]], [t5[1], t5[0]], 2, T5_LENGTH)
-    for mine, theirs in zip(got, want, strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)  # batch-invariance gap only
-    stats = cache.stats()
-    by_method = stats["methods"]
-    assert set(by_method) == {"encode_prompt", "encode_prompt_from_token_ids"}
-    token_path = by_method["encode_prompt_from_token_ids"]
-    text_path = by_method["encode_prompt"]
-    # 8 one-prompt calls: 2 misses, 6 hits; the batched call is a miss too (its check ran the encoder).
-    assert (token_path["hits"], token_path["misses"]) == (6, 3)
-    assert token_path["row_misses"] == 2 and token_path["bypass_reasons"] == {}
-    assert (text_path["hits"], text_path["misses"], text_path["bypass_reasons"]) == (3, 1, {})
-    assert stats["hits"] == token_path["hits"] + text_path["hits"]  # the totals are the methods' sums
-    assert stats["misses"] == token_path["misses"] + text_path["misses"]
-    # The batched call was checked once against the uncached call (a proven layout found by name).
-    assert token_path["layout_checks"] == 1 and token_path["layout_mismatches"] == 0
-
-    cache.clear()  # new weights: every method's entries go
-    pipeline.encode_prompt_from_token_ids([clip[0]], [t5[0]], 1, T5_LENGTH)
-    assert pipeline.encoder_rows == 3 + 2 + 1  # the check's 2 rows, then the re-encode
-    uninstall_prompt_embed_cache(pipeline)
-    assert "encode_prompt_from_token_ids" not in vars(pipeline) and "encode_prompt" not in vars(pipeline)
-    assert not hasattr(pipeline, "_prompt_embed_cache")
 
 
 def test_method_keys_never_meet_encode_prompt_keys(encoder) -> None:
@@ -185,164 +134,6 @@ def test_a_declared_method_is_resolved_with_clear_errors() -> None:
         resolve_declared_methods({"torch.nn.NoSuchModule": ("forward",)}, "a test")
 
 
-def test_a_same_named_class_of_another_package_is_not_taken_for_the_adapter(encoder) -> None:
-    """A fork's class of the adapter's name, defined elsewhere, has code nobody read: not cached."""
-    fork = type("SD3TokenIdPromptMixin", (), dict(vars(SD3TokenIdPromptMixin)) | {"__module__": "my_fork.sd3"})
-    pipeline = type("ForkPipeline", (fork, TextPipeline), {})(encoder)
-    assert [m.name for m in find_encode_methods(pipeline)] == ["encode_prompt"]
-
-    class SameNameOverride(SD3StylePipeline):  # defines it again, even under the owner's own name
-        def encode_prompt_from_token_ids(self, *args, **kwargs):  # type: ignore[override]
-            return super().encode_prompt_from_token_ids(*args, **kwargs)
-
-    SameNameOverride.__name__ = "SD3TokenIdPromptMixin"
-    assert [m.name for m in find_encode_methods(SameNameOverride(encoder))] == ["encode_prompt"]
-
-
-def test_a_known_method_that_a_subclass_replaced_is_not_cached_unless_declared(encoder) -> None:
-    """The known entry vouches for the code it was read in, not for an override nobody read."""
-
-    class Overriding(SD3StylePipeline):
-        def encode_prompt_from_token_ids(self, *args, **kwargs):  # type: ignore[override]
-            return super().encode_prompt_from_token_ids(*args, **kwargs)
-
-    assert [m.name for m in find_encode_methods(Overriding(encoder))] == ["encode_prompt"]
-    path = f"{Overriding.__module__}.{Overriding.__qualname__}"
-    declared = find_encode_methods(Overriding(encoder), {path: ("encode_prompt_from_token_ids",)})
-    assert [m.name for m in declared] == ["encode_prompt", "encode_prompt_from_token_ids"]
-    assert declared[1].source == f"declared for {path} by the {METHODS.name} setting"
-
-
-# --- hidden input: the MiniMax-H3 pattern --------------------------------------------------------
-
-
-class MiniMaxH3RolloutWeightSyncMixin:
-    """Reads the request's ids from the instance, as verl-omni's MiniMax-H3 adapter does."""
-
-    text_encoder: torch.nn.Module
-    _h3_prompt_ids: torch.Tensor | None = None
-
-    @torch.inference_mode()
-    def encode_prompt(self, *, task: str, prompt: str, image=None, prepared_videos=None, **kwargs):
-        prompt_ids = getattr(self, "_h3_prompt_ids", None)
-        if prompt_ids is None or task != "t2va":
-            raise NotImplementedError("the text path is not mirrored")
-        hidden = self.text_encoder(input_ids=prompt_ids.unsqueeze(0)).last_hidden_state[0]
-        return hidden, torch.ones(hidden.shape[0], dtype=torch.long)
-
-    def _ensure_prompt_text(self, request: dict) -> None:
-        self._h3_prompt_ids = torch.as_tensor(request["prompt_token_ids"], dtype=torch.long)
-        request["prompt"] = "[pretokenized]"
-
-
-class H3StylePipeline(MiniMaxH3RolloutWeightSyncMixin):
-    def __init__(self, encoder: torch.nn.Module) -> None:
-        self.text_encoder = encoder
-
-    def forward(self, request: dict):
-        self._ensure_prompt_text(request)
-        try:
-            return self.encode_prompt(task="t2va", prompt=request["prompt"])
-        finally:
-            self._h3_prompt_ids = None
-
-
-def test_an_encode_that_reads_hidden_input_is_never_served_from_the_cache(encoder, caplog) -> None:
-    hidden = HIDDEN_INPUTS[0]
-    assert (hidden.owner, hidden.method) == (MiniMaxH3RolloutWeightSyncMixin.__name__, "encode_prompt")
-    pipeline = H3StylePipeline(encoder)
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache"):
-        cache = install_prompt_embed_cache(pipeline, max_size=8)
-    assert any("_h3_prompt_ids" in record.getMessage() for record in caplog.records)
-    first, second = ids(11, 9), ids(12, 9)
-    outputs = [pipeline.forward({"prompt_token_ids": row})[0] for row in (first, second, first)]
-    reference = H3StylePipeline(encoder)
-    expected = [reference.forward({"prompt_token_ids": row})[0] for row in (first, second, first)]
-    assert not torch.equal(outputs[0], outputs[1])  # two prompts, same arguments: two embeddings
-    assert all(torch.equal(got, want) for got, want in zip(outputs, expected, strict=True))
-    stats = cache.stats()
-    assert (stats["hits"], stats["misses"], len(cache)) == (0, 0, 0)
-    assert stats["bypass_reasons"] == {hidden.reason: 3}
-    assert hidden.reason.startswith("encode_prompt reads self._h3_prompt_ids (set by _ensure_prompt_text), which")
-
-
-def test_without_the_refusal_the_hidden_input_pattern_would_get_a_wrong_embedding(encoder) -> None:
-    """Why the refusal exists: the same class under a name nobody knows is keyed on its arguments."""
-
-    renamed = type("RenamedMixin", (), dict(vars(MiniMaxH3RolloutWeightSyncMixin)))
-    pipeline = type(
-        "UnknownH3", (renamed,), {"__init__": H3StylePipeline.__init__, "forward": H3StylePipeline.forward}
-    )(encoder)
-    install_prompt_embed_cache(pipeline, max_size=8)
-    first = pipeline.forward({"prompt_token_ids": ids(11, 9)})[0]
-    second = pipeline.forward({"prompt_token_ids": ids(12, 9)})[0]
-    assert torch.equal(first, second)  # served the first prompt's embedding: the hazard the refusal prevents
-
-
-def test_a_subclass_of_both_hidden_input_classes_names_the_adapters_attribute() -> None:
-    """verl-omni's adapter subclasses vLLM-Omni's MiniMaxH3Pipeline, whose encode_prompt is refused too."""
-    from vllm_omni_prompt_cache.vllm_omni.methods import hidden_input
-
-    class MiniMaxH3Pipeline:
-        def encode_prompt(self, prepared):
-            return prepared
-
-    class Adapter(MiniMaxH3RolloutWeightSyncMixin, MiniMaxH3Pipeline):
-        pass
-
-    assert "self._h3_prompt_ids" in hidden_input(Adapter, "encode_prompt").reason
-    assert "by broadcast from rank 0" in hidden_input(MiniMaxH3Pipeline, "encode_prompt").reason
-    assert hidden_input(MiniMaxH3Pipeline, "encode_prompt_from_token_ids") is None
-
-
-def test_a_wrapped_method_called_by_another_runs_inside_the_outer_call(encoder) -> None:
-    """MAGI-2's encode_prompt calls its _encode_prompts (both wrapped): one encode is one call and one entry."""
-
-    class Magi2Pipeline(TextPipeline):
-        __module__ = "vllm_omni.diffusion.models.magi2.pipeline_magi2"  # where the known method lives
-
-        def _encode_prompts(self, prompts: tuple[str, ...]) -> torch.Tensor:
-            return TextPipeline.encode_prompt(self, list(prompts))
-
-        def encode_prompt(self, prompt: str) -> torch.Tensor:  # type: ignore[override]
-            return self._encode_prompts((prompt,))
-
-    pipeline = Magi2Pipeline(encoder)
-    cache = install_prompt_embed_cache(pipeline, max_size=8)
-    first = pipeline.encode_prompt("a fox")
-    assert torch.equal(pipeline.encode_prompt("a fox"), first)
-    assert torch.equal(pipeline._encode_prompts(("a fox",)), first)  # as its forward calls it: its own entry
-    pipeline._encode_prompts(("a fox",))  # and again: a hit
-    stats = cache.stats()
-    assert pipeline.encoder_rows == 2  # encode_prompt's miss (through _encode_prompts), _encode_prompts' miss
-    assert (stats["hits"], stats["misses"], stats["bypassed"], len(cache)) == (2, 2, 0, 2)
-    by_method = stats["methods"]
-    assert (by_method["encode_prompt"]["hits"], by_method["encode_prompt"]["misses"]) == (1, 1)
-    assert (by_method["_encode_prompts"]["hits"], by_method["_encode_prompts"]["misses"]) == (1, 1)
-
-
-def test_upstream_counter_assignment_moves_encode_prompts_share_and_zero_resets_all(encoder) -> None:
-    pipeline = SD3StylePipeline(encoder)
-    cache = install_prompt_embed_cache(pipeline, max_size=8)
-    pipeline.encode_prompt("a")
-    pipeline.encode_prompt("a")
-    pipeline.encode_prompt_from_token_ids([ids(1, 4)], [ids(2, 4)])
-    assert (cache.hits, cache.misses) == (1, 2)
-    cache.hits += 1  # as upstream's wrapper counts
-    assert cache.stats()["methods"]["encode_prompt"]["hits"] == 2 and cache.hits == 2
-    cache.hits = cache.misses = cache.bypassed = 0
-    assert (cache.hits, cache.misses, cache.bypassed) == (0, 0, 0)
-    assert all(counts["hits"] == counts["misses"] == 0 for counts in cache.stats()["methods"].values())
-
-
-def test_the_registries_name_real_classes_and_methods() -> None:
-    assert {(known.owner, known.method) for known in KNOWN_METHODS} >= {
-        ("SD3TokenIdPromptMixin", "encode_prompt_from_token_ids"),
-        ("LTX23PipelineWithLogProb", "_encode_token_ids"),
-        ("Magi2Pipeline", "_encode_prompts"),
-    }
-
-
 def test_the_worker_install_resolves_the_setting_and_names_a_bad_class(encoder, monkeypatch) -> None:
     """``prompt_embed_cache_methods`` from the environment, as a diffusion worker reads it."""
     from vllm_omni_prompt_cache.config import resolve_prompt_embed_cache_settings
@@ -378,3 +169,218 @@ def test_an_encode_prompt_set_on_the_instance_is_wrapped(encoder) -> None:
     first = pipeline.encode_prompt("a fox")
     assert torch.equal(pipeline.encode_prompt("a fox"), first) and text.encoder_rows == 1
     assert (cache.hits, cache.misses) == (1, 1)
+
+
+# --- Found by watching the encoders: any class, any name -------------------------------------------------
+
+
+class RenamedAdapter(CountsEncoderRuns, torch.nn.Module):
+    """A token-ID adapter in the LTX-2 shape under a name no code of ours knows: its forward injects the
+    embeddings of ``_embed_ids`` (its own method name) into the request, then runs a stand-in DiT."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.text_encoder = encoder
+        self.dit = torch.nn.Linear(4, 4)
+
+    @torch.inference_mode()
+    def _embed_ids(self, token_ids: list[int], max_sequence_length: int = 16) -> torch.Tensor:
+        self.encoder_rows += 1
+        return self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+
+    def _inject(self, request: dict) -> None:
+        request["prompt_embeds"] = self._embed_ids(request["prompt_token_ids"])
+        request["negative_prompt_embeds"] = self._embed_ids(request["negative_prompt_ids"])
+
+    def forward(self, request: dict) -> torch.Tensor:
+        self._inject(request)
+        return self.dit(torch.zeros(4))
+
+
+def test_an_encode_method_nobody_listed_is_found_by_watching_the_encoder(encoder) -> None:
+    pipeline, reference = RenamedAdapter(encoder), RenamedAdapter(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16)
+    prompts = [ids(1, 7), ids(2, 9)]
+    wrong = 0
+    for _ in range(4):
+        for prompt in prompts:
+            got, want = (
+                {"prompt_token_ids": list(prompt), "negative_prompt_ids": [1]},
+                {
+                    "prompt_token_ids": list(prompt),
+                    "negative_prompt_ids": [1],
+                },
+            )
+            pipeline(got), reference(want)
+            wrong += not torch.equal(got["prompt_embeds"], want["prompt_embeds"])
+            wrong += not torch.equal(got["negative_prompt_embeds"], want["negative_prompt_embeds"])
+    assert wrong == 0
+    described = cache.stats()["encode_methods"]
+    assert described["_embed_ids"]["state"] == "cached" and described["_embed_ids"]["found"].startswith("found")
+    assert set(described) == {"_embed_ids"}  # the deepest method the encoder calls share: tried first, kept
+    # Request 1's prompt row opened the encode and its negative (the same encoder again) settled it, so
+    # both ran before _embed_ids was wrapped; request 2 was its first call (kept, and its negative a miss
+    # kept); then each distinct row once more at most, plus one first-hit check: 16 rows without the cache.
+    assert reference.encoder_rows == 16
+    assert pipeline.encoder_rows == 2 + 2 + 1 + 1
+    assert cache.stats()["methods"]["_embed_ids"]["audits"] == 1  # the first-hit check
+
+
+def test_finding_encodes_can_be_turned_off(encoder) -> None:
+    pipeline = RenamedAdapter(encoder)
+    cache = install_prompt_embed_cache(pipeline, find_encodes=False)
+    assert cache is None  # no encode_prompt, nothing declared: nothing to wrap
+
+
+class StashedIds(CountsEncoderRuns, torch.nn.Module):
+    """verl-omni's MiniMax-H3 pattern (minimax_h3_diffusion_nft/common.py): the request's ids are stashed on the
+    instance, then ``encode_prompt(prompt="[pretokenized]")`` reads them, with the same arguments for every prompt."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.text_encoder = encoder
+
+    def _ensure_prompt_text(self, prompt_ids: list[int]) -> str:
+        self._h3_prompt_ids = prompt_ids
+        return "[pretokenized]"
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt: str, max_sequence_length: int = 16) -> torch.Tensor:
+        self.encoder_rows += 1
+        token_ids = self._h3_prompt_ids if prompt == "[pretokenized]" else [1 + ord(c) % 500 for c in prompt]
+        return self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+
+    def forward(self, prompt_ids: list[int]) -> torch.Tensor:
+        return self.encode_prompt(prompt=self._ensure_prompt_text(prompt_ids))
+
+
+def test_an_encode_that_reads_stashed_ids_is_keyed_on_them(encoder) -> None:
+    pipeline, reference = StashedIds(encoder), StashedIds(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16)
+    pipeline.encode_prompt("a warm-up text prompt")  # the engine's warm-up: reads no stashed ids
+    before = pipeline.encoder_rows
+    a, b = ids(1, 6), ids(2, 11)
+    wrong = sum(not torch.equal(pipeline(list(x)), reference(list(x))) for x in (a, a, b, a))
+    assert wrong == 0
+    # A (its read of the ids grows the key; kept under it), A (a hit, checked once), B, A (a hit).
+    assert pipeline.encoder_rows - before == 2 + 1
+    keyed_on = cache.stats()["encode_methods"]["encode_prompt"]["keyed_on"]
+    assert "self._h3_prompt_ids (content)" in keyed_on
+
+
+class StashesItsResult(CountsEncoderRuns, torch.nn.Module):
+    """UniRL's MiniMax-H3 pattern: ``encode_prompt`` keeps its result on the instance for the trajectory."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.text_encoder = encoder
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt_ids: list[int]) -> torch.Tensor:
+        self.encoder_rows += 1
+        embeds = self.text_encoder(input_ids=_padded([prompt_ids], 16)).last_hidden_state
+        self._rl_text_embeddings = embeds
+        self._rl_prompt_length = len(prompt_ids)
+        return embeds
+
+
+def test_a_hit_replays_what_the_encode_wrote(encoder) -> None:
+    pipeline = StashesItsResult(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=16)
+    a, b = ids(1, 6), ids(2, 11)
+    states = []
+    for x in (a, b, a, b, a):
+        out = pipeline.encode_prompt(list(x))
+        states.append((out, pipeline._rl_text_embeddings, pipeline._rl_prompt_length))
+    assert pipeline.encoder_rows == 3  # a, b, and the first hit's check
+    for (out, stashed, length), x in zip(states, (a, b, a, b, a), strict=True):
+        assert stashed is out and length == len(x)
+    assert torch.equal(states[4][0], states[0][0])
+    assert cache.stats()["encode_methods"]["encode_prompt"]["writes_replayed"] == [
+        "self._rl_text_embeddings",
+        "self._rl_prompt_length",
+    ]
+
+
+def test_an_encode_that_reads_what_cannot_be_keyed_is_served_uncached_and_says_why(encoder, caplog) -> None:
+    class Holder:
+        def __init__(self) -> None:
+            self.ids = [3, 4, 5]
+
+    class ReadsAHolder(StashedIds):
+        @torch.inference_mode()
+        def encode_prompt(self, prompt: str, max_sequence_length: int = 16) -> torch.Tensor:
+            self.encoder_rows += 1
+            return self.text_encoder(input_ids=_padded([self.holder.ids], max_sequence_length)).last_hidden_state
+
+    pipeline = ReadsAHolder(encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    # Set after install, as a request's state is: an object held since install is configuration instead.
+    pipeline.holder = Holder()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            pipeline.encode_prompt("[pretokenized]")
+    assert pipeline.encoder_rows == 3
+    test = test_an_encode_that_reads_what_cannot_be_keyed_is_served_uncached_and_says_why
+    why = f"reads self.holder (a {test.__name__}.<locals>.Holder), which cannot be keyed"
+    assert cache.stats()["encode_methods"]["encode_prompt"]["refusal"] == why
+    # The first call encoded (a miss) and found what it read; the two after it bypassed, naming it.
+    counts = cache.stats()["methods"]["encode_prompt"]
+    assert (counts["misses"], counts["bypass_reasons"]) == (1, {why: 2})
+    assert sum("is not cached" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_an_encode_that_changes_what_it_read_in_place_is_not_cached(encoder) -> None:
+    class Queue(StashedIds):
+        @torch.inference_mode()
+        def encode_prompt(self, prompt: str, max_sequence_length: int = 16) -> torch.Tensor:
+            token_ids = self.queue.pop(0)
+            return self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+
+    pipeline = Queue(encoder)
+    pipeline.queue = [ids(1, 5), ids(2, 5), ids(1, 5)]
+    cache = install_prompt_embed_cache(pipeline)
+    pipeline.encode_prompt("x")
+    assert cache.stats()["encode_methods"]["encode_prompt"]["refusal"] == (
+        "changes self.queue in place, which a hit could not repeat"
+    )
+
+
+class _Batch:
+    """An object no key can hold, as a request or a collated batch is."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+
+class InnermostTakesABatch(CountsEncoderRuns, torch.nn.Module):
+    """The method nearest the encoder takes an object; the one around it takes the ids."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.text_encoder = encoder
+
+    def _run_encoder(self, batch: _Batch) -> torch.Tensor:
+        self.encoder_rows += 1
+        return self.text_encoder(input_ids=batch.ids).last_hidden_state
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        return self._run_encoder(_Batch(_padded([token_ids], 16)))
+
+
+def test_a_refuted_candidate_hands_over_to_the_method_around_it(encoder) -> None:
+    pipeline, reference = InnermostTakesABatch(encoder), InnermostTakesABatch(encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    a, b = ids(1, 6), ids(2, 9)
+    outputs = [pipeline.embed(list(x)) for x in (a, b, a, b, a, b, a)]
+    assert all(
+        torch.equal(out, reference.embed(list(x))) for out, x in zip(outputs, (a, b, a, b, a, b, a), strict=True)
+    )
+    described = cache.stats()["encode_methods"]
+    assert described["_run_encoder"]["state"] == "not an encode"
+    assert described["_run_encoder"]["refusal"].startswith("its arguments cannot be keyed")
+    assert described["embed"]["state"] == "cached"
+    # a and b revealed the encode (the second settled the first), b tried _run_encoder (refuted),
+    # a was embed's first call (kept), b a miss, then hits (the first one checked once).
+    assert pipeline.encoder_rows == 2 + 1 + 1 + 1 + 1

@@ -10,6 +10,7 @@ stand-in for the GPU this machine lacks, and each such test says so.
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any
 
 import pytest
@@ -318,14 +319,18 @@ def test_a_spared_placement_is_counted_with_its_bytes_and_moves_survive_since_an
     assert CacheStats.merged([first, second]).encoder_device_bytes == 5
 
 
+_PLACED_AT_ENTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class ReadsTheEncoderDeviceFirst(TokenIdTextPipeline):
     """Reads where its encoder is before running it, as vLLM-Omni's ByT5 glyph encoder does
     (``next(self.text_encoder.parameters()).device``, ``ming_flash_omni/byte5_encoder.py``), and
     records how many encoder bytes were placed then."""
 
-    def __init__(self, text_encoder: torch.nn.Module) -> None:
-        super().__init__(text_encoder)
-        self.placed_at_entry: list[int] = []
+    @property
+    def placed_at_entry(self) -> list[int]:
+        """Kept outside the instance, as the encoder counters are: an instrument, not state the encode reads."""
+        return _PLACED_AT_ENTRY.setdefault(self, [])
 
     def encode_prompt(self, prompt_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         placement = getattr(self, PLACEMENT_ATTRIBUTE)

@@ -50,6 +50,7 @@ from vllm_omni_prompt_cache.config import (
     VERIFY,
     PromptEmbedCacheConfigError,
 )
+from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.vllm_omni import plugin
 from vllm_omni_prompt_cache.vllm_omni.settings import EXTRAS_KEY, stage_settings
 
@@ -86,8 +87,9 @@ class TinyTransformer(nn.Linear):
         return self.weight.dtype
 
 
-class TinyPipeline(nn.Module):
-    """A custom pipeline the way ``DiffusersPipelineLoader`` builds one: ``cls(od_config=...)``."""
+class TinyPipeline(CountsEncoderRuns, nn.Module):
+    """A custom pipeline the way ``DiffusersPipelineLoader`` builds one: ``cls(od_config=...)``. Its encode
+    count is kept outside the instance (``CountsEncoderRuns``): an instrument, not state the encode reads."""
 
     #: No ``ComponentSource``: the loader has nothing to read from disk.
     weights_sources: ClassVar[tuple[Any, ...]] = ()
@@ -95,7 +97,6 @@ class TinyPipeline(nn.Module):
     def __init__(self, od_config: OmniDiffusionConfig) -> None:
         super().__init__()
         self.transformer = TinyTransformer()
-        self.encoder_runs = 0
 
     @property
     def device(self) -> torch.device:
@@ -310,6 +311,7 @@ def test_deploy_config_extras_resolve_in_the_worker(tmp_path: Path, monkeypatch:
         "prompt_embed_cache_dir_key_file": "default",
         "prompt_embed_cache_dir_group": "default",
         "prompt_embed_cache_audit": "default",
+        "prompt_embed_cache_find_encodes": "default",
     }
 
 

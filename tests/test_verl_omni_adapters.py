@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -10,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from vllm_omni_prompt_cache.coverage.verl_omni import ADAPTERS, VERL_OMNI_COMMIT
-from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT, HIDDEN_INPUTS, KNOWN_METHODS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "verl-omni-adapters.md"
 #: A git clone of verl-omni to enumerate its adapters from (the search tool's mirror where there is one).
@@ -44,13 +44,35 @@ def test_every_adapter_has_a_row_in_the_doc() -> None:
             assert re.search(rf"`{re.escape(adapter.method)}[`(]", matching[0]), adapter
 
 
-def test_the_cache_wraps_refuses_or_has_nothing_to_do_for_each_adapters_encode_method() -> None:
-    known = {(entry.owner, entry.method) for entry in KNOWN_METHODS}
-    hidden = {(entry.owner, entry.method) for entry in HIDDEN_INPUTS}
-    for adapter in ADAPTERS:
-        if adapter.method is None:
-            continue  # no separate text encoder (Bagel)
-        assert re.fullmatch(r"[A-Za-z_]\w*", adapter.owner or "")
-        assert adapter.method == ENCODE_PROMPT or (adapter.owner, adapter.method) in known, adapter
-    minimax = next(adapter for adapter in ADAPTERS if adapter.directory == "minimax_h3_diffusion_nft")
-    assert (minimax.owner, minimax.method) in hidden  # the adapter that reads its ids from instance state
+def _names_in_code(path: Path) -> set[str]:
+    """Return the identifiers and string constants a module's code uses (comments and docstrings aside)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            names.update(re.findall(r"\w+", node.value))
+    return names
+
+
+def test_no_adapter_is_recognised_by_name() -> None:
+    """The cache finds encode methods by watching the encoders: no code of the product names an adapter's class
+    (its comments and docstrings may say what a rule was written against)."""
+    package = Path(__file__).resolve().parents[1] / "vllm_omni_prompt_cache"
+    owners = {adapter.owner for adapter in ADAPTERS if adapter.owner}
+    assert len(owners) >= 8  # the listing holds verl-omni's adapter classes
+    for path in package.rglob("*.py"):
+        if path.relative_to(package).parts[0] in ("coverage", "tiny", "demo"):
+            continue  # the listings and the stand-ins name them on purpose
+        assert not owners & _names_in_code(path), path

@@ -14,10 +14,12 @@ import logging
 
 import pytest
 import torch
-from engine_support import GROUP_SIZE, PROMPTS, run, tiny_spec
+from engine_support import GROUP_SIZE, PROMPTS, found_method, run, tiny_spec
+from renamed import renamed_module
 
 from vllm_omni_prompt_cache.demo.rollout import run_mode
 from vllm_omni_prompt_cache.rows import RowLayout
+from vllm_omni_prompt_cache.tiny import verl_omni_adapters
 from vllm_omni_prompt_cache.tiny.verl_omni_adapters import LIST_IDS_PIPELINE, TEAM_PIPELINE, VERL_OMNI_PIPELINE
 from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
 
@@ -123,3 +125,20 @@ def test_a_wrong_declared_layout_is_caught_on_first_use_and_never_served(caplog)
     reference = rollout(VERL_OMNI_PIPELINE, max_num_seqs=4, enable_prompt_embed_cache=False)
     for index, latents in reference.latents.items():
         torch.testing.assert_close(result.latents[index], latents, rtol=1e-4, atol=1e-4)
+
+
+def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached) -> None:
+    """The adapter copied into a fresh module, its class and its encode method under names nobody listed: the
+    engine's warm-up reveals the method, and the rollout encodes each distinct row once, as named."""
+    module = renamed_module(
+        verl_omni_adapters,
+        {"VerlOmniQwenImagePipeline": "Rq4ImageAdapter", "encode_prompt": "embed_request_ids"},
+        "rq4_image_adapter",
+    )
+    result = rollout(f"{module.__name__}.Rq4ImageAdapter")
+    # The encoder's deepest caller: the token pipeline's embed_token_ids, which the renamed method calls.
+    found = result.stats.methods[found_method(result.stats.methods)]
+    assert (found["misses"], found["hits"] + found["misses"]) == (DISTINCT_ROWS, ROWS), result.stats
+    assert result.encoder_rows == DISTINCT_ROWS + found["audits"], result.stats
+    for index, latents in uncached.items():
+        assert torch.equal(result.latents[index], latents), index

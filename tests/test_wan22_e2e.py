@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engine_support import GROUP_SIZE, run
+from engine_support import GROUP_SIZE, found_method, run
+from renamed import renamed_module
 
 from vllm_omni_prompt_cache.demo.rollout import open_engine, worker_value
+from vllm_omni_prompt_cache.tiny import wan22_adapter
 from vllm_omni_prompt_cache.tiny.qwen_image import SAMPLE_PROMPTS
 from vllm_omni_prompt_cache.tiny.wan22 import TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, ensure_tiny_wan22
 from vllm_omni_prompt_cache.tiny.wan22_adapter import WAN22_DANCE_GRPO_PIPELINE
@@ -50,11 +52,11 @@ class WanRollout:
     seconds: float
 
 
-def engine_kwargs(cache: bool) -> dict[str, Any]:
+def engine_kwargs(cache: bool, pipeline: str = WAN22_DANCE_GRPO_PIPELINE) -> dict[str, Any]:
     """Return the ``AsyncOmni`` kwargs: the tiny Wan2.2, the adapter, our counters, fp32, cache on or off."""
     kwargs: dict[str, Any] = {
         "model": str(ensure_tiny_wan22()),
-        "custom_pipeline_args": {"pipeline_class": WAN22_DANCE_GRPO_PIPELINE},
+        "custom_pipeline_args": {"pipeline_class": pipeline},
         "worker_extension_cls": WORKER_EXTENSION,
         "dtype": "float32",
         "log_stats": False,
@@ -83,11 +85,11 @@ def token_ids() -> list[list[int]]:
     return [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
 
 
-async def send_rollout(cache: bool) -> WanRollout:
+async def send_rollout(cache: bool, pipeline: str = WAN22_DANCE_GRPO_PIPELINE) -> WanRollout:
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     started = time.perf_counter()
-    async with open_engine(engine_kwargs(cache)) as engine:
+    async with open_engine(engine_kwargs(cache, pipeline)) as engine:
         runs_at_start = (await worker_value(engine, "text_encoder_counters"))["encoder_runs"]
         stats_at_start = await worker_value(engine, "get_prompt_embed_cache_stats")
 
@@ -163,3 +165,35 @@ def test_cached_outputs_are_bit_identical_to_uncached(cached, uncached) -> None:
         assert np.array_equal(cached.videos[index], uncached.videos[index]), index
     # Siblings of one prompt differ (their own seeds), so the equalities above compare real outputs.
     assert not torch.equal(cached.latents[0], cached.latents[len(PROMPTS)])
+
+
+@pytest.fixture(scope="module")
+def renamed() -> WanRollout:
+    """The adapter copied into a fresh module, its class and its token-ID encode under names nobody listed
+    (the stock text ``encode_prompt`` it inherits stays, unused by its forward)."""
+    module = renamed_module(
+        wan22_adapter,
+        {"DanceGrpoWan22Pipeline": "Wy2VideoAdapter", "encode_prompt": "embed_dance_ids"},
+        "wy2_video_adapter",
+    )
+    return run(send_rollout(cache=True, pipeline=f"{module.__name__}.Wy2VideoAdapter"))
+
+
+def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached, cached, renamed) -> None:
+    """Named, the adapter encodes through encode_prompt; renamed, through a method nobody listed, found by
+    watching the encoder: the warm-up request takes the stock text path, so the rollout's first encode
+    reveals it. Each distinct call is a miss once either way; the found method's first hit is encoded
+    again to check the inference (an audit)."""
+    name = found_method(renamed.stats["methods"])
+    found = renamed.stats["methods"][name]
+    named = cached.stats["methods"]["encode_prompt"]
+    before = renamed.stats_at_start["methods"].get(name, {})
+    named_before = cached.stats_at_start["methods"]["encode_prompt"]
+    assert found["misses"] - before.get("misses", 0) == named["misses"] - named_before["misses"]
+    audits = found["audits"] - before.get("audits", 0)
+    assert audits == 1 and found["audit_mismatches"] == 0
+    # What ran before the method was wrapped: the encode that revealed it and, requests arriving
+    # concurrently, at most the one beside it in the same first forwards.
+    assert 1 <= renamed.encoder_runs - cached.encoder_runs - audits <= 2
+    for index, latents in uncached.latents.items():
+        assert torch.equal(renamed.latents[index], latents), index

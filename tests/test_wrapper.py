@@ -16,6 +16,7 @@ from vllm_omni_prompt_cache import (
     uninstall_prompt_embed_cache,
 )
 from vllm_omni_prompt_cache.store import COLLISION_REASON
+from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 from vllm_omni_prompt_cache.wrapper import DISABLED_REASON
 
@@ -331,13 +332,12 @@ def test_hostile_arguments_run_uncached_with_the_same_result(encoder) -> None:
     assert pipeline.encoder_runs == 2
 
 
-class MaskHandedBack:
+class MaskHandedBack(CountsEncoderRuns):
     """Returns the attention mask it was given (the caller's tensor), as some encodes do. Its argument
     names are not ones a row layout is inferred from, so its calls are keyed whole."""
 
     def __init__(self, encoder: torch.nn.Module) -> None:
         self.encoder = encoder
-        self.encoder_runs = 0
 
     @torch.inference_mode()
     def encode_prompt(self, tokens, token_mask):

@@ -306,6 +306,18 @@ METHODS = Setting(
     _methods,
 )
 
+FIND_ENCODES = Setting(
+    "prompt_embed_cache_find_encodes",
+    "find_encodes",
+    "--prompt-embed-cache-find-encodes",
+    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_FIND_ENCODES",
+    True,
+    "a boolean: 1/0, true/false, yes/no, on/off",
+    "Watch the pipeline's text encoders and cache the method that hands them their token ids, whatever it is "
+    "called (checked on first use). Off: encode_prompt and the declared methods only. Default: on.",
+    _bool,
+)
+
 HOST_BYTES = Setting(
     "prompt_embed_cache_host_bytes",
     "host_bytes",
@@ -394,6 +406,7 @@ SETTINGS: tuple[Setting, ...] = (
     BACKEND,
     ROW_LAYOUTS,
     METHODS,
+    FIND_ENCODES,
     HOST_BYTES,
     DIRECTORY,
     DIRECTORY_BYTES,
@@ -436,6 +449,7 @@ class PromptEmbedCacheSettings:
     backend: str = BACKEND.default
     row_layouts: Mapping[str, str] = field(default_factory=dict)  # class path -> layout reference
     methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # class path -> method names
+    find_encodes: bool = FIND_ENCODES.default  # watch the text encoders for the methods that feed them
     host_bytes: int | None = HOST_BYTES.default  # None: no host tier
     directory: str | None = DIRECTORY.default  # None: no directory tier
     directory_bytes: int | None = DIRECTORY_BYTES.default  # None: no limit
@@ -565,6 +579,7 @@ def resolve_prompt_embed_cache_settings(
     backend: str | None = None,
     row_layouts: Mapping[str, str] | str | None = None,
     methods: Mapping[str, str] | str | None = None,
+    find_encodes: bool | str | None = None,
     host_bytes: int | str | None = None,
     directory: str | os.PathLike | None = None,
     directory_bytes: int | str | None = None,
@@ -580,7 +595,7 @@ def resolve_prompt_embed_cache_settings(
     given.update({BACKEND.name: backend, ROW_LAYOUTS.name: row_layouts, HOST_BYTES.name: host_bytes})
     given.update({DIRECTORY.name: directory, DIRECTORY_BYTES.name: directory_bytes, METHODS.name: methods})
     given.update({DIRECTORY_KEY_FILE.name: directory_key_file, DIRECTORY_GROUP.name: directory_group})
-    given.update({ENCODER_ON_MISS.name: encoder_on_miss, AUDIT.name: audit})
+    given.update({ENCODER_ON_MISS.name: encoder_on_miss, AUDIT.name: audit, FIND_ENCODES.name: find_encodes})
     return resolve_settings(given, source=source, environ=environ)
 
 

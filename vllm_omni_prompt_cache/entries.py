@@ -72,6 +72,13 @@ class Entries:
             evicted.append(oldest)
         return evicted, False
 
+    def pop(self, identity: Hashable) -> Entry | None:
+        """Remove ``identity``'s entry and return it (None: absent)."""
+        entry = self._entries.pop(identity, None)
+        if entry is not None:
+            self.bytes -= entry.nbytes
+        return entry
+
     def drain(self) -> Departures:
         """Remove every entry; return them, oldest first."""
         drained = list(self._entries.items())

@@ -46,6 +46,9 @@ class Lookups:
         self.verify = verify
         self.lock = threading.Lock()  # guards entries, flights and the ticket
         self.ticket = Ticket()  # replaced at each clear() and sleep
+        #: Set by a compute on its thread when its result must not be written through under its key (the
+        #: encode read state the key does not hold; the caller keeps it under a key that does).
+        self.withheld = threading.local()
         self._record = record
 
     def serve(self, key: CallKey, compute: Callable[[], T], count: CountCall, method: str) -> T:
@@ -122,6 +125,7 @@ class Lookups:
             value = result if found else detach_value(result)
             entry = Entry.of(value, flight.witness)
         except BaseException:  # the encode raised, or the lookup was interrupted
+            self.withheld.active = False
             self.abandon([(key, flight)])  # waiters try again; nothing is stored
             tiers.release(key, flight.tiers_epoch)  # other processes waiting for it encode it themselves
             raise
@@ -132,7 +136,9 @@ class Lookups:
             departures = self.keep(key.identity, entry, method) if current else []
         flight.finish()
         tiers.demote(departures, flight.ticket)
-        if not found and flight.ticket is self.ticket:  # files carry the key bytes whatever ``verify``
+        withheld = getattr(self.withheld, "active", False)
+        self.withheld.active = False
+        if not found and flight.ticket is self.ticket and not withheld:  # files carry the key bytes whatever ``verify``
             witness = flight.witness if flight.witness is not None else freeze_witness(key.witness)
             tiers.write(key, witness, value, flight.tiers_epoch)
         elif not found:

@@ -104,6 +104,8 @@ class PromptEmbedCache:
         self._max_gap = 0.0
         #: What moves the text encoders between host and device, counted (set by the worker; None: nothing).
         self.moves: EncoderMoves | None = None
+        #: What the wrapper says of each encode method: how it was found, what it is keyed on (stats()).
+        self.encode_methods: Callable[[], dict[str, Any]] | None = None
         #: Which hits are encoded again and compared (see audit.py; None: none).
         self.audit: Audit | None = None
         #: Why ``enabled`` was turned off for good (an audit's mismatch), for the bypass counts.
@@ -206,6 +208,17 @@ class PromptEmbedCache:
         # or a sleep since voids the write, as it voids an encode's.
         if keyed and ticket is lookups.ticket:
             self.tiers.write(key, witness if witness is not None else freeze_witness(key.witness), value, epoch)
+
+    def withhold_write_through(self) -> None:
+        """Keep the result being computed on this thread out of the lower tiers under the key it was looked up
+        with: its encode read state that key does not hold (the caller keeps it under one that does)."""
+        self._lookups.withheld.active = True
+
+    def rekey(self, old: CallKey, new: CallKey, value: Any) -> None:
+        """Keep ``value`` under ``new`` instead of ``old`` (a key that came to hold more than it was built with)."""
+        self.put(new, value)
+        with self._lookups.lock:
+            self._lookups.entries.pop(old.identity)
 
     def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, method: str = ENCODE_PROMPT) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result; count the
@@ -321,5 +334,9 @@ class PromptEmbedCache:
             )
 
     def stats(self) -> dict[str, Any]:
-        """Return upstream's keys (size, max_size, hits, misses, bypassed) and ours, as a dict."""
-        return self.snapshot().as_dict()
+        """Return upstream's keys (size, max_size, hits, misses, bypassed) and ours, as a dict; with
+        ``encode_methods``: each wrapped method, how it was found and what its key holds."""
+        stats = self.snapshot().as_dict()
+        if self.encode_methods is not None:
+            stats["encode_methods"] = self.encode_methods()
+        return stats

@@ -1,16 +1,15 @@
-"""How a pipeline's encode methods are intercepted: install, uninstall, hit, miss, bypass.
+"""How a pipeline's encode methods are intercepted: install, first use, hit, miss, bypass.
 
 Same contract as upstream vLLM-Omni's ``install_prompt_embed_cache``: idempotent,
 ``None`` for a pipeline with nothing to wrap, and the cache and the original
 ``encode_prompt`` stored on the pipeline as ``_prompt_embed_cache`` and
 ``_prompt_embed_cache_original_fn``. What differs is the key (tensors are keyed
-by content, see :mod:`.keys`), the store (budgets, verification,
-single-flight, bypass reasons, see :mod:`.store`), rows: a pipeline with a
-row layout has each row of a batched call cached on its own (see :mod:`.rows`),
-and which methods: besides ``encode_prompt``, the encode methods some pipelines'
-``forward`` calls instead (see :mod:`.vllm_omni.methods`), each keyed, split and
-counted on its own in one shared store, and none whose result depends on
-anything but its arguments.
+by content, see :mod:`.keys`, and so is what the encode read from the pipeline,
+see :mod:`.reads`), the store (budgets, verification, single-flight, bypass
+reasons, see :mod:`.store`), rows (see :mod:`.rows`), and which methods:
+``encode_prompt``, the declared ones, and those found by watching the text
+encoders (see :mod:`.discovery`), each keyed, split and counted on its own in
+one shared store.
 """
 
 from __future__ import annotations
@@ -33,12 +32,20 @@ from vllm_omni_prompt_cache.config import DIRECTORY_BYTES
 from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, ROW_HIT, WHOLE_HIT, Outcome, tally
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.directory_trust import Modes
+from vllm_omni_prompt_cache.discovery import (
+    EncoderWatch,
+    MethodState,
+    OpenEncode,
+    child_modules,
+    holds_token_embedding,
+)
 from vllm_omni_prompt_cache.fingerprint import (
     code_and_configuration,
     encode_devices,
     encoder_modules,
     pipeline_fingerprint,
 )
+from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, with_state
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.proofs import (
@@ -50,6 +57,7 @@ from vllm_omni_prompt_cache.proofs import (
     infer_layout,
     row_strength,
 )
+from vllm_omni_prompt_cache.reads import is_packed, pack, unpack
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
 from vllm_omni_prompt_cache.row_batches import RowTally
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, SingleRow, UnstackableRows
@@ -96,6 +104,7 @@ def install_prompt_embed_cache(
     directory_key: bytes | None = None,
     directory_group: int | None = None,
     audit: float = 0.0,
+    find_encodes: bool = True,
 ) -> PromptEmbedCache | None:
     """Wrap ``pipeline``'s encode methods with one content-keyed cache; return the cache or None.
 
@@ -126,6 +135,11 @@ def install_prompt_embed_cache(
     shares what it creates with that group (see :mod:`.directory_trust`).
 
     ``audit``: the share of hits encoded again and compared with what was served (see :mod:`.audit`).
+
+    ``find_encodes``: watch the pipeline's text encoders and wrap the method that hands them their
+    token ids, whatever it is called (see :mod:`.discovery`); False: ``encode_prompt`` and the
+    declared methods only. Every wrapped method is keyed on its arguments and on what its calls were
+    seen to read from the pipeline, and replays what they wrote (see :mod:`.reads`).
     """
     existing = getattr(pipeline, "_prompt_embed_cache", None)
     if existing is not None:
@@ -134,7 +148,8 @@ def install_prompt_embed_cache(
     from vllm_omni_prompt_cache.vllm_omni.methods import find_encode_methods  # imports nothing of vLLM-Omni
 
     wrapped = _readable_methods(pipeline, find_encode_methods(pipeline, methods))
-    if not wrapped:
+    watchable = find_encodes and any(holds_token_embedding(module) for module in child_modules(pipeline).values())
+    if not wrapped and not watchable:
         logger.debug("Prompt-embed cache: %s has no encode method to wrap; skipping.", type(pipeline).__name__)
         return None
 
@@ -166,39 +181,22 @@ def install_prompt_embed_cache(
         cache.audit = Audit(audit)
     if (failed := audit_off_reason(type(pipeline))) is not None:  # an audit caught this class before
         cache.enabled, cache.off_reason = False, failed
-    originals: dict[str, Callable[..., Any]] = {}
-    proofs: dict[str, LayoutProof] = {}
-    inside = threading.local()  # set while a wrapped method of this pipeline runs on this thread
+    installation = _Installation(pipeline, cache, tag, digest, report, row_layout, row_layouts)
     for method, encode_fn, signature in wrapped:
-        if method.name == ENCODE_PROMPT:
-            proof = _layout_proof(pipeline, signature, tag, row_layout, row_layouts)
-            method_tag = tag
-        else:  # another method: its own keys (never an encode_prompt entry), layout and counters
-            proof = _method_layout_proof(pipeline, method.name, signature, tag)
-            method_tag = f"{tag}.{method.name}"
-        cache.register(method.name)  # listed in stats() from now on
-        calls = _CachedCalls(
-            cache,
-            _noting_encodes(encode_fn, inside, pipeline),
-            signature,
-            CallKeyBuilder(signature, method_tag, digest=digest),
-            proof,
-            method=method.name,
-            refusal=method.refusal,
-            pipeline_class=type(pipeline),
-        )
-        _set_attribute(pipeline, method.name, _cached(calls, encode_fn, cache, report, inside, pipeline))
-        originals[method.name] = encode_fn
-        proofs[method.name] = proof
+        installation.wrap(method.name, method.source, encode_fn, signature, inferred=False)
+    if find_encodes:
+        installation.watch()
     object.__setattr__(pipeline, "_prompt_embed_cache", cache)
-    object.__setattr__(pipeline, "_prompt_embed_cache_original_fn", originals.get(ENCODE_PROMPT))
-    object.__setattr__(pipeline, "_prompt_embed_cache_originals", originals)
-    object.__setattr__(pipeline, "_prompt_embed_cache_layout", proofs.get(ENCODE_PROMPT))
-    object.__setattr__(pipeline, "_prompt_embed_cache_layouts", proofs)
-    proof = proofs.get(ENCODE_PROMPT) or next(iter(proofs.values()))
+    object.__setattr__(pipeline, "_prompt_embed_cache_original_fn", installation.originals.get(ENCODE_PROMPT))
+    object.__setattr__(pipeline, "_prompt_embed_cache_originals", installation.originals)
+    object.__setattr__(pipeline, "_prompt_embed_cache_layout", installation.proofs.get(ENCODE_PROMPT))
+    object.__setattr__(pipeline, "_prompt_embed_cache_layouts", installation.proofs)
+    object.__setattr__(pipeline, "_prompt_embed_cache_installation", installation)
+    cache.encode_methods = installation.describe
+    proof = installation.proofs.get(ENCODE_PROMPT) or next(iter(installation.proofs.values()), None)
     logger.info(
         "Prompt-embed cache (content-keyed) installed on %s: max_size=%d, max_bytes=%s, verify=%s, enabled=%s, "
-        "host tier: %s, directory tier: %s, rows: %s, methods: %s.",
+        "host tier: %s, directory tier: %s, rows: %s, methods: %s; finding encodes: %s.",
         tag,
         max_size,
         "unlimited" if max_bytes is None else max_bytes,
@@ -208,20 +206,213 @@ def install_prompt_embed_cache(
         "off"
         if directory is None
         else f"{directory} ({'no limit' if directory_bytes is None else f'{directory_bytes} bytes'})",
-        f"{proof.layout.name} ({proof.source})"
+        "none"
+        if proof is None
+        else f"{proof.layout.name} ({proof.source})"
         if proof.layout is not None
         else "inferred from the first batched call, then checked"
         if proof.may_infer
         else "whole calls only",
-        "; ".join(
-            f"{method.name} ({method.source}{'; never cached: ' + method.refusal if method.refusal else ''})"
-            for method, _, _ in wrapped
-        ),
+        "; ".join(f"{method.name} ({method.source})" for method, _, _ in wrapped) or "none yet",
+        "off"
+        if not find_encodes
+        else f"watching {', '.join(installation.encoders) or 'nothing (no child module holds a token embedding)'}",
     )
-    for method, _, _ in wrapped:
-        if method.refusal is not None:
-            logger.warning("Prompt-embed cache: %s.%s is not cached: %s.", tag, method.name, method.refusal)
     return cache
+
+
+class _Installation:
+    """One pipeline's wrapped methods, and the encoder watch that finds more (see :mod:`.discovery`)."""
+
+    def __init__(
+        self,
+        pipeline: Any,
+        cache: PromptEmbedCache,
+        tag: str,
+        digest: Callable[[Any], bytes] | None,
+        report: Callable[[PromptEmbedCache], None] | None,
+        row_layout: RowLayout | None,
+        row_layouts: Mapping[str, RowLayout] | None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.cache = cache
+        self.tag = tag
+        self.digest = digest
+        self.report = report
+        self.row_layout = row_layout
+        self.row_layouts = row_layouts
+        self.inside = threading.local()  # set while a wrapped method of this pipeline runs on this thread
+        self.originals: dict[str, Callable[..., Any]] = {}
+        self.proofs: dict[str, LayoutProof] = {}
+        self.states: dict[str, MethodState] = {}
+        self.rejected: dict[str, str] = {}  # candidates found by watching that turned out not to be encodes
+        self.unwrappable: dict[str, str] = {}  # encoder -> why no method could be wrapped for it
+        self._inner: dict[str, list[str]] = {}  # candidate -> the methods around it, tried next
+        self._open: OpenEncode | None = None  # the encode whose encoder calls are being gathered
+        self._settle_hooks: list[Any] = []  # on the other child modules while an encode is open
+        self._lock = threading.RLock()
+        self._watch: EncoderWatch | None = None
+        self.configuration = _attributes(pipeline)  # what the pipeline held at install (see MethodState)
+
+    @property
+    def encoders(self) -> list[str]:
+        return [] if self._watch is None else list(self._watch.encoders)
+
+    def wrap(
+        self, name: str, source: str, encode_fn: Callable[..., Any], signature: inspect.Signature, *, inferred: bool
+    ) -> None:
+        """Wrap ``name`` on the pipeline with its own keys, layout, counters and :class:`MethodState`."""
+        pipeline = self.pipeline
+        if name == ENCODE_PROMPT:
+            proof = _layout_proof(pipeline, signature, self.tag, self.row_layout, self.row_layouts)
+            method_tag = self.tag
+        else:  # another method: its own keys (never an encode_prompt entry), layout and counters
+            proof = _method_layout_proof(pipeline, name, signature, self.tag)
+            method_tag = f"{self.tag}.{name}"
+        # A method found by watching is observed on its first call before anything is kept, and so is every
+        # method where several ranks run: each rank's first call encodes, so all see its collectives at once
+        # (a lower tier's hit on one rank could skip them). Elsewhere encode_prompt and declared methods are
+        # served from their first call, their first encode observed (see _run).
+        instance = getattr(encode_fn, "__self__", pipeline)
+        configuration = self.configuration if instance is pipeline else _attributes(instance)
+        state = MethodState(name, source, inferred, learning=inferred or _several_ranks(), configuration=configuration)
+        calls = _CachedCalls(
+            self.cache,
+            _noting_encodes(encode_fn, self.inside, pipeline),
+            signature,
+            CallKeyBuilder(signature, method_tag, digest=self.digest),
+            proof,
+            method=name,
+            pipeline=pipeline,
+            state=state,
+            installation=self,
+            instance=instance,
+        )
+        if not inferred:
+            self.cache.register(name)  # listed in stats() from now on; a candidate once it is confirmed
+        _set_attribute(pipeline, name, _cached(calls, encode_fn, self.cache, self.report, self.inside, pipeline))
+        self.originals[name] = encode_fn
+        self.proofs[name] = proof
+        self.states[name] = state
+
+    def watch(self) -> None:
+        """Start watching the text encoders for encodes that no wrapped method covers."""
+        self._watch = EncoderWatch(self.pipeline, lambda: getattr(self.inside, "active", False), self._found)
+
+    def _found(self, calls: list[tuple[str, Any]], encoder: str) -> None:
+        """An encoder ran outside every wrapped method, called through ``calls`` (outermost first). The encode
+        it belongs to is settled when the next one begins (see :class:`~.discovery.OpenEncode`)."""
+        with self._lock:
+            if not calls:  # another object's call (an encoder shared with a reference pipeline), or no method's
+                return
+            if self._open is not None and self._open.joins(calls, encoder):
+                return
+            self._settle_open()
+            self._open = OpenEncode(calls, {encoder}, {encoder: [frame for _, frame in calls]})
+            # The encode ends, at the latest, when another child module runs (the DiT after the encodes).
+            self._settle_hooks = [
+                module.register_forward_pre_hook(self._on_other_module)
+                for name, module in child_modules(self.pipeline).items()
+                if name not in self.encoders
+            ]
+
+    def _on_other_module(self, module: torch.nn.Module, args: tuple) -> None:
+        with self._lock:
+            self._settle_open()
+
+    def _settle_open(self) -> None:
+        """Settle the encode being gathered, if any; the lock is held."""
+        for handle in self._settle_hooks:
+            handle.remove()
+        self._settle_hooks = []
+        if self._open is not None:
+            encode, self._open = self._open, None
+            self._settle(encode)
+
+    def _settle(self, encode: OpenEncode) -> None:
+        names = encode.candidates()
+        if any(name in self.states for name in names):  # a method it runs under is wrapped (or being tried)
+            return
+        candidates = [name for name in names if name not in self.rejected]
+        if candidates:
+            self._try(candidates)
+        else:
+            why = f"no method that calls it is an encode ({', '.join(names)})"
+            for encoder in encode.encoders - set(self.unwrappable):
+                self.unwrappable[encoder] = why
+                warn_once(f"{self.tag}.{encoder} runs uncached: {why}")
+
+    def _try(self, candidates: list[str]) -> None:
+        """Wrap the first of ``candidates`` that can be, remembering the rest for when it is refuted."""
+        for index, name in enumerate(candidates):
+            encode_fn = getattr(self.pipeline, name, None)
+            try:
+                signature = inspect.signature(encode_fn)
+            except (TypeError, ValueError) as why:
+                self.rejected[name] = f"its signature cannot be read ({why})"
+                continue
+            encoders = ", ".join(self.encoders)
+            self._inner[name] = candidates[index + 1 :]
+            self.wrap(name, f"found: it hands {encoders} their token ids", encode_fn, signature, inferred=True)
+            return
+
+    def reject(self, name: str, why: str) -> None:
+        """Unwrap a candidate that is not an encode, and try the method around it."""
+        with self._lock:
+            if name not in self.states:
+                return
+            self.rejected[name] = why
+            original = self.originals.pop(name)
+            del self.states[name], self.proofs[name]
+            _restore(self.pipeline, name, original)
+            logger.debug("Prompt-embed cache: %s.%s is not an encode: %s.", self.tag, name, why)
+            following = [inner for inner in self._inner.pop(name, []) if inner not in self.states]
+            if following:
+                self._try([inner for inner in following if inner not in self.rejected])
+
+    def confirmed(self, state: MethodState) -> None:
+        """Say once which method was found, how, and what it is keyed on; list it in stats()."""
+        self.cache.register(state.name)
+        logger.info(
+            "Prompt-embed cache: %s.%s is cached (%s), keyed on %s%s.",
+            self.tag,
+            state.name,
+            state.source,
+            ", ".join(state.keyed_on()),
+            f"; hits replay {', '.join('self.' + name for name in state.writes)}" if state.writes else "",
+        )
+
+    def refused(self, state: MethodState, why: str) -> None:
+        """Stop caching ``state``'s method, and say so once."""
+        state.refusal = why
+        self.cache.register(state.name)
+        logger.warning("Prompt-embed cache: %s.%s is not cached: %s.", self.tag, state.name, why)
+
+    def describe(self) -> dict[str, Any]:
+        """Return what stats() says of the encode methods: found, how, keyed on what; and the rejected."""
+        with self._lock:
+            described = {name: state.describe() for name, state in self.states.items()}
+            for name, why in self.rejected.items():
+                described[name] = {"found": "a candidate", "state": "not an encode", "refusal": why}
+            for encoder, why in self.unwrappable.items():
+                described[f"<{encoder}>"] = {"found": "an encoder call", "state": "uncached", "refusal": why}
+            return described
+
+    def remove(self) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+        with self._lock:
+            for handle in self._settle_hooks:
+                handle.remove()
+            self._settle_hooks, self._open = [], None
+
+
+def _restore(pipeline: Any, name: str, original: Callable[..., Any]) -> None:
+    """Put ``original`` back as ``pipeline.name``."""
+    if getattr(original, "__self__", None) is pipeline and name in vars(pipeline):
+        object.__delattr__(pipeline, name)  # the original was the class's bound method
+    else:
+        _set_attribute(pipeline, name, original)
 
 
 def _readable_methods(pipeline: Any, methods: Sequence[EncodeMethod]) -> list[tuple[EncodeMethod, Any, Any]]:
@@ -400,7 +591,7 @@ def _layout_proof(
     return LayoutProof(kind, layout, source, may_infer=layout is None, trusted=trusted)
 
 
-class _CachedCalls:
+class _CachedCalls(FirstUse):
     """Serves one pipeline method's calls: whole, row by row, or bypassed with a reason; counts each call once."""
 
     def __init__(
@@ -412,33 +603,61 @@ class _CachedCalls:
         proof: LayoutProof,
         *,
         method: str = ENCODE_PROMPT,
-        refusal: str | None = None,
-        pipeline_class: type = object,
+        pipeline: Any = None,
+        state: MethodState | None = None,
+        installation: _Installation | None = None,
+        instance: Any = None,
     ) -> None:
         self.store = store
+        #: Whose attributes a call reads and writes: the object the method is bound to (the pipeline's own
+        #: methods are bound to it; an encode_prompt given to an instance may be bound to another object).
+        self.instance = pipeline if instance is None else instance
         self.method = method  # whose counters every count made here goes to
         self._count = store.recorder(method)  # adds one tally to them
-        self.pipeline_class = pipeline_class  # what an audit's mismatch turns the cache off for
+        self.pipeline = pipeline
+        self.pipeline_class = type(pipeline)  # what an audit's mismatch turns the cache off for
         self.encode_fn = encode_fn
         self.signature = signature
         self.key_builder = key_builder
         self.proof = proof
-        self.refusal = refusal  # why no call of this method may be cached (None: they may)
+        self.state = state if state is not None else MethodState(method, "given", inferred=False, learning=False)
+        self.installation = installation
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        store = self.store
+        try:
+            return self._serve(args, kwargs)
+        except Learned as learned:  # a row's encode read or wrote what earlier calls had not: served whole
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=learned.reason or LEARNED_REASON))
+
+    def _serve(self, args: tuple, kwargs: dict) -> Any:
+        store, state = self.store, self.state
         if not store.enabled:
             return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=store.off_reason or DISABLED_REASON))
-        if self.refusal is not None:
-            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=self.refusal))
+        if state.refusal is not None:
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=state.refusal))
         arguments = self.key_builder.bind(args, kwargs)
         if type(arguments) is Bypass:
+            if state.inferred and state.learning:
+                return self._not_an_encode(args, kwargs, "its calls do not bind to its signature")
             return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=arguments.reason))
+        if state.learning:
+            return self._learn(args, kwargs, arguments)
+        return self._dispatch(args, kwargs, arguments)
+
+    def _dispatch(self, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> Any:
+        """Serve a call of a method past its first use: whole, by rows, or bypassed."""
+        state = self.state
         if self.key_builder.precomputed(arguments) is not None:
             return self._whole(args, kwargs, arguments)
+        held = state.state_argument(self.instance)
+        if type(held) is Bypass:  # a component was replaced: learn the method again
+            state.learning = True
+            return self._learn(args, kwargs, arguments)
+        if not state.rows_allowed:
+            return self._whole(args, kwargs, arguments, held=held)
         layout = self.proof.layout
         if layout is None:
-            return self._whole(args, kwargs, arguments, infer=self.proof.may_infer)
+            return self._whole(args, kwargs, arguments, infer=self.proof.may_infer, held=held)
         try:
             single = layout.single_row_key(arguments)
             split = None
@@ -446,17 +665,17 @@ class _CachedCalls:
                 split = layout.split(arguments)
         except Exception as error:  # hostile arguments: reading them as rows must not fail the call
             return self._whole(
-                args, kwargs, arguments, why=f"rows could not be read: {type(error).__qualname__} raised"
+                args, kwargs, arguments, why=f"rows could not be read: {type(error).__qualname__} raised", held=held
             )
         # A prompt's row is shared by its forms ("a" and ["a"]), which a layout the class does not vouch
         # for must have passed a check on before one is served for the other.
         if single is not None and (
             split is None or (type(split) is RowSplit and self.proof.has_checked(layout, split))
         ):
-            return self._single_row(layout, args, kwargs, single)
+            return self._single_row(layout, args, kwargs, single, held)
         if type(split) is not RowSplit:
-            return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments), why=split)
-        keys = self._row_keys(split)
+            return self._whole(args, kwargs, arguments, rows=layout.batch_size(arguments), why=split, held=held)
+        keys = self._row_keys(split, held)
         if type(keys) is Bypass:  # a shared argument no key can hold: no row can be keyed
             return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=keys.reason, rows_encoded=split.batch))
         return self._by_rows(layout, split, keys, args, kwargs)
@@ -482,15 +701,20 @@ class _CachedCalls:
         turn_off_for_class(self.store, self.pipeline_class, self.key_builder.model_tag, served_why)
         return fresh
 
-    def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, single: SingleRow) -> Any:
+    def _single_row(self, layout: RowLayout, args: tuple, kwargs: dict, single: SingleRow, held: tuple | None) -> Any:
         """Serve a call that is its own only row, keyed as :meth:`RowLayout.single_row_key` reads it."""
-        key = self.key_builder.build_from_arguments(single.arguments, row=True, host_views=single.host_views)
+        keyed = with_state(single.arguments, held)
+        key = self.key_builder.build_from_arguments(keyed, row=True, host_views=single.host_views)
         if type(key) is Bypass:
             return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=key.reason, rows_encoded=1))
+        known = len(self.state.data)
         try:
-            return self.store.serve(
+            value = self.store.serve(
                 key, lambda: layout.check_row(self._encode_to_keep(args, kwargs)), self._count_row, self.method
             )
+            if len(self.state.data) > known:  # its encode read more state: keep it under the key that holds it
+                self._keep_rows([single.arguments], [key], [value], single.host_views)
+            return value
         except LayoutMismatch as error:  # the row was not stored; serve the call whole and uncached
             self.proof.refute(layout, str(error))
             return self._uncached(args, kwargs, tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=1))
@@ -519,9 +743,12 @@ class _CachedCalls:
         rows = RowTally()
         call = Outcome.MISS  # unless every row was served without encoding and the output assembles
         dropped = tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=split.batch)  # then served uncached
+        known = len(self.state.data)
         try:
             try:
                 values = self.store.serve_rows(keys, self._row_encoder(split), rows, self.method)
+                if len(self.state.data) > known:  # a row's encode read more state: keep them under keys holding it
+                    self._keep_rows([split.key_arguments(index) for index in range(split.batch)], keys, values)
             except LayoutMismatch as error:
                 self.proof.refute(layout, str(error))
                 return self._uncached(args, kwargs, dropped)
@@ -553,20 +780,23 @@ class _CachedCalls:
         rows: int | None = None,
         why: str | None = None,
         infer: bool = False,
+        held: tuple | None = None,
     ) -> Any:
         """Serve the call under one key; ``rows``: how many rows it encodes, when a layout says; ``why``:
-        why a call with a row layout is keyed whole.
+        why a call with a row layout is keyed whole; ``held``: the pipeline state the key also holds.
 
         ``infer``: on a miss, try to infer a row layout from the call and its output (then check it).
         """
         encoded: list[Any] = []
+        outcomes: list[Outcome] = []
 
         def encode() -> Any:
-            result = self.encode_fn(*args, **kwargs)
+            result, trace = self._run(args, kwargs)
             encoded.append(result)
-            return result
+            return pack(unaliased(result, (args, kwargs)), trace.changed())
 
         def count(outcome: Outcome, reason: str | None) -> None:
+            outcomes.append(outcome)
             if outcome is Outcome.HIT and why is None:
                 self._count(WHOLE_HIT)
                 return
@@ -574,20 +804,31 @@ class _CachedCalls:
                 tally(outcome, reason=reason, whole_call=why, rows_encoded=0 if outcome is Outcome.HIT else rows or 0)
             )
 
-        key = self.key_builder.build_from_arguments(arguments)
+        key = self.key_builder.build_from_arguments(with_state(arguments, held))
         if type(key) is Bypass:
             count(Outcome.BYPASS, key.reason)
-            return encode()
-        result = self.store.serve(key, lambda: unaliased(encode(), (args, kwargs)), count, self.method)
+            result = self.encode_fn(*args, **kwargs)
+            encoded.append(result)
+            return result
+        try:
+            value = self.store.serve(key, encode, count, self.method)
+        except Learned as learned:  # the key grew while encoding: kept under the key it has now
+            return self._keep_learned(args, kwargs, arguments, learned)
+        if encoded:  # this call encoded: the pipeline holds what it wrote already
+            result = value[1] if is_packed(value) else value
+        else:
+            result = unpack(value, self.instance)
+            if self.state.check_pending and outcomes and outcomes[-1] is Outcome.HIT:
+                return self._first_hit_check(args, kwargs, result)
         if infer and encoded and self.proof.claim_inference():
             adopted = None
             try:
-                adopted = self._infer(arguments, encoded[0])
+                adopted = self._infer(arguments, encoded[0], held)
             finally:
                 self.proof.end_inference(adopted)
         return result
 
-    def _infer(self, arguments: dict[str, Any], output: Any) -> RowLayout | None:
+    def _infer(self, arguments: dict[str, Any], output: Any, held: tuple | None) -> RowLayout | None:
         """Return the layout a missed call suggests if its rows, encoded alone, assemble to ``output``."""
         layout = infer_layout(self.signature, arguments, output)
         if type(layout) is str:
@@ -595,7 +836,7 @@ class _CachedCalls:
                 self._count(tally(whole_call=f"no row layout inferred: {layout}"))
             return None
         split = layout.split(arguments)
-        keys = None if type(split) is not RowSplit else self._row_keys(split)
+        keys = None if type(split) is not RowSplit else self._row_keys(split, held)
         if keys is None or type(keys) is Bypass:
             self._count(tally(whole_call="no row layout inferred: the call could not be split into rows"))
             return None
@@ -637,10 +878,10 @@ class _CachedCalls:
         self.proof.refute(layout, why, inferred=inferred)
         return None if inferred else expected
 
-    def _row_keys(self, split: RowSplit) -> list[CallKey] | Bypass:
+    def _row_keys(self, split: RowSplit, held: tuple | None) -> list[CallKey] | Bypass:
         keys = []
         for index in range(split.batch):
-            key = self.key_builder.build_from_arguments(split.key_arguments(index), row=True)
+            key = self.key_builder.build_from_arguments(with_state(split.key_arguments(index), held), row=True)
             if type(key) is Bypass:
                 return key
             keys.append(key)
@@ -656,7 +897,24 @@ class _CachedCalls:
     def _encode_to_keep(self, args: tuple, kwargs: dict) -> Any:
         """Run the encoder for a result the cache keeps (keyed arguments only: bounded, acyclic); outputs
         that are the call's own input tensors are copied."""
-        return unaliased(self.encode_fn(*args, **kwargs), (args, kwargs))
+        # A row's encode that reads more state than the rows' keys hold is kept under those keys, which no
+        # later lookup builds (the state's names are in every key); one that writes state raises Learned.
+        result, _ = self._run(args, kwargs, rows=True)
+        return unaliased(result, (args, kwargs))
+
+
+def _attributes(instance: Any) -> dict[str, Any]:
+    """Return a shallow copy of ``instance``'s attributes (what it holds when the cache is installed)."""
+    try:
+        return dict(object.__getattribute__(instance, "__dict__"))
+    except AttributeError:
+        return {}
+
+
+def _several_ranks() -> bool:
+    """Return True when this process is one of several torch.distributed ranks."""
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
 
 
 def _transient(error: Exception) -> bool:
@@ -672,17 +930,17 @@ def uninstall_prompt_embed_cache(pipeline: Any) -> None:
         originals = {} if original is None else {ENCODE_PROMPT: original}
     if not originals and getattr(pipeline, "_prompt_embed_cache", None) is None:
         return
+    installation = getattr(pipeline, "_prompt_embed_cache_installation", None)
+    if installation is not None:  # the encoder watch goes
+        installation.remove()
     placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
     if placement is not None:  # the encoders go back on the device for good
         placement.remove()
         object.__delattr__(pipeline, PLACEMENT_ATTRIBUTE)
     for name, original in originals.items():
-        if getattr(original, "__self__", None) is pipeline and name in vars(pipeline):
-            # The original was the class's bound method: drop the instance attribute.
-            object.__delattr__(pipeline, name)
-        else:
-            _set_attribute(pipeline, name, original)
+        _restore(pipeline, name, original)
     for name in (
+        "_prompt_embed_cache_installation",
         "_prompt_embed_cache",
         "_prompt_embed_cache_original_fn",
         "_prompt_embed_cache_originals",

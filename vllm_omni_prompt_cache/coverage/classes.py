@@ -2,9 +2,9 @@
 
 Every module under ``vllm_omni.diffusion.models`` is imported, in name order. A class counts when
 it is defined there (under each name its module binds it to, so a registry alias such as
-``LTX2DistilledPipeline`` counts too) and its MRO defines ``encode_prompt`` or a method of
-:data:`~vllm_omni_prompt_cache.vllm_omni.methods.KNOWN_METHODS` by its named owner: the methods
-:func:`~vllm_omni_prompt_cache.vllm_omni.methods.find_encode_methods` wraps. A class that
+``LTX2DistilledPipeline`` counts too) and its MRO defines ``encode_prompt``, the method
+:func:`~vllm_omni_prompt_cache.vllm_omni.methods.find_encode_methods` wraps on every pipeline (others
+are found while a pipeline runs, see :mod:`vllm_omni_prompt_cache.discovery`). A class that
 vLLM-Omni's diffusion registry does not name and that only serves as a base of other counted
 classes (a mixin, a shared runtime) is a base, not a pipeline: it is reported apart.
 
@@ -24,7 +24,7 @@ import pkgutil
 import re
 from pathlib import Path
 
-from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT, KNOWN_METHODS, known_methods
+from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT
 
 PACKAGE = "vllm_omni.diffusion.models"
 
@@ -48,7 +48,7 @@ class Enumeration:
 
 def encode_methods(kind: type) -> tuple[str, ...]:
     """Return the methods of ``kind`` the cache would wrap (``encode_prompt`` first); empty if none."""
-    return (*([ENCODE_PROMPT] if callable(getattr(kind, ENCODE_PROMPT, None)) else []), *known_methods(kind))
+    return (ENCODE_PROMPT,) if callable(getattr(kind, ENCODE_PROMPT, None)) else ()
 
 
 @functools.cache
@@ -100,6 +100,6 @@ def _defined_in(info: pkgutil.ModuleInfo) -> tuple[str, ...]:
     if origin is None:
         return ()
     files = sorted(origin.parent.rglob("*.py")) if info.ispkg else [origin]
-    names = (ENCODE_PROMPT, *(known.method for known in KNOWN_METHODS))
+    names = (ENCODE_PROMPT,)
     source = "\n".join(path.read_text(errors="replace") for path in files)
     return tuple(name for name in names if re.search(rf"\bdef {re.escape(name)}\(", source))

@@ -10,18 +10,33 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+#: Each pipeline's counters, kept outside the pipeline: they are instruments, not state an encode reads
+#: (the cache keys what an encode reads from its pipeline, see ``reads.py``; a profiler's counts are not that).
+_COUNTS: weakref.WeakKeyDictionary[Any, dict[str, float]] = weakref.WeakKeyDictionary()
+
+
+def _counter(name: str, doc: str) -> property:
+    def read(self: Any) -> float:
+        return _COUNTS.get(self, {}).get(name, 0)
+
+    def write(self: Any, value: float) -> None:
+        _COUNTS.setdefault(self, {})[name] = value
+
+    return property(read, write, doc=doc)
+
 
 class CountsEncoderRuns:
     """Mixin for a pipeline: its text-encoder counters, and ``text_encoder_counters()`` for the worker RPC."""
 
-    encoder_runs: int = 0  # calls that reached the text encoder (cache hits do not)
-    encoder_rows: int = 0  # prompt rows those calls encoded: batching shows here, not in encoder_runs
-    encode_seconds: float = 0.0  # time inside the text encoder(s)
+    encoder_runs = _counter("encoder_runs", "calls that reached the text encoder (cache hits do not)")
+    encoder_rows = _counter("encoder_rows", "prompt rows those calls encoded: batching shows here, not in runs")
+    encode_seconds = _counter("encode_seconds", "time inside the text encoder(s)")
 
     def text_encoder_counters(self) -> dict[str, float]:
         """Return how often, for how many rows and how long the text encoder ran (and in which process)."""

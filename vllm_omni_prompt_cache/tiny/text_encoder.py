@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
+
 
 def build_qwen2_encoder(
     *,
@@ -35,13 +37,12 @@ def build_qwen2_encoder(
     return Qwen2Model(config).eval()
 
 
-class TokenIdTextPipeline(torch.nn.Module):
+class TokenIdTextPipeline(CountsEncoderRuns, torch.nn.Module):
     """Just enough of a diffusion pipeline: a text encoder behind a token-ID ``encode_prompt``."""
 
     def __init__(self, text_encoder: torch.nn.Module) -> None:
         super().__init__()
         self.text_encoder = text_encoder
-        self.encoder_runs = 0
 
     @torch.inference_mode()
     def encode_prompt(

@@ -140,18 +140,30 @@ PROVEN_LAYOUTS: Mapping[str, ProvenLayout] = {
 }
 
 
-def _known(owner: str, method: str) -> Callable[[type], bool]:
-    """Return the rule by which the cache recognises ``owner.method`` (see :mod:`.methods`)."""
-    from vllm_omni_prompt_cache.vllm_omni.methods import KNOWN_METHODS
+def _parameters_start_with(method: str, names: tuple[str, ...]) -> Callable[[type], bool]:
+    """Return the rule by which a class's ``method`` has the parameters a layout was written for."""
 
-    (known,) = [entry for entry in KNOWN_METHODS if (entry.owner, entry.method) == (owner, method)]
-    return known.defined_by
+    def matches(kind: type) -> bool:
+        try:
+            parameters = list(inspect.signature(getattr(kind, method)).parameters)
+        except (AttributeError, TypeError, ValueError):
+            return False
+        return tuple(parameters[1 : 1 + len(names)]) == names
+
+    return matches
 
 
 #: Layouts written against an encode method other than ``encode_prompt``, by method name.
 PROVEN_METHOD_LAYOUTS: Mapping[str, tuple[ProvenLayout, ...]] = {
     "encode_prompt_from_token_ids": (
-        ProvenLayout(SD3_TOKEN_IDS, _known("SD3TokenIdPromptMixin", "encode_prompt_from_token_ids")),
+        # verl-omni's SD3 FlowGRPO token path (sd3_flow_grpo/common.py), recognised by its parameters.
+        ProvenLayout(
+            SD3_TOKEN_IDS,
+            _parameters_start_with(
+                "encode_prompt_from_token_ids",
+                ("clip_prompt_ids", "t5_prompt_ids", "num_images_per_prompt", "max_sequence_length"),
+            ),
+        ),
     ),
 }
 

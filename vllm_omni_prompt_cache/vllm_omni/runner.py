@@ -178,6 +178,7 @@ def install_for_stage(
         directory_group=settings.directory_group,
         audit=audit,
         methods=resolve_declared_methods(settings.methods, settings.sources.get(METHODS.name, "the stage's settings")),
+        find_encodes=settings.find_encodes,
     )
     if cache is not None:
         watch_weight_loads(pipeline)

@@ -1,0 +1,218 @@
+"""How a wrapped method earns the cache's trust, and what its calls taught it.
+
+A method's first call (for a method found by watching, or wherever several ranks run) is served
+uncached and observed (:meth:`FirstUse._learn`); every encode after is traced
+(:meth:`FirstUse._run`), and what it read beyond the method's key grows the key. A call whose key
+grew is kept under the grown key, never under the one it was looked up with. The first hit of an
+inferred key is encoded again and compared (:meth:`FirstUse._first_hit_check`). ``FirstUse`` is
+mixed into the wrapper's per-method server, whose attributes it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from vllm_omni_prompt_cache.counters import Outcome, tally
+from vllm_omni_prompt_cache.discovery import observed
+from vllm_omni_prompt_cache.keys import Bypass, CallKey
+from vllm_omni_prompt_cache.proofs import LayoutProof, compare_outputs
+from vllm_omni_prompt_cache.reads import CannotTrace, Trace, current_attribute, pack, traced
+from vllm_omni_prompt_cache.values import unaliased
+
+#: Key part (an extra bound argument) for what a call read from the pipeline (see :mod:`.reads`).
+STATE = "self"
+#: Bypass reason for a row call whose encode read or wrote pipeline state earlier calls had not.
+LEARNED_REASON = "its encode read or wrote pipeline state no earlier call had: served whole and uncached"
+
+
+class Learned(BaseException):
+    """Raised out of an encode that read or wrote more than the method's key holds (or cannot be cached):
+    its result must not be kept under the key the call was looked up with. A BaseException, so that no
+    handler of encoder failures takes it for one."""
+
+    def __init__(self, result: Any, trace: Trace, refusal: str | None) -> None:
+        super().__init__(refusal or LEARNED_REASON)
+        self.result, self.trace, self.reason = result, trace, refusal
+
+
+def with_state(arguments: Mapping[str, Any], held: tuple | None) -> Mapping[str, Any]:
+    """Return a call's (or a row's) arguments with the pipeline state its key also holds."""
+    return arguments if held is None else {**arguments, STATE: held}
+
+
+def collectives_refusal(collectives: Sequence[str]) -> str:
+    """Return why a method whose encode runs collectives is not cached."""
+    return (
+        f"it runs collectives ({', '.join(collectives)}): a hit would skip them on one rank while another rank "
+        "runs them"
+    )
+
+
+class FirstUse:
+    """First use, learning and refusal of one wrapped method (mixed into the wrapper's method server)."""
+
+    def _keep_rows(
+        self,
+        arguments: list[Mapping[str, Any]],
+        served_under: list[CallKey],
+        values: list[Any],
+        host_views: Mapping[int, Any] | None = None,
+    ) -> None:
+        """Move rows served while the method's key grew to the keys that hold the state they read (their
+        encodes write nothing, so that state is the state now); no later lookup builds their old keys."""
+        held = self.state.state_argument(self.instance)
+        if type(held) is Bypass:
+            return
+        for row_arguments, old, value in zip(arguments, served_under, values, strict=True):
+            new = self.key_builder.build_from_arguments(
+                with_state(row_arguments, held), row=True, host_views=host_views
+            )
+            if type(new) is not Bypass:
+                self.store.rekey(old, new, value)
+
+    def _run(self, args: tuple, kwargs: dict, *, rows: bool = False) -> tuple[Any, Trace]:
+        """Encode, seeing what the call reads from and writes to the pipeline; raise :class:`Learned` when
+        that is more than earlier calls showed (the call's key lacked it) or cannot be cached."""
+        state = self.state
+        if not state.observed:  # the first encode: which collectives run (a hit would skip them on one rank)
+            state.observed = True
+            with observed(self.pipeline) as observation, traced(self.instance) as trace:
+                result = self.encode_fn(*args, **kwargs)
+            if observation.collectives:
+                self._refuse(collectives_refusal(observation.collectives))
+                raise Learned(result, trace, state.refusal)
+        else:
+            with traced(self.instance) as trace:
+                result = self.encode_fn(*args, **kwargs)
+        with state.lock:
+            writes_before = len(state.writes)
+            grew, refusal = state.learn(trace, result)
+        if refusal is not None:
+            self._refuse(refusal)
+        if refusal is not None or (grew and not rows) or len(state.writes) > writes_before:
+            raise Learned(result, trace, refusal)
+        if grew:  # a row: kept, and moved to a key holding what it read (_keep_rows), but no file under this one
+            self.store.withhold_write_through()
+        return result, trace
+
+    def _keep_learned(self, args: tuple, kwargs: dict, arguments: dict[str, Any], learned: Learned) -> Any:
+        """Keep a whole call's result under the key its grown state gives it (the values before it ran)."""
+        state = self.state
+        if state.refusal is None and self.key_builder.precomputed(arguments) is None:
+            held = state.state_argument_before(learned.trace, self.instance)
+            key = self.key_builder.build_from_arguments(with_state(arguments, held))
+            if type(key) is not Bypass:
+                self.store.put(key, pack(unaliased(learned.result, (args, kwargs)), learned.trace.changed()))
+        self._rows_off()
+        return learned.result
+
+    def _rows_off(self) -> None:
+        """Key this method's calls whole: its calls read or write pipeline state that rows cannot split."""
+        if self.state.rows_allowed:
+            return
+        self.proof = LayoutProof(
+            self.pipeline_class,
+            None,
+            "whole calls: it reads or writes pipeline state",
+            may_infer=False,
+            method=self.method,
+        )
+        if self.installation is not None:
+            self.installation.proofs[self.method] = self.proof
+
+    def _learn(self, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> Any:
+        """Serve a method's first call uncached and watch it: what it reads and writes, which modules and
+        collectives it runs; keep its result if it may be cached, else say why not (see :mod:`.discovery`)."""
+        state, pipeline = self.state, self.pipeline
+        precomputed = self.key_builder.precomputed(arguments)
+        if precomputed is not None:  # a pass-through teaches nothing
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=precomputed.reason))
+        before = self.key_builder.build_from_arguments(arguments)
+        if type(before) is Bypass:
+            if state.inferred:
+                return self._not_an_encode(args, kwargs, f"its arguments cannot be keyed ({before.reason})")
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=before.reason))
+        try:
+            with observed(pipeline) as observation, traced(self.instance) as trace:
+                result = self.encode_fn(*args, **kwargs)
+        except CannotTrace as error:
+            self._refuse(str(error))
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=str(error)))
+        if state.inferred:
+            others = observation.other_modules()
+            why = "it returns nothing" if result is None else f"it also runs {', '.join(others)}" if others else None
+            if why is not None:
+                self.installation.reject(self.method, why)
+                return result
+            if not observation.encoders:  # this call encoded nothing: learn from a later one
+                return result
+        after = self.key_builder.build_from_arguments(arguments)
+        refusal = None
+        if type(after) is Bypass or after.identity != before.identity:
+            refusal = "it changes its arguments in place, which a hit could not repeat"
+        elif observation.collectives:
+            refusal = collectives_refusal(observation.collectives)
+        with state.lock:
+            refusal = refusal or state.learn(trace, result)[1]
+        if refusal is not None:
+            self._refuse(refusal)
+            self._count(tally(Outcome.BYPASS, reason=refusal))
+            return result
+        state.learning, state.observed = False, True
+        state.check_pending = state.inferred or bool(state.data) or bool(state.writes)
+        self._rows_off()
+        if self.installation is not None:
+            self.installation.confirmed(state)
+        held = state.state_argument_before(trace, self.instance)
+        key = self.key_builder.build_from_arguments(with_state(arguments, held))
+        if type(key) is Bypass:
+            self._count(tally(Outcome.BYPASS, reason=key.reason))
+            return result
+        value = pack(unaliased(result, (args, kwargs)), trace.changed())
+        self.store.serve(
+            key, lambda: value, lambda outcome, reason: self._count(tally(outcome, reason=reason)), self.method
+        )
+        return result
+
+    def _first_hit_check(self, args: tuple, kwargs: dict, served: Any) -> Any:
+        """Encode the first hit of a method whose key was inferred again, and compare output and writes;
+        a difference serves the fresh encode and stops caching the method. Counted as an audit."""
+        state = self.state
+        with state.lock:
+            if not state.check_pending:
+                return served
+            state.check_pending = False
+        replayed = {name: current_attribute(self.instance, name) for name in state.writes}
+        try:
+            fresh, trace = self._run(args, kwargs)
+        except Learned as learned:
+            fresh, trace = learned.result, learned.trace
+        why = compare_outputs(served, fresh)[0]
+        for name, written in trace.changed().items():
+            if why is None and (differs := compare_outputs(replayed.get(name), written)[0]) is not None:
+                why = f"self.{name}: {differs}"
+        state.checks += 1
+        self.store.record_audit(mismatch=why is not None, method=self.method)
+        if why is None:
+            for name, value in replayed.items():  # the pipeline holds what the hit replayed, as on any hit
+                setattr(self.instance, name, value)
+            return served
+        self._refuse(f"its first hit differed from an uncached call ({why})")
+        return fresh
+
+    def _not_an_encode(self, args: tuple, kwargs: dict, why: str) -> Any:
+        """Unwrap a candidate found by watching that is not an encode; run it so the methods it calls are seen."""
+        installation = self.installation
+        installation.reject(self.method, why)
+        installation.inside.active = False
+        try:
+            return self.encode_fn(*args, **kwargs)
+        finally:
+            installation.inside.active = True
+
+    def _refuse(self, why: str) -> None:
+        if self.installation is not None:
+            self.installation.refused(self.state, why)
+        else:
+            self.state.refusal = why
