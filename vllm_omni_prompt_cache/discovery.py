@@ -71,12 +71,15 @@ def token_embeddings(pipeline: Any) -> dict[str, list[torch.nn.Embedding]]:
     return found
 
 
-def has_token_ids(args: tuple, kwargs: dict) -> bool:
-    """Return True when a call's arguments hold an integer tensor (token ids)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dtype is not torch.bool and not value.is_floating_point():
-            return not value.is_complex()
-    return False
+def has_token_ids(args: tuple) -> bool:
+    """Return True when a call's positional arguments hold an integer tensor (what an embedding is fed)."""
+    return any(
+        isinstance(value, torch.Tensor)
+        and value.dtype is not torch.bool
+        and not value.is_floating_point()
+        and not value.is_complex()
+        for value in args
+    )
 
 
 def calling_methods(pipeline: Any, frame: Any) -> list[tuple[str, Any]]:
@@ -168,7 +171,7 @@ class EncoderWatch:
 
     def _hook(self, name: str) -> Callable[..., None]:
         def seen(module: torch.nn.Module, args: tuple) -> None:  # an embedding takes its ids positionally
-            if self._covered() or not has_token_ids(args, {}):
+            if self._covered() or not has_token_ids(args):
                 return
             self._found(calling_methods(self._pipeline, sys._getframe(1)), name)
 
@@ -221,7 +224,7 @@ def observed(pipeline: Any) -> Iterator[Observation]:
     # another thread may be calling the module in between.
     def noting(into: list[str], name: str, ids_only: bool) -> Callable[..., None]:
         def seen(module: torch.nn.Module, args: tuple) -> None:
-            if threading.get_ident() == thread and name not in into and (not ids_only or has_token_ids(args, {})):
+            if threading.get_ident() == thread and name not in into and (not ids_only or has_token_ids(args)):
                 into.append(name)
 
         return seen

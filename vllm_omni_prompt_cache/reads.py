@@ -195,6 +195,11 @@ def _state_kind(instance: Any, kind: type, name: str) -> str | None:
     return None if is_absent(found) or hasattr(type(found), "__get__") else _SHARED
 
 
+def instance_attributes(instance: Any) -> dict[str, Any]:
+    """Return a shallow copy of ``instance``'s own attributes (what it holds now; {} if it has no ``__dict__``)."""
+    return dict(_instance_dict(instance))
+
+
 def _instance_dict(instance: Any) -> dict[str, Any]:
     try:
         return object.__getattribute__(instance, "__dict__")

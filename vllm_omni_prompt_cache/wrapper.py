@@ -57,7 +57,7 @@ from vllm_omni_prompt_cache.proofs import (
     infer_layout,
     row_strength,
 )
-from vllm_omni_prompt_cache.reads import is_packed, pack, unpack
+from vllm_omni_prompt_cache.reads import instance_attributes, is_packed, pack, unpack
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
 from vllm_omni_prompt_cache.row_batches import RowTally
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, SingleRow, UnstackableRows
@@ -252,7 +252,7 @@ class _Installation:
         self._settle_hooks: list[Any] = []  # on the other child modules while an encode is open
         self._lock = threading.RLock()
         self._watch: EncoderWatch | None = None
-        self.configuration = _attributes(pipeline)  # what the pipeline held at install (see MethodState)
+        self.configuration = instance_attributes(pipeline)  # what the pipeline held at install (see MethodState)
 
     @property
     def encoders(self) -> list[str]:
@@ -274,7 +274,7 @@ class _Installation:
         # (a lower tier's hit on one rank could skip them). Elsewhere encode_prompt and declared methods are
         # served from their first call, their first encode observed (see _run).
         instance = getattr(encode_fn, "__self__", pipeline)
-        configuration = self.configuration if instance is pipeline else _attributes(instance)
+        configuration = self.configuration if instance is pipeline else instance_attributes(instance)
         state = MethodState(name, source, inferred, learning=inferred or _several_ranks(), configuration=configuration)
         calls = _CachedCalls(
             self.cache,
@@ -901,14 +901,6 @@ class _CachedCalls(FirstUse):
         # later lookup builds (the state's names are in every key); one that writes state raises Learned.
         result, _ = self._run(args, kwargs, rows=True)
         return unaliased(result, (args, kwargs))
-
-
-def _attributes(instance: Any) -> dict[str, Any]:
-    """Return a shallow copy of ``instance``'s attributes (what it holds when the cache is installed)."""
-    try:
-        return dict(object.__getattribute__(instance, "__dict__"))
-    except AttributeError:
-        return {}
 
 
 def _several_ranks() -> bool:

@@ -647,7 +647,8 @@ CASES: list[Case | NotBuilt] = [
         _magi2,
         _magi2_call,
         PROMPTS,
-        note="its forward encodes through _encode_prompts((prompt, negative)), a known method the cache wraps; "
+        note="its forward encodes through _encode_prompts((prompt, negative)), which an engine finds by watching the "
+        "encoder (declared here: the matrix runs no forward); "
         "encode_prompt (one string) is a wrapper no forward calls; the batched calls pass (A, B, negative)",
         method="_encode_prompts",
     ),
@@ -689,6 +690,6 @@ CASES: list[Case | NotBuilt] = [
         "loaded through its weight-name mapping. It reads no per-request hidden state (the request is all in "
         "`prepared`; self holds the tokenizer, processor, encoder and its TP group), but on DiT ranks other than 0 "
         "it is called with prepared=None and gets the ids by broadcast from rank 0, so a hit there would skip rank "
-        "0's collectives: refused (HIDDEN_INPUTS), every call a bypass",
+        "0's collectives: every rank sees them on its first call and refuses the method (tests/test_ranks.py)",
     ),
 ]
