@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
 
 import pytest
 
-from vllm_omni_prompt_cache.vllm_omni import hook_points
+from vllm_omni_prompt_cache.vllm_omni import hook_points, releases
 from vllm_omni_prompt_cache.vllm_omni.check import check
 
 pytest.importorskip("vllm_omni", reason="the check reads the installed vLLM-Omni")
+pytestmark = pytest.mark.release
+
+
+INSTALLED = importlib.metadata.version("vllm-omni")
+FEATURES_ON_EVERY_RELEASE = (
+    hook_points.CACHE,
+    hook_points.KWARGS,
+    hook_points.DEPLOY_CONFIG,
+    hook_points.OFFLOAD_COUNTS,
+    hook_points.SERVE_FLAGS,
+)
 
 
 def run_check() -> tuple[int, list[str]]:
@@ -26,11 +38,28 @@ def test_the_installed_environment_is_active_and_the_command_says_so_without_imp
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("installed: vllm-omni-prompt-cache 0.1.0, vllm-omni 0.30.0")
+    assert lines[0].startswith(f"installed: vllm-omni-prompt-cache 0.1.0, vllm-omni {INSTALLED}")
     assert "entry points: all registered" in lines
-    assert "  the prompt-embed cache: 19 of 19 hook points found: on" in lines
+    cache_points = len(hook_points.required(hook_points.CACHE))
+    assert f"  the prompt-embed cache: {cache_points} of {cache_points} hook points found: on" in lines
+    # Every feature is on where the installed release has its hook points, and said to be off where not.
+    for feature, lacking in hook_points.missing_by_feature().items():
+        state = "off, for want of " + ", ".join(map(str, lacking)) if lacking else "on"
+        assert any(line.startswith(f"  {feature}: ") and line.endswith(state) for line in lines), feature
+    if INSTALLED in releases.TESTED:
+        assert not any(line.startswith("note:") for line in lines)
     assert lines[-2].startswith("active: diffusion engines in this environment use the content-keyed cache")
     assert lines[-1] == "[]"  # neither vLLM nor vLLM-Omni was imported
+
+
+def test_the_releases_we_test_have_every_hook_point_of_the_cache_and_of_what_they_do() -> None:
+    """What the support table says of each release (docs/support.md): the cache itself is on
+    everywhere; routing and /metrics need 0.30's engine and orchestrator methods."""
+    missing = hook_points.missing_by_feature()
+    assert INSTALLED in releases.TESTED
+    assert all(not missing[feature] for feature in FEATURES_ON_EVERY_RELEASE)
+    newer = tuple(int(part) for part in INSTALLED.split(".")[:2]) >= (0, 30)
+    assert bool(missing[hook_points.ROUTING]) is bool(missing[hook_points.METRICS]) is not newer
 
 
 def test_a_bad_environment_variable_is_named(monkeypatch) -> None:
@@ -65,7 +94,9 @@ def test_a_vllm_omni_without_a_cache_hook_point_is_not_active(monkeypatch, tmp_p
     monkeypatch.setattr(hook_points, "vllm_omni_source_root", lambda: root)  # sources with none of the hooks
     code, lines = run_check()
     assert code == 1
+    cache_points = len(hook_points.required(hook_points.CACHE))
     assert any(
-        line.startswith("  the prompt-embed cache: 0 of 19 hook points found: off, for want of ") for line in lines
+        line.startswith(f"  the prompt-embed cache: 0 of {cache_points} hook points found: off, for want of ")
+        for line in lines
     )
-    assert "not active: vLLM-Omni 0.30.0 lacks hook points the cache needs" in lines
+    assert f"not active: vLLM-Omni {INSTALLED} lacks hook points the cache needs" in lines

@@ -14,6 +14,8 @@ from vllm_omni_prompt_cache.vllm_omni.hook_points import (
     FEATURES,
     HOOK_POINTS,
     HookPoint,
+    every_choice,
+    found_choice,
     missing_hook_points,
     vllm_omni_source_root,
 )
@@ -116,10 +118,27 @@ def test_conditional_and_unpacked_names_are_read_as_python_binds_them(tmp_path) 
     assert missing_hook_points(root, [*bound, only_for_types, from_star]) == [only_for_types]
 
 
+def test_an_older_releases_alternative_is_enough_and_an_optional_point_is_never_missing(tmp_path) -> None:
+    """As 0.28 against 0.30: the stage builder lives elsewhere, and a helper only 0.30 has is absent."""
+    root = tmp_path / "vllm_omni"
+    write_module(root, "vllm_omni.engine", "class Engine:\n    def build(self): ...\n")
+    newer = HookPoint(CACHE, "vllm_omni.factory", "Factory", "normalize")
+    either = HookPoint(
+        CACHE, "vllm_omni.factory", "Factory", "normalize", HookPoint(CACHE, "vllm_omni.engine", "Engine", "build")
+    )
+    neither = HookPoint(
+        CACHE, "vllm_omni.factory", "Factory", "normalize", HookPoint(CACHE, "vllm_omni.engine", "Engine", "gone")
+    )
+    helper = HookPoint(CACHE, "vllm_omni.factory", "Factory", "reset", optional=True)
+    assert missing_hook_points(root, [newer, either, neither, helper]) == [newer, neither]
+    assert found_choice(either, root) == either.alternative and found_choice(neither, root) is None
+    assert str(neither) == "vllm_omni.factory.Factory.normalize (or vllm_omni.engine.Engine.gone)"
+
+
 RECORD_HOOKS = """
 import importlib, json, sys, types
 from vllm_omni_prompt_cache.vllm_omni import imports
-from vllm_omni_prompt_cache.vllm_omni.hook_points import HOOK_POINTS
+from vllm_omni_prompt_cache.vllm_omni.hook_points import HOOK_POINTS, found_choice
 
 replaced, real = [], imports.replace_once
 
@@ -131,7 +150,7 @@ def recording(owner, name, wrap):
     return real(owner, name, wrap)
 
 imports.replace_once = recording  # before the hook modules bind it
-for module in sorted({point.module for point in HOOK_POINTS}):
+for module in sorted({point.module for point in HOOK_POINTS if found_choice(point) is point}):
     importlib.import_module(module)  # the first import of vLLM registers the plugin; each import runs its hooks
 from vllm_omni_prompt_cache.vllm_omni import balancer, cli_args, lifecycle, metrics, runner, settings  # noqa
 print(json.dumps(replaced))
@@ -164,6 +183,6 @@ def test_every_name_the_hooks_replace_is_a_listed_hook_point() -> None:
     result = background.result("record hooks", record_hooks)
     assert result.returncode == 0, result.stderr[-3000:]
     replaced = {tuple(each) for each in json.loads(result.stdout.strip().splitlines()[-1])}
-    listed = {(point.module, point.owner, point.name) for point in HOOK_POINTS}
+    listed = {(point.module, point.owner, point.name) for point in every_choice()}
     assert len(replaced) >= 15  # the worker, runner, LoRA, settings, serve, routing and metrics hooks all ran
     assert replaced - listed == set()

@@ -18,8 +18,8 @@ from vllm_omni_prompt_cache.config import (
     env_flag,
     resolve_prompt_embed_cache_settings,
 )
-from vllm_omni_prompt_cache.vllm_omni import hook_points
-from vllm_omni_prompt_cache.vllm_omni.plugin import BUILT_FOR, PLUGIN_ENV
+from vllm_omni_prompt_cache.vllm_omni import hook_points, releases
+from vllm_omni_prompt_cache.vllm_omni.plugin import PLUGIN_ENV
 
 DISTRIBUTION = "vllm-omni-prompt-cache"
 #: The entry points the plugin needs, by group (the CPU platform's are optional and not listed).
@@ -61,13 +61,13 @@ def check(say: Callable[[str], None] = print) -> int:
     else:
         missing = hook_points.missing_by_feature()
         for feature, lacking in missing.items():
-            points = sum(point.feature == feature for point in hook_points.HOOK_POINTS)
+            points = len(hook_points.required(feature))
             state = "off, for want of " + ", ".join(map(str, lacking)) if lacking else "on"
             say(f"  {feature}: {points - len(lacking)} of {points} hook points found: {state}")
         if missing[hook_points.CACHE]:
             problems.append(f"vLLM-Omni {versions['vllm-omni']} lacks hook points the cache needs")
-        elif not any(missing.values()) and not versions["vllm-omni"].startswith(BUILT_FOR):
-            say(f"note: built and tested for vLLM-Omni {BUILT_FOR}x; {versions['vllm-omni']} has every hook point")
+        elif not releases.is_tested(versions["vllm-omni"]):
+            say(f"note: tested on vLLM-Omni {releases.tested_list()}; {versions['vllm-omni']} is not one of them")
     try:
         settings = resolve_prompt_embed_cache_settings()
     except PromptEmbedCacheConfigError as error:

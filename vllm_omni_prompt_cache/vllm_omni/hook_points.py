@@ -5,8 +5,12 @@ it finds: each hook point is looked up in the installed sources by parsing them 
 importing vLLM-Omni, so the check is cheap enough for every process the plugin loads in and never
 runs vLLM-Omni code. A missing hook point of the cache itself (where it is installed, where it
 must be emptied) keeps the whole plugin inert, since a cache that outlived a weight change would
-serve wrong embeddings; a missing hook point of a feature (serve flags, prompt-affinity routing,
-metrics) turns that feature off.
+serve wrong embeddings; a missing hook point of a feature (how settings travel, serve flags,
+prompt-affinity routing, metrics, offload counts) turns that feature off and leaves the cache on.
+
+Releases move code: a hook point may name an ``alternative`` (where an older release does the same
+thing), and one of them found is enough. An ``optional`` one is hooked where it exists; a release
+without it has nothing there to hook (a helper that only exists beside a newer feature).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CACHE = "the prompt-embed cache"
+KWARGS = "cache settings as AsyncOmni/Omni kwargs"
+DEPLOY_CONFIG = "cache settings for deploy-config pipelines"
+OFFLOAD_COUNTS = "the text encoder's offload move counts"
 SERVE_FLAGS = "the serve flags"
 ROUTING = "prompt-affinity routing"
 METRICS = "the /metrics families"
-FEATURES = (CACHE, SERVE_FLAGS, ROUTING, METRICS)
+FEATURES = (CACHE, KWARGS, DEPLOY_CONFIG, OFFLOAD_COUNTS, SERVE_FLAGS, ROUTING, METRICS)
 
 
 @dataclass(frozen=True)
@@ -33,9 +40,18 @@ class HookPoint:
     module: str
     owner: str | None  # the class defined in ``module``; None for a module-level name
     name: str
+    #: Where an older release does the same thing: either one found is enough.
+    alternative: HookPoint | None = None
+    #: Hooked where it exists; a release without it has nothing there that needs the hook.
+    optional: bool = False
 
     def __str__(self) -> str:
-        return ".".join(part for part in (self.module, self.owner, self.name) if part)
+        here = ".".join(part for part in (self.module, self.owner, self.name) if part)
+        return f"{here} (or {self.alternative})" if self.alternative is not None else here
+
+    def choices(self) -> tuple[HookPoint, ...]:
+        """This hook point and its alternatives, newest release's first."""
+        return (self, *(self.alternative.choices() if self.alternative is not None else ()))
 
 
 def _points(feature: str, module: str, owner: str | None, *names: str) -> tuple[HookPoint, ...]:
@@ -43,6 +59,20 @@ def _points(feature: str, module: str, owner: str | None, *names: str) -> tuple[
 
 
 WORKER = "vllm_omni.diffusion.worker.diffusion_worker"
+RUNNER = "vllm_omni.diffusion.worker.diffusion_model_runner"
+LORA_MANAGER = "vllm_omni.diffusion.lora.manager"
+ASYNC_ENGINE = "vllm_omni.engine.async_omni_engine"
+OFFLOADER = "vllm_omni.diffusion.offloader.sequential_backend"
+#: The LoRA manager's methods that change which adapter weights are bound (every release has them).
+LORA_STATE_CHANGERS = ("add_adapter", "remove_adapter", "_activate_adapter", "_deactivate_all_adapters")
+#: Where the generic diffusion stage is built from the kwargs: 0.30 and later, then 0.27 and 0.28.
+KWARGS_BUILDER = HookPoint(
+    KWARGS,
+    "vllm_omni.config.config_factory",
+    "StageConfigFactory",
+    "_normalize_default_diffusion",
+    alternative=HookPoint(KWARGS, ASYNC_ENGINE, "AsyncOmniEngine", "_create_default_diffusion_stage_cfg"),
+)
 #: What the hooks in :mod:`.plugin` replace, call or import, by feature. Instance attributes a hook
 #: reads (``StagePool._lb``, ``OrchestratorBase._prom_metrics``) cannot be found in the sources;
 #: the hooks check those where they read them.
@@ -57,26 +87,19 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
         "resolve_prompt_embed_cache_config",
         "_CACHE_MISS",
     ),
-    *_points(CACHE, "vllm_omni.diffusion.worker.diffusion_model_runner", None, "install_prompt_embed_cache"),
-    *_points(
-        CACHE, "vllm_omni.diffusion.worker.diffusion_model_runner", "DiffusionModelRunner", "load_model", "profile_run"
-    ),
-    # Module offload's moves, counted on each hook instance (see offload.py).
-    *_points(CACHE, "vllm_omni.diffusion.offloader.sequential_backend", "SequentialOffloadHook", "_to_gpu", "_to_cpu"),
+    *_points(CACHE, RUNNER, None, "install_prompt_embed_cache"),
+    *_points(CACHE, RUNNER, "DiffusionModelRunner", "load_model"),
+    # 0.30 and later warm up through it (its encodes are counted as misses); 0.27 has none.
+    HookPoint(CACHE, RUNNER, "DiffusionModelRunner", "profile_run", optional=True),
     *_points(CACHE, WORKER, "DiffusionWorker", "sleep"),
-    *_points(
-        CACHE,
-        "vllm_omni.diffusion.lora.manager",
-        "DiffusionLoRAManager",
-        "add_adapter",
-        "remove_adapter",
-        "_activate_adapter",
-        "_deactivate_all_adapters",
-        "_reset_lora_layers",
-    ),
-    *_points(CACHE, "vllm_omni.config.config_factory", "StageConfigFactory", "_normalize_default_diffusion"),
-    *_points(CACHE, "vllm_omni.config.config_factory", None, "VllmOmniConfig"),
-    *_points(CACHE, "vllm_omni.config.omni_config", "VllmOmniConfig", "from_pipeline_config"),
+    *_points(CACHE, LORA_MANAGER, "DiffusionLoRAManager", *LORA_STATE_CHANGERS),
+    # Resets suspended adapters, which 0.30 added with it.
+    HookPoint(CACHE, LORA_MANAGER, "DiffusionLoRAManager", "_reset_lora_layers", optional=True),
+    KWARGS_BUILDER,
+    *_points(DEPLOY_CONFIG, "vllm_omni.config.config_factory", None, "VllmOmniConfig"),
+    *_points(DEPLOY_CONFIG, "vllm_omni.config.omni_config", "VllmOmniConfig", "from_pipeline_config"),
+    # Module offload's moves, counted on each hook instance (see offload.py).
+    *_points(OFFLOAD_COUNTS, OFFLOADER, "SequentialOffloadHook", "_to_gpu", "_to_cpu"),
     *_points(SERVE_FLAGS, "vllm_omni.entrypoints.cli.serve", "OmniServeCommand", "subparser_init", "validate"),
     *_points(ROUTING, "vllm_omni.engine.stage_runtime", None, "_build_load_balancer_factory"),
     *_points(ROUTING, "vllm_omni.engine.stage_pool", None, "StageUnavailableError"),
@@ -116,18 +139,42 @@ def vllm_omni_source_root() -> Path | None:
 def missing_by_feature() -> dict[str, list[HookPoint]]:
     """Return the installed vLLM-Omni's missing hook points for each feature (all of them without one)."""
     root = vllm_omni_source_root()
-    missing = missing_hook_points(root) if root is not None else list(HOOK_POINTS)
+    missing = missing_hook_points(root) if root is not None else [point for point in HOOK_POINTS if not point.optional]
     return {feature: [point for point in missing if point.feature == feature] for feature in FEATURES}
 
 
+def required(feature: str) -> list[HookPoint]:
+    """The hook points ``feature`` cannot be on without (its optional ones left out)."""
+    return [point for point in HOOK_POINTS if point.feature == feature and not point.optional]
+
+
 def missing_hook_points(root: Path, points: Iterable[HookPoint] = HOOK_POINTS) -> list[HookPoint]:
-    """Return the hook points the vLLM-Omni sources under ``root`` lack, in the order given."""
-    missing = []
-    for point in points:
-        names = _module_names(_module_file(root, point.module)).get(point.owner, frozenset())
-        if point.name not in names and _ANY not in names:
-            missing.append(point)
-    return missing
+    """Return the hook points the vLLM-Omni sources under ``root`` lack (none of their choices
+    found), in the order given; optional ones are never missing."""
+    return [
+        point
+        for point in points
+        if not point.optional and not any(is_present(root, choice) for choice in point.choices())
+    ]
+
+
+def found_choice(point: HookPoint, root: Path | None = None) -> HookPoint | None:
+    """Return the first of ``point``'s choices the installed (or ``root``'s) vLLM-Omni has, or None."""
+    root = root if root is not None else vllm_omni_source_root()
+    if root is None:
+        return None
+    return next((choice for choice in point.choices() if is_present(root, choice)), None)
+
+
+def is_present(root: Path, point: HookPoint) -> bool:
+    """Whether the sources under ``root`` bind ``point`` itself (not its alternatives)."""
+    names = _module_names(_module_file(root, point.module)).get(point.owner, frozenset())
+    return point.name in names or _ANY in names
+
+
+def every_choice(points: Iterable[HookPoint] = HOOK_POINTS) -> list[HookPoint]:
+    """Every name a hook may replace or call: each hook point and each of its alternatives."""
+    return [choice for point in points for choice in point.choices()]
 
 
 #: Stands for every name, where a ``from x import *`` binds names the survey cannot list.

@@ -11,7 +11,8 @@ those weights change, or their memory goes away, on these paths:
 * ``pipeline.load_weights(...)`` with text-encoder weights (how RL frameworks sync new weights):
   cleared after the load;
 * LoRA: ``DiffusionLoRAManager.add_adapter`` / ``remove_adapter`` / ``set_active_adapter``
-  (through ``_activate_adapter``, ``_deactivate_all_adapters``, ``_reset_lora_layers``) when the
+  (through ``_activate_adapter``, ``_deactivate_all_adapters``, and ``_reset_lora_layers`` where the
+  release suspends adapters) when the
   manager's LoRA layers include text-encoder modules and the bound state actually changed (LoRA
   weights live beside the module weights the fingerprint hashes, so the directory tier is also
   turned off for that pipeline);
@@ -30,17 +31,13 @@ from typing import Any
 
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
 from vllm_omni_prompt_cache.store import PromptEmbedCache
+from vllm_omni_prompt_cache.vllm_omni.hook_points import LORA_STATE_CHANGERS
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
-_LORA_STATE_CHANGERS = (
-    "add_adapter",
-    "remove_adapter",
-    "_activate_adapter",
-    "_deactivate_all_adapters",
-    "_reset_lora_layers",
-)
+#: Where 0.30 and later reset suspended adapters (0.27 and 0.28 have neither).
+_SUSPENSION_RESET = "_reset_lora_layers"
 
 
 def _directory_tier(pipeline: Any) -> Any:
@@ -138,7 +135,8 @@ def _touches_encoder(names: Iterable[str], pipeline: Any) -> bool:
 
 def patch_lora_manager(module: ModuleType) -> None:
     """Clear the cache when a LoRA change alters text-encoder layers."""
-    for name in _LORA_STATE_CHANGERS:
+    manager = module.DiffusionLoRAManager
+    for name in (*LORA_STATE_CHANGERS, *((_SUSPENSION_RESET,) if _SUSPENSION_RESET in vars(manager) else ())):
         replace_once(
             module.DiffusionLoRAManager, name, lambda original, name=name: _clearing_on_lora_change(original, name)
         )

@@ -1,4 +1,4 @@
-"""Entry points that make stock vLLM-Omni 0.30 use this package's cache.
+"""Entry points that make stock vLLM-Omni (0.27 to 0.32) use this package's cache.
 
 ``register`` is loaded by vLLM-Omni (``vllm_omni.general_plugins``: diffusion workers, stage
 processes, engine-argument construction) and ``register_vllm`` by vLLM (``vllm.general_plugins``:
@@ -10,10 +10,10 @@ so a process that never imports them (plain vLLM serving a language model) is un
 
 Set ``VLLM_OMNI_PROMPT_CACHE_PLUGIN=0`` to keep stock behaviour. Whether the installed vLLM-Omni
 can be hooked is decided by looking for every hook point (:mod:`.hook_points`), not by its
-version: on the series we build and test against (:data:`BUILT_FOR`) nothing is said; on another
-version the plugin says once that every hook point was found, or names the version and the missing
-hook points and stays inert (or, where only a feature's hook points are missing, turns that
-feature off).
+version. On a release we test (:mod:`.releases`) nothing more is said than what is off there; on
+another one the plugin says once that every hook point was found, or names the version and the
+missing hook points and stays inert (or, where only a feature's hook points are missing, turns
+that feature off).
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from vllm_omni_prompt_cache.config import env_flag
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
 PLUGIN_ENV = "VLLM_OMNI_PROMPT_CACHE_PLUGIN"
-#: The vLLM-Omni release series this package is built and tested against (``make test``).
-BUILT_FOR = "0.30."
 
 _registered = False
 
@@ -48,10 +46,11 @@ def hookable_features(version: str) -> set[str]:
 
     An empty set means the cache itself cannot be hooked, and the plugin must stay inert.
     """
+    from vllm_omni_prompt_cache.vllm_omni import releases
     from vllm_omni_prompt_cache.vllm_omni.hook_points import CACHE, FEATURES, HOOK_POINTS, missing_by_feature
 
     missing = missing_by_feature()
-    built_for = f"vllm-omni-prompt-cache is built for vLLM-Omni {BUILT_FOR}x; found {version}"
+    built_for = f"vllm-omni-prompt-cache (tested on vLLM-Omni {releases.tested_list()}) found {version}"
     if missing[CACHE]:
         logger.warning(
             "%s, which lacks hook points the cache needs: %s. Staying inert: vLLM-Omni's own prompt-embed "
@@ -68,7 +67,7 @@ def hookable_features(version: str) -> set[str]:
             " and ".join(features_off),
             ", ".join(str(point) for feature in features_off for point in missing[feature]),
         )
-    elif not version.startswith(BUILT_FOR):
+    elif not releases.is_tested(version):
         logger.warning("%s, which has all %d hook points the plugin uses: active.", built_for, len(HOOK_POINTS))
     return set(FEATURES) - set(features_off)
 
@@ -122,7 +121,15 @@ def register() -> None:
     when_imported(runner.RUNNER_MODULE, runner.patch_runner_module)
     when_imported(hook_points.WORKER, lifecycle.patch_worker)
     when_imported("vllm_omni.diffusion.lora.manager", lifecycle.patch_lora_manager)
-    when_imported("vllm_omni.config.config_factory", settings.patch_stage_config_factory)
+    if hook_points.KWARGS in features:
+        carried = hook_points.found_choice(hook_points.KWARGS_BUILDER)
+        if carried is not None and carried.module == hook_points.ASYNC_ENGINE:
+            when_imported(hook_points.ASYNC_ENGINE, settings.patch_engine_stage_builder)
+        else:
+            when_imported("vllm_omni.config.config_factory", settings.patch_stage_config_factory)
+    if hook_points.DEPLOY_CONFIG in features:
+        when_imported("vllm_omni.config.config_factory", settings.patch_deploy_config)
+    runner.count_offload_moves = hook_points.OFFLOAD_COUNTS in features
     if hook_points.SERVE_FLAGS in features:
 
         def serve_hook(module: Any) -> None:

@@ -47,6 +47,8 @@ logger = logging.getLogger("vllm_omni_prompt_cache")
 RUNNER_MODULE = "vllm_omni.diffusion.worker.diffusion_model_runner"
 #: Seconds between the worker's cache statistics log lines.
 STATS_LOG_INTERVAL_S = 30.0
+#: Whether the installed vLLM-Omni's module offload can be counted (the plugin sets it from its hook points).
+count_offload_moves = True
 
 
 def patch_runner_module(module: ModuleType) -> None:
@@ -208,7 +210,11 @@ def _count_encoder_moves(pipeline: Any, cache: Any, settings: PromptEmbedCacheSe
     if getattr(cache, "moves", None) is not None:  # installed already (the install returned that cache)
         return
     moves = EncoderMoves()
-    observed = observe_module_offload(pipeline, moves, text_encoders=not settings.encoder_on_miss)
+    observed = (
+        observe_module_offload(pipeline, moves, text_encoders=not settings.encoder_on_miss)
+        if count_offload_moves
+        else None
+    )
     placement = None
     if settings.encoder_on_miss:
         placement = _encoder_placement(pipeline, moves)

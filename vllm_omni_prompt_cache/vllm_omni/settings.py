@@ -1,9 +1,10 @@
 """How the cache's settings travel from ``AsyncOmni`` / ``Omni`` kwargs and serve flags to the worker.
 
-vLLM-Omni 0.30 builds a diffusion stage in one of two ways, and both lose our kwargs:
+vLLM-Omni builds a diffusion stage in one of two ways, and both lose our kwargs:
 
 * a model with no registered pipeline (Qwen-Image, FLUX, SD3, ...) goes through the generic
-  diffusion builder, which keeps a fixed list of keyword arguments and refuses the rest. Its hook
+  diffusion builder, which keeps a fixed list of keyword arguments and refuses the rest (0.30 and
+  later: ``StageConfigFactory``; 0.27 and 0.28: ``AsyncOmniEngine``, which drops them). Its hook
   resolves every cache setting once, in the caller's process (so a bad kwarg or env var fails
   when the engine is constructed), and puts the resolved :class:`PromptEmbedCacheSettings` into
   the stage config's ``extras`` under :data:`RESOLVED_KEY`;
@@ -49,9 +50,36 @@ _UPSTREAM_SETTINGS = (ENABLE.name, MAX_SIZE.name)
 
 
 def patch_stage_config_factory(module: ModuleType) -> None:
-    """Make both of vLLM-Omni's diffusion stage builders carry our settings (see the module docstring)."""
+    """Make vLLM-Omni 0.30's generic diffusion stage builder carry our settings (see the module docstring)."""
     replace_once(module.StageConfigFactory, "_normalize_default_diffusion", _carrying_our_settings)
+
+
+def patch_engine_stage_builder(module: ModuleType) -> None:
+    """The same for vLLM-Omni 0.27 and 0.28, whose engine builds the generic stage itself from a fixed
+    list of kwargs (ours were dropped without a word)."""
+    replace_once(module.AsyncOmniEngine, "_create_default_diffusion_stage_cfg", _engine_builder_carrying_our_settings)
+
+
+def patch_deploy_config(module: ModuleType) -> None:
+    """Make the deploy-config builder scope our settings to each diffusion stage."""
     replace_once(module.VllmOmniConfig, "from_pipeline_config", _scoping_our_settings_to_diffusion_stages)
+
+
+def _resolved_in_caller(kwargs: dict[str, Any]) -> tuple[PromptEmbedCacheSettings, dict[str, Any]]:
+    """Resolve our settings from ``kwargs`` (and the environment); return them and the kwargs vLLM-Omni knows."""
+    given = {setting.name: kwargs.get(setting.name) for setting in SETTINGS}
+    # vLLM-Omni refuses (0.30) or drops (0.27, 0.28) keyword arguments it does not know; its own two stay.
+    kwargs = {name: value for name, value in kwargs.items() if name not in given or name in _UPSTREAM_SETTINGS}
+    settings = resolve_settings(given, source=KWARG_SOURCE)
+    # A layout reference that names nothing fails here, before any stage loads. Declared methods'
+    # classes are imported where the pipeline loads, in the worker (importing an adapter here
+    # could patch or need what only the worker has).
+    resolve_declared_layouts(settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, KWARG_SOURCE))
+    return settings, kwargs
+
+
+def _with_resolved(engine_args: Any, settings: PromptEmbedCacheSettings) -> None:
+    engine_args["extras"] = {**(engine_args.get("extras") or {}), RESOLVED_KEY: settings.as_dict()}
 
 
 def _carrying_our_settings(original: classmethod) -> classmethod:
@@ -59,19 +87,26 @@ def _carrying_our_settings(original: classmethod) -> classmethod:
 
     @functools.wraps(original_function)
     def normalize_default_diffusion(cls: type, kwargs: dict[str, Any]) -> Any:
-        given = {setting.name: kwargs.get(setting.name) for setting in SETTINGS}
-        # vLLM-Omni refuses keyword arguments it does not know; its own two stay.
-        kwargs = {name: value for name, value in kwargs.items() if name not in given or name in _UPSTREAM_SETTINGS}
-        settings = resolve_settings(given, source=KWARG_SOURCE)
-        # A layout reference that names nothing fails here, before any stage loads. Declared methods'
-        # classes are imported where the pipeline loads, in the worker (importing an adapter here
-        # could patch or need what only the worker has).
-        resolve_declared_layouts(settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, KWARG_SOURCE))
+        settings, kwargs = _resolved_in_caller(kwargs)
         engine_args, *rest = original_function(cls, kwargs)
-        engine_args["extras"] = {**(engine_args.get("extras") or {}), RESOLVED_KEY: settings.as_dict()}
+        _with_resolved(engine_args, settings)
         return (engine_args, *rest)
 
     return classmethod(normalize_default_diffusion)
+
+
+def _engine_builder_carrying_our_settings(original: staticmethod) -> staticmethod:
+    original_function = original.__func__
+
+    @functools.wraps(original_function)
+    def create_default_diffusion_stage_cfg(kwargs: dict[str, Any]) -> list:
+        settings, kwargs = _resolved_in_caller(kwargs)
+        stages = original_function(kwargs)
+        for stage in stages:
+            _with_resolved(stage["engine_args"], settings)
+        return stages
+
+    return staticmethod(create_default_diffusion_stage_cfg)
 
 
 def _scoping_our_settings_to_diffusion_stages(original: classmethod) -> classmethod:
