@@ -114,3 +114,52 @@ def test_host_allocator_follows_sleep_wake_and_shutdown() -> None:
     allocator.release_pools()  # the worker's shutdown; safe twice
     allocator.release_pools()
     assert allocator.pool_tags == set()
+
+
+def test_the_stock_sdpa_gets_the_cpu_forward_where_a_release_falls_back_to_it() -> None:
+    """0.27 and 0.28 run float32 attention through a fallback built from the stock SDPA backend."""
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
+
+    CpuOmniPlatform.get_diffusion_attn_backend_cls(None, 16)
+    impl = SDPABackend.get_impl_cls()(num_heads=2, head_size=16, softmax_scale=0.25, causal=False, num_kv_heads=2)
+    query = torch.randn(1, 5, 2, 16)
+    out = impl.forward(query, query, query)
+    assert out.shape == query.shape
+
+
+def test_a_batch_output_that_arrives_before_its_split_is_registered_is_adopted() -> None:
+    """vLLM-Omni 0.27's race, made to happen: the result pump files the batch's output before
+    ``execute_batch`` registers the split (0.28 adopts it itself; there the wrapper finds nothing)."""
+    import threading
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.worker.utils import BatchRunnerOutput, RunnerOutput
+
+    from vllm_omni_prompt_cache.cpu_platform.platform import adopt_early_batch_outputs
+
+    batch = BatchRunnerOutput.from_list(
+        [RunnerOutput(request_id=name, finished=True, result=DiffusionOutput(error=None)) for name in ("a", "b")]
+    )
+
+    class Executor:  # the attributes 0.27's MultiprocDiffusionExecutor keeps; execute_batch as it runs
+        def __init__(self) -> None:
+            self._futures_lock = threading.Lock()
+            self._completed_outputs, self._output_futures, self._batch_split_map = {}, {}, {}
+
+        def execute_batch(self, scheduler_output):
+            early: Future = Future()
+            early.set_result(batch)
+            self._completed_outputs["batch"] = early  # the pump got OUTPUT_READY first
+            self._batch_split_map["batch"] = {"batch/a": "a", "batch/b": "b"}  # registered too late
+            return BatchRunnerOutput.from_list(
+                [RunnerOutput(request_id=name, finished=True, async_output_id=f"batch/{name}") for name in ("a", "b")]
+            )
+
+    adopt_early_batch_outputs(SimpleNamespace(MultiprocDiffusionExecutor=Executor))
+    executor = Executor()
+    executor.execute_batch(None)
+    assert executor._batch_split_map == {} and "batch" not in executor._completed_outputs
+    for name in ("a", "b"):
+        assert executor._completed_outputs[f"batch/{name}"].result() is batch.get_request_output(name).result

@@ -12,6 +12,7 @@ It never activates by itself, and refuses to start where an accelerator platform
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import psutil
@@ -90,6 +91,11 @@ def host_output_loop(proc: Any) -> None:
     """
     from vllm_omni.diffusion.worker import diffusion_worker as worker_module
 
+    # 0.28 and later send through the worker's own method, under a lock, and count outputs in flight.
+    # 0.27 sends from this thread and the main thread to a queue meant for one writer, unlocked:
+    # there both threads' writes are made to hold one lock (what 0.28's method does).
+    done = getattr(proc, "_async_output_done", None)
+    enqueue = getattr(proc, "_enqueue_result", None) or _serialized(proc.result_mq)
     while (item := proc._async_output_queue.get()) is not None:
         output, async_output_id, _device_event = item
         try:
@@ -104,10 +110,77 @@ def host_output_loop(proc: Any) -> None:
                 async_output_id=async_output_id,
                 error="packing the diffusion output into shared memory failed",
             )
-        proc._enqueue_result(reply)
-        with proc._async_output_done:
-            proc._async_output_pending = max(0, proc._async_output_pending - 1)
-            proc._async_output_done.notify_all()
+        enqueue(reply)
+        if done is not None:
+            with done:
+                proc._async_output_pending = max(0, proc._async_output_pending - 1)
+                done.notify_all()
+
+
+def _serialized(queue: Any) -> Any:
+    """Make every ``enqueue`` on ``queue``, from any thread, hold one lock; return it."""
+    enqueue, lock = queue.enqueue, threading.Lock()
+
+    def locked_enqueue(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return enqueue(*args, **kwargs)
+
+    queue.enqueue = locked_enqueue
+    return locked_enqueue
+
+
+def adopt_early_batch_outputs(module: Any) -> None:
+    """Give vLLM-Omni 0.27's multiprocess executor the fix 0.28 made: adopt a batch's output that
+    arrived before ``execute_batch`` registered where its requests' outputs go.
+
+    The worker announces a batch (``COMPUTE_DONE``) and its output thread sends the output
+    (``OUTPUT_READY``) right after. 0.27 registers the batch's split only once the announcement
+    reached it; an output arriving before that is filed under the batch and never found (a 30 s
+    time-out). On a GPU the copy to the host delays the output past the registration; on the CPU
+    nothing does. Where ``execute_batch`` adopts it itself (0.28 and later), nothing is left to adopt.
+    """
+    executor = module.MultiprocDiffusionExecutor
+    execute_batch = executor.execute_batch
+
+    def execute_batch_adopting_early_outputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = execute_batch(self, *args, **kwargs)
+        ids = [getattr(output, "async_output_id", None) for output in getattr(result, "runner_outputs", None) or ()]
+        batch_ids = {output_id.partition("/")[0] for output_id in ids if output_id and "/" in output_id}
+        for batch_id in batch_ids:
+            with self._futures_lock:
+                early = self._completed_outputs.pop(batch_id, None)
+                split = self._batch_split_map.pop(batch_id, None) if early is not None else None
+            if early is not None and split is not None:
+                _deliver_split(self, early, split)
+        return result
+
+    executor.execute_batch = execute_batch_adopting_early_outputs
+
+
+def _deliver_split(executor: Any, early: Any, split: dict[str, str]) -> None:
+    """File each request's part of an early batch output as the executor's result pump would have."""
+    from concurrent.futures import Future
+
+    from vllm_omni.diffusion.data import DiffusionOutput
+
+    try:
+        batch_output, error = early.result(), None
+    except Exception as exception:
+        batch_output, error = None, str(exception)
+    for per_request_id, request_id in split.items():
+        request_output = batch_output.get_request_output(request_id) if batch_output is not None else None
+        if request_output is not None and request_output.result is not None:
+            result = request_output.result
+        else:
+            result = DiffusionOutput(error=error or "No output result for batch request")
+        future: Future = Future()
+        future.set_result(result)
+        with executor._futures_lock:
+            pending = executor._output_futures.pop(per_request_id, None)
+            if pending is not None and not pending.done():
+                pending.set_result(result)
+            else:
+                executor._completed_outputs[per_request_id] = future
 
 
 class CpuOmniPlatform(OmniPlatform, CpuPlatform):
@@ -125,6 +198,9 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
                 "to use the accelerator; the CPU platform is only for machines without one."
             )
         super().__init__()
+        from vllm_omni_prompt_cache.vllm_omni.imports import when_imported
+
+        when_imported("vllm_omni.diffusion.executor.multiproc_executor", adopt_early_batch_outputs)
 
     # --- device -----------------------------------------------------------------------------
     @classmethod
@@ -187,7 +263,9 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     ) -> str:
         if selected_backend is not None and selected_backend.upper() not in ("TORCH_SDPA", "SDPA"):
             logger.warning("The CPU platform runs attention with PyTorch SDPA, not %s.", selected_backend)
-        # A path, not a class: the backend module imports current_omni_platform, which is this.
+        from vllm_omni_prompt_cache.cpu_platform.attention import give_stock_sdpa_a_cpu_forward
+
+        give_stock_sdpa_a_cpu_forward()  # imported here: that module imports vLLM-Omni's attention
         return "vllm_omni_prompt_cache.cpu_platform.attention.CpuSDPABackend"
 
     @classmethod
