@@ -1,7 +1,8 @@
 # Two entry points, each installing what it needs on first use:
 #   make demo   run the main job (GRPO-shaped rollout through vLLM-Omni, cache off / stock / ours),
 #               print the table and write demo-out/report.md, results.json, time.png
-#   make test   run the test suite
+#   make test   run the test suite (on vLLM-Omni 0.30.0)
+#   make releases   the release-sensitive tests on every supported vLLM-Omni release (nox)
 VENV ?= .venv
 PYTHON ?= python3
 # vLLM-Omni 0.30 needs the PyPI torch build that vLLM 0.30 pins. Some machines point pip at a
@@ -14,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP_INSTALL) -e '.[vllm-omni,demo,dev]'
 	touch $@
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test releases releases-ends lint bench
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -22,6 +23,15 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
+
+# The release matrix (noxfile.py): the release-sensitive tests on every vLLM-Omni release we support,
+# each in an environment of its own, then docs/support.md from what they recorded.
+releases: $(VENV)/.installed
+	$(VENV)/bin/nox
+
+# The oldest and the newest release only (what CI runs beside `make test`).
+releases-ends: $(VENV)/.installed
+	$(VENV)/bin/nox -t ends
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -33,6 +33,65 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     import background
 
     background.finish()
+    release_record.write()
+
+
+@pytest.fixture
+def record_release_fact(request: pytest.FixtureRequest):
+    """Keep a fact a release test measured (counts of a rollout) for the support table (see noxfile.py)."""
+
+    def record(name: str, value: object) -> None:
+        release_record.facts[name] = value
+
+    return record
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    release_record.outcome(report)
+
+
+class _ReleaseRecord:
+    """What the release matrix keeps of a run: versions, features, facts and outcomes, written as JSON
+    where ``PROMPT_CACHE_RELEASE_RECORD`` names a file (``nox -s releases`` sets it)."""
+
+    def __init__(self) -> None:
+        self.facts: dict[str, object] = {}
+        self.outcomes: dict[str, str] = {}
+
+    def outcome(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or report.outcome != "passed":
+            self.outcomes[report.nodeid] = report.outcome
+
+    def write(self) -> None:
+        path = os.environ.get("PROMPT_CACHE_RELEASE_RECORD")
+        if not path:
+            return
+        import importlib.metadata
+        import json
+
+        from vllm_omni_prompt_cache.vllm_omni import hook_points
+
+        missing = hook_points.missing_by_feature()
+        features = {
+            feature: {
+                "on": not missing[feature] and not missing[hook_points.CACHE],
+                "missing": [str(point) for point in missing[feature]],
+            }
+            for feature in hook_points.FEATURES
+        }
+        versions = {name: importlib.metadata.version(name) for name in ("vllm-omni", "vllm", "torch")}
+        record = {
+            "versions": versions,
+            "features": features,
+            "settings_route": str(hook_points.found_choice(hook_points.KWARGS_BUILDER)),
+            "facts": self.facts,
+            "outcomes": self.outcomes,
+        }
+        with open(path, "w") as file:
+            json.dump(record, file, indent=1, sort_keys=True)
+
+
+release_record = _ReleaseRecord()
 
 
 @pytest.fixture(autouse=True)

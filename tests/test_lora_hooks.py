@@ -118,6 +118,7 @@ def rig(manager_cls: type, tmp_path: Path) -> SimpleNamespace:
 
 
 @LAYERS
+@pytest.mark.release  # the methods every release has
 def test_add_adapter_clears_when_it_wraps_text_encoder_layers(rig: SimpleNamespace, target: str, cleared: bool) -> None:
     """Adding wraps layers in LoRA layers; that is a new bound state for the encoder only if wrapped there."""
     from vllm.lora.layers import BaseLayerWithLoRA
@@ -132,6 +133,7 @@ def test_add_adapter_clears_when_it_wraps_text_encoder_layers(rig: SimpleNamespa
 
 
 @LAYERS
+@pytest.mark.release  # the methods every release has
 def test_activating_clears_and_the_encoder_then_sees_the_lora(rig: SimpleNamespace, target: str, cleared: bool) -> None:
     """set_active_adapter of a registered adapter goes straight to _activate_adapter, which binds weights."""
     request = rig.request(target)
