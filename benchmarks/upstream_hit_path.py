@@ -1,16 +1,17 @@
 """What a cached call costs with the proposed upstream module, side by side with vLLM-Omni 0.30's own
 module and this package's plugin, in one process (the numbers ``upstream/PR.md`` quotes).
 
-    python benchmarks/upstream_hit_path.py [--rounds 60] [--main-module PATH] [--write FILE]
+    python benchmarks/upstream_hit_path.py [--rounds 60] [--pr5195-module PATH] [--write FILE]
 
 Each implementation wraps the same pipeline, whose ``encode_prompt`` returns a ready tensor, so a
 row's time is the wrapper's own cost: key, lookup and (for ours) the witness compare on a hit, or the
 key attempt and the original call on a bypass. Every call passes fresh tensors (``clone()``), as the K
 siblings of a rollout group do; "bare call" is the same call with no cache. Rounds of each variant
 are interleaved, and the best and median round per call are reported. One real encode of a 22M
-Qwen2 text encoder ([1,512]) is timed for scale. ``--main-module`` adds vLLM-Omni main's
-``prompt_embed_cache.py`` from a file you supply (main keys int64/bool tensors by their raw bytes,
-with the device); this repository carries no copy of it.
+Qwen2 text encoder ([1,512]) is timed for scale. ``--pr5195-module`` adds the
+``prompt_embed_cache.py`` of vLLM-Omni PR #5195's head, 485f1be (closed unmerged; it keys int64/bool
+tensors by their raw bytes, with the device), from a file you supply; this repository carries no
+copy of it. Every release up to 0.32.0rc1 ships 0.30's module.
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ def _load(path: Path, name: str) -> ModuleType:
     return module
 
 
-def implementations(main_module: Path | None) -> dict[str, Callable[[Pipeline], object]]:
+def implementations(pr_module: Path | None) -> dict[str, Callable[[Pipeline], object]]:
     from vllm_omni_prompt_cache import install_prompt_embed_cache
     from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 
     modules = {"vLLM-Omni 0.30 module": upstream_cache_module()}
-    if main_module is not None:
-        modules["vLLM-Omni main module"] = _load(main_module, "main_prompt_embed_cache")
+    if pr_module is not None:
+        modules["vLLM-Omni #5195 module"] = _load(pr_module, "pr5195_prompt_embed_cache")
     modules["proposed module"] = _load(PROPOSED, "proposed_prompt_embed_cache")
     variants: dict[str, Callable[[Pipeline], object]] = {"no cache (bare call)": lambda pipeline: None}
     for name, module in modules.items():
@@ -106,12 +107,12 @@ def one_real_encode_ms() -> float:
     return min(times[1:]) * 1e3
 
 
-def measure(rounds: int, main_module: Path | None) -> list[dict]:
+def measure(rounds: int, pr_module: Path | None) -> list[dict]:
     rows = []
     for case, make_kwargs in cases().items():
         calls = 200 if case.startswith("[16") else 1000
         variants = {}
-        for name, install in implementations(main_module).items():
+        for name, install in implementations(pr_module).items():
             pipeline = Pipeline()
             install(pipeline)
             pipeline.encode_prompt(**make_kwargs())  # fill the cache where there is one
@@ -171,7 +172,7 @@ def digest_costs() -> list[tuple[str, float, float, float]]:
     return rows
 
 
-def render(rows: list[dict], encode_ms: float, rounds: int, main_module: Path | None) -> str:
+def render(rows: list[dict], encode_ms: float, rounds: int, pr_module: Path | None) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     lines = [
         f"{cpu_summary()}; Python {sys.version.split()[0]}, torch {torch.__version__} "
@@ -187,9 +188,9 @@ def render(rows: list[dict], encode_ms: float, rounds: int, main_module: Path | 
             f"{row['median_us']:.2f} | {row['over_bare_us']:.2f} |"
         )
     lines += ["", f"One real encode for scale (22M-param Qwen2 text encoder, [1,512], best of 5): {encode_ms:.1f} ms."]
-    if main_module is not None:
-        sha = hashlib.sha256(main_module.read_bytes()).hexdigest()
-        lines += ["", f"vLLM-Omni main module: {main_module.name}, sha256 {sha}."]
+    if pr_module is not None:
+        sha = hashlib.sha256(pr_module.read_bytes()).hexdigest()
+        lines += ["", f"vLLM-Omni #5195 module: {pr_module.name}, sha256 {sha}."]
     lines += [
         "",
         "| input bytes | xxh3-128 (us) | blake3, 16 bytes (us) | copy of the bytes (us) |",
@@ -202,15 +203,17 @@ def render(rows: list[dict], encode_ms: float, rounds: int, main_module: Path | 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=60, help="interleaved timing rounds per variant (>= 1)")
-    parser.add_argument("--main-module", type=Path, help="vLLM-Omni main's prompt_embed_cache.py, to compare with")
+    parser.add_argument(
+        "--pr5195-module", type=Path, help="prompt_embed_cache.py of vLLM-Omni PR #5195 (485f1be), to compare with"
+    )
     parser.add_argument("--write", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    if args.main_module is not None and not args.main_module.is_file():
-        parser.error(f"--main-module {args.main_module}: no such file")
-    rows = measure(args.rounds, args.main_module)
-    table = render(rows, one_real_encode_ms(), args.rounds, args.main_module)
+    if args.pr5195_module is not None and not args.pr5195_module.is_file():
+        parser.error(f"--pr5195-module {args.pr5195_module}: no such file")
+    rows = measure(args.rounds, args.pr5195_module)
+    table = render(rows, one_real_encode_ms(), args.rounds, args.pr5195_module)
     print(table)
     if args.write:
         args.write.write_text(table)

@@ -39,7 +39,7 @@ CHANGED: dict[str, dict[str, str]] = {
         "TestHashable::test_tensor_is_not_hashable": "a tensor is keyed by its content",
         "TestBuildKey::test_tensor_argument_bypasses": "a tensor argument is keyed, not bypassed",
     },
-    "main 485f1be": {
+    "PR #5195 head 485f1be": {
         **_IN_BOTH,
         "TestHashable::test_float_tensor_is_not_hashable": "a float tensor is keyed by its content",
         "TestBuildKey::test_float_tensor_argument_bypasses": "a float tensor argument is keyed, not bypassed",
