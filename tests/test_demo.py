@@ -23,7 +23,7 @@ def test_demo_runs_three_modes_and_writes_a_report(model_dir, tmp_path, capfd) -
     code = main(argv)
     printed = capfd.readouterr().out
     assert code == 0
-    for label in ("no cache", "vLLM-Omni 0.30 cache", "vllm-omni-prompt-cache"):
+    for label in ("no cache", "vLLM-Omni 0.30 cache", "vllm-omni-prompt-cache"):  # the release make test installs
         assert label in printed
     assert "Exactness at max_num_seqs 1: final latents bit-identical" in printed
     assert "At max_num_seqs 4, final latents against no cache" in printed

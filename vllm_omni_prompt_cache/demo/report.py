@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,9 +14,20 @@ import torch
 
 from vllm_omni_prompt_cache.demo.rollout import RolloutResult, RolloutSpec
 
+
+def _stock_label() -> str:
+    """vLLM-Omni's own cache, named with the installed release (the series alone where it is a final one)."""
+    try:
+        version = importlib.metadata.version("vllm-omni")
+    except importlib.metadata.PackageNotFoundError:
+        return "vLLM-Omni cache"
+    major_minor, _, patch = version.rpartition(".")
+    return f"vLLM-Omni {major_minor if patch == '0' else version} cache"
+
+
 MODE_LABELS = {
     "off": "no cache",
-    "stock": "vLLM-Omni 0.30 cache",
+    "stock": _stock_label(),
     "ours": "vllm-omni-prompt-cache",
 }
 
