@@ -147,3 +147,69 @@ def test_weight_loads_clear_only_for_text_encoder_weights() -> None:
     pipeline.load_weights([("text_encoder.embed_tokens.weight", torch.zeros(1))])
     assert len(cache) == 0
     assert loaded == ["transformer.proj.weight", "text_encoder.embed_tokens.weight"]
+
+
+class WeightSessionWorker:
+    """The weight-transfer session of vLLM-Omni 0.32's ``DiffusionWorker``
+    (``vllm_omni/diffusion/worker/diffusion_worker.py``: ``start_weight_update()``,
+    ``update_weights(update_info: dict)``, ``finish_weight_update()``), with its transfer engine
+    reduced to what vLLM's direct engines do: write into the parameters, no ``load_weights``."""
+
+    def __init__(self, pipeline: torch.nn.Module) -> None:
+        self.model_runner = type("Runner", (), {"pipeline": pipeline})()
+        self._weight_update_active = False
+
+    def sleep(self, level: int = 1) -> None: ...
+
+    def start_weight_update(self) -> None:
+        if self._weight_update_active:
+            raise RuntimeError("start_weight_update called while a weight update is already active.")
+        self._weight_update_active = True
+
+    @torch.no_grad()
+    def update_weights(self, update_info: dict) -> None:
+        if not self._weight_update_active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        parameters = dict(self.model_runner.pipeline.named_parameters())
+        for name, value in update_info.items():
+            parameters[name].copy_(value)
+
+    def finish_weight_update(self) -> None:
+        if not self._weight_update_active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        self._weight_update_active = False
+
+
+@pytest.mark.release
+def test_a_weight_update_session_empties_the_cache_when_it_starts_and_when_it_finishes() -> None:
+    from types import SimpleNamespace
+
+    own = ("sleep", "start_weight_update", "finish_weight_update")  # patched on a class of this test's own
+    worker_cls = type(
+        "DiffusionWorker", (WeightSessionWorker,), {name: vars(WeightSessionWorker)[name] for name in own}
+    )
+    lifecycle.patch_worker(SimpleNamespace(DiffusionWorker=worker_cls))
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, max_size=8)
+    worker, ids = worker_cls(pipeline), torch.tensor([[5, 6, 7, 8]])
+    before = pipeline.encode_prompt(ids)[0]
+    assert len(cache) == 1
+    worker.start_weight_update()
+    assert len(cache) == 0
+    name, parameter = next(iter(pipeline.text_encoder.named_parameters()))
+    worker.update_weights({f"text_encoder.{name}": parameter + 1})
+    pipeline.encode_prompt(ids)  # an encode during the session (half-written weights) is not kept
+    worker.finish_weight_update()
+    assert len(cache) == 0
+    after = pipeline.encode_prompt(ids)[0]
+    assert not torch.equal(after, before)  # encoded again, with the new weights
+    assert torch.equal(pipeline.encode_prompt(ids)[0], after) and cache.hits >= 1
+    # The release's own worker is hooked where it has the session (0.32 and later).
+    from vllm_omni_prompt_cache.vllm_omni import plugin
+
+    plugin.register()
+    from vllm_omni.diffusion.worker.diffusion_worker import DiffusionWorker
+
+    for method in ("start_weight_update", "finish_weight_update"):
+        if method in vars(DiffusionWorker):
+            assert getattr(vars(DiffusionWorker)[method], "_prompt_cache_hooked", False), method

@@ -45,9 +45,13 @@ class HookPoint:
     #: Hooked where it exists; a release without it has nothing there that needs the hook.
     optional: bool = False
 
+    @property
+    def dotted(self) -> str:
+        """This hook point's own name, without its alternatives."""
+        return ".".join(part for part in (self.module, self.owner, self.name) if part)
+
     def __str__(self) -> str:
-        here = ".".join(part for part in (self.module, self.owner, self.name) if part)
-        return f"{here} (or {self.alternative})" if self.alternative is not None else here
+        return f"{self.dotted} (or {self.alternative})" if self.alternative is not None else self.dotted
 
     def choices(self) -> tuple[HookPoint, ...]:
         """This hook point and its alternatives, newest release's first."""
@@ -63,6 +67,8 @@ RUNNER = "vllm_omni.diffusion.worker.diffusion_model_runner"
 LORA_MANAGER = "vllm_omni.diffusion.lora.manager"
 ASYNC_ENGINE = "vllm_omni.engine.async_omni_engine"
 OFFLOADER = "vllm_omni.diffusion.offloader.sequential_backend"
+#: Where 0.32 and later open and close a weight-transfer session (trainer to worker, RL weight sync).
+WEIGHT_UPDATE_SESSION = ("start_weight_update", "finish_weight_update")
 #: The LoRA manager's methods that change which adapter weights are bound (every release has them).
 LORA_STATE_CHANGERS = ("add_adapter", "remove_adapter", "_activate_adapter", "_deactivate_all_adapters")
 #: Where the generic diffusion stage is built from the kwargs: 0.30 and later, then 0.27 and 0.28.
@@ -92,8 +98,10 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     # 0.30 and later warm up through it (its encodes are counted as misses); 0.27 has none.
     HookPoint(CACHE, RUNNER, "DiffusionModelRunner", "profile_run", optional=True),
     *_points(CACHE, WORKER, "DiffusionWorker", "sleep"),
+    # 0.32's weight-transfer sessions, which may write weights without ``load_weights``.
+    *(HookPoint(CACHE, WORKER, "DiffusionWorker", name, optional=True) for name in WEIGHT_UPDATE_SESSION),
     *_points(CACHE, LORA_MANAGER, "DiffusionLoRAManager", *LORA_STATE_CHANGERS),
-    # Resets suspended adapters, which 0.30 added with it.
+    # Resets suspended adapters (0.28 and later; 0.27 suspends none).
     HookPoint(CACHE, LORA_MANAGER, "DiffusionLoRAManager", "_reset_lora_layers", optional=True),
     KWARGS_BUILDER,
     *_points(DEPLOY_CONFIG, "vllm_omni.config.config_factory", None, "VllmOmniConfig"),

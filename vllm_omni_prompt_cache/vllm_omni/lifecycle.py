@@ -1,6 +1,6 @@
 """When the diffusion worker's cache must be emptied, and what the worker reports about it.
 
-A cached embedding is only valid for the text-encoder weights that produced it. In vLLM-Omni 0.30
+A cached embedding is only valid for the text-encoder weights that produced it. In vLLM-Omni
 those weights change, or their memory goes away, on these paths:
 
 * ``DiffusionWorker.sleep`` (also reached through ``handle_sleep_task``), before the memory pools
@@ -10,6 +10,10 @@ those weights change, or their memory goes away, on these paths:
   tier fingerprints the weights again before its next use (the same checkpoint finds its files);
 * ``pipeline.load_weights(...)`` with text-encoder weights (how RL frameworks sync new weights):
   cleared after the load;
+* a weight-transfer session (``DiffusionWorker.start_weight_update`` ... ``finish_weight_update``,
+  0.32 and later), whose engines may write parameters without ``load_weights`` and without
+  saying which: cleared when it starts and when it ends, the directory tier suspended in between
+  (it fingerprints the weights again before its next use);
 * LoRA: ``DiffusionLoRAManager.add_adapter`` / ``remove_adapter`` / ``set_active_adapter``
   (through ``_activate_adapter``, ``_deactivate_all_adapters``, and ``_reset_lora_layers`` where the
   release suspends adapters) when the
@@ -31,12 +35,12 @@ from typing import Any
 
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
 from vllm_omni_prompt_cache.store import PromptEmbedCache
-from vllm_omni_prompt_cache.vllm_omni.hook_points import LORA_STATE_CHANGERS
+from vllm_omni_prompt_cache.vllm_omni.hook_points import LORA_STATE_CHANGERS, WEIGHT_UPDATE_SESSION
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
-#: Where 0.30 and later reset suspended adapters (0.27 and 0.28 have neither).
+#: Where 0.28 and later reset suspended adapters (0.27 suspends none).
 _SUSPENSION_RESET = "_reset_lora_layers"
 
 
@@ -72,6 +76,9 @@ def patch_worker(module: ModuleType) -> None:
     """Clear the cache before sleep; give the worker stats/clear methods for ``collective_rpc``."""
     worker_cls = module.DiffusionWorker
     replace_once(worker_cls, "sleep", _clearing_before_sleep)
+    for name in WEIGHT_UPDATE_SESSION:
+        if name in vars(worker_cls):  # 0.32 and later
+            replace_once(worker_cls, name, lambda original, name=name: _clearing_around_weight_update(original, name))
 
     # They read the runner's cache themselves (the attribute our install sets), not the runner's
     # methods of the same names, which another vLLM-Omni release may not have.
@@ -99,6 +106,31 @@ def patch_worker(module: ModuleType) -> None:
     for method in (get_prompt_embed_cache_stats, clear_prompt_embed_cache, get_prompt_embed_cache_namespace):
         if not hasattr(worker_cls, method.__name__):
             setattr(worker_cls, method.__name__, method)
+
+
+def _clearing_around_weight_update(original: Callable, name: str) -> Callable:
+    """Clear every tier as a weight-transfer session starts (after it started) and as it finishes
+    (whether it succeeded or not); the directory tier stays suspended in between."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)
+        directory = _directory_tier(pipeline)
+        if name == "start_weight_update":
+            result = original(self, *args, **kwargs)
+            _settle_placement(pipeline)  # the engine writes into the encoder's host copies
+            if directory is not None:
+                directory.suspend()  # until the session ends: half-written weights have no namespace
+            clear_cache(pipeline, "a weight update started (the weights it writes are not named)")
+            return result
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            clear_cache(pipeline, "a weight update finished")
+            if directory is not None:
+                directory.resume()  # fingerprints the new weights on its next use
+
+    return wrapper
 
 
 def _clearing_before_sleep(original_sleep: Callable) -> Callable:
