@@ -83,12 +83,12 @@ class _ReleaseRecord:
         record = {
             "versions": versions,
             "features": features,
-            "settings_route": str(hook_points.found_choice(hook_points.KWARGS_BUILDER)),
+            "settings_route": getattr(hook_points.found_choice(hook_points.KWARGS_BUILDER), "dotted", None),
             "facts": self.facts,
             "outcomes": self.outcomes,
         }
         with open(path, "w") as file:
-            json.dump(record, file, indent=1, sort_keys=True)
+            json.dump(record, file, indent=1)  # in FEATURES' order: the support table keeps it
 
 
 release_record = _ReleaseRecord()

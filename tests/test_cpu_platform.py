@@ -116,9 +116,12 @@ def test_host_allocator_follows_sleep_wake_and_shutdown() -> None:
     assert allocator.pool_tags == set()
 
 
-def test_the_stock_sdpa_gets_the_cpu_forward_where_a_release_falls_back_to_it() -> None:
+@pytest.mark.release
+def test_the_stock_sdpa_gets_the_cpu_forward_where_a_release_falls_back_to_it(monkeypatch) -> None:
     """0.27 and 0.28 run float32 attention through a fallback built from the stock SDPA backend."""
-    from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend, SDPAImpl
+
+    monkeypatch.setattr(SDPAImpl, "forward", SDPAImpl.forward)  # restored after the test
 
     CpuOmniPlatform.get_diffusion_attn_backend_cls(None, 16)
     impl = SDPABackend.get_impl_cls()(num_heads=2, head_size=16, softmax_scale=0.25, causal=False, num_kv_heads=2)
@@ -127,6 +130,7 @@ def test_the_stock_sdpa_gets_the_cpu_forward_where_a_release_falls_back_to_it() 
     assert out.shape == query.shape
 
 
+@pytest.mark.release
 def test_a_batch_output_that_arrives_before_its_split_is_registered_is_adopted() -> None:
     """vLLM-Omni 0.27's race, made to happen: the result pump files the batch's output before
     ``execute_batch`` registers the split (0.28 adopts it itself; there the wrapper finds nothing)."""

@@ -150,7 +150,7 @@ def recording(owner, name, wrap):
     return real(owner, name, wrap)
 
 imports.replace_once = recording  # before the hook modules bind it
-for module in sorted({point.module for point in HOOK_POINTS if found_choice(point) is point}):
+for module in sorted({found_choice(point).module for point in HOOK_POINTS if found_choice(point) is not None}):
     importlib.import_module(module)  # the first import of vLLM registers the plugin; each import runs its hooks
 from vllm_omni_prompt_cache.vllm_omni import balancer, cli_args, lifecycle, metrics, runner, settings  # noqa
 print(json.dumps(replaced))

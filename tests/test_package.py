@@ -24,3 +24,18 @@ def test_core_works_without_vllm_vllm_omni_or_pil() -> None:
     result = subprocess.run([sys.executable, "-c", BLOCK_OPTIONAL], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_the_suites_vllm_omni_pin_is_a_tested_release_with_its_vllm() -> None:
+    """pyproject's ``vllm-omni`` extra and releases.py name the same pair (the matrix tests the rest)."""
+    import tomllib
+    from pathlib import Path
+
+    from vllm_omni_prompt_cache.vllm_omni import releases
+
+    extra = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["vllm-omni"]
+    assert sorted(extra) == sorted(
+        [f"vllm=={releases.TESTED[releases.SUITE_RELEASE]}", f"vllm-omni=={releases.SUITE_RELEASE}"]
+    )

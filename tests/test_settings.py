@@ -18,6 +18,7 @@ from vllm_omni.utils.tracking_parser import TrackingArgumentParser
 
 from vllm_omni_prompt_cache.config import BACKEND, MAX_BYTES, MAX_SIZE, VERIFY, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
+from vllm_omni_prompt_cache.vllm_omni import hook_points
 from vllm_omni_prompt_cache.vllm_omni.cli_args import GROUP_TITLE
 from vllm_omni_prompt_cache.vllm_omni.settings import RESOLVED_KEY, stage_settings
 
@@ -34,13 +35,25 @@ def no_cache_env(monkeypatch) -> None:
             monkeypatch.delenv(name)
 
 
+def default_stage(kwargs: dict) -> dict:
+    """The generic diffusion stage as this release's engine builds it from AsyncOmni kwargs."""
+    if hook_points.found_choice(hook_points.KWARGS_BUILDER).module == hook_points.ASYNC_ENGINE:  # 0.27, 0.28
+        from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
+
+        (stage,) = AsyncOmniEngine._create_default_diffusion_stage_cfg(kwargs)
+    else:
+        (stage,) = StageConfigFactory.create_default_diffusion(kwargs)
+    return stage
+
+
 def diffusion_config(kwargs: dict) -> OmniDiffusionConfig:
     """What vLLM-Omni builds for the diffusion stage from AsyncOmni kwargs (its own functions)."""
-    (stage,) = StageConfigFactory.create_default_diffusion(kwargs)
+    stage = default_stage(kwargs)
     engine_args = {key: value for key, value in stage["engine_args"].items() if key != "model_stage"}
     return OmniDiffusionConfig.from_kwargs(**engine_args)
 
 
+@pytest.mark.release
 def test_kwargs_reach_the_diffusion_stage_config(model) -> None:
     config = diffusion_config(
         {
@@ -58,12 +71,14 @@ def test_kwargs_reach_the_diffusion_stage_config(model) -> None:
     assert settings.sources[MAX_BYTES.name] == f"AsyncOmni/Omni keyword argument {MAX_BYTES.name}"
 
 
+@pytest.mark.release
 def test_upstream_kwargs_alone_still_work(model) -> None:
     config = diffusion_config({"model": model, "enable_prompt_embed_cache": True, "prompt_embed_cache_size": 8})
     settings = stage_settings(config)
     assert (settings.enabled, settings.max_size, settings.max_bytes, settings.verify) == (True, 8, None, True)
 
 
+@pytest.mark.release
 def test_settings_are_resolved_once_in_the_callers_process_and_carried_whole(model, monkeypatch) -> None:
     monkeypatch.setenv(MAX_BYTES.env, "2KiB")
     config = diffusion_config({"model": model, "prompt_embed_cache_max_bytes": 1000})
@@ -74,6 +89,7 @@ def test_settings_are_resolved_once_in_the_callers_process_and_carried_whole(mod
     assert stage_settings(config).max_bytes == 2048
 
 
+@pytest.mark.release
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
@@ -87,14 +103,15 @@ def test_settings_are_resolved_once_in_the_callers_process_and_carried_whole(mod
 )
 def test_bad_kwargs_fail_at_construction_naming_setting_and_source(model, kwargs, named) -> None:
     with pytest.raises(PromptEmbedCacheConfigError, match="from AsyncOmni/Omni keyword argument") as raised:
-        StageConfigFactory.create_default_diffusion({"model": model, **kwargs})
+        default_stage({"model": model, **kwargs})
     assert named in str(raised.value)
 
 
+@pytest.mark.release
 def test_bad_env_var_fails_at_construction(model, monkeypatch) -> None:
     monkeypatch.setenv(MAX_SIZE.env, "abc")
     with pytest.raises(PromptEmbedCacheConfigError, match=f"from environment variable {MAX_SIZE.env}"):
-        StageConfigFactory.create_default_diffusion({"model": model, "enable_prompt_embed_cache": True})
+        default_stage({"model": model, "enable_prompt_embed_cache": True})
 
 
 def serve_parser() -> TrackingArgumentParser:

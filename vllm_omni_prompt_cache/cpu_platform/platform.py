@@ -1,6 +1,6 @@
 """The CPU platform for vLLM-Omni's diffusion engine.
 
-vLLM-Omni 0.30 has no CPU platform: on a machine without an accelerator its diffusion worker
+vLLM-Omni has no CPU platform: on a machine without an accelerator its diffusion worker
 fails in ``set_device``. With ``VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM=1`` the entry points in
 :mod:`.entry_points` select vLLM's own ``CpuPlatform`` and :class:`CpuOmniPlatform` below, so
 the real engine (``Omni`` / ``AsyncOmni`` -> diffusion worker -> model runner) runs small models
@@ -139,9 +139,12 @@ def adopt_early_batch_outputs(module: Any) -> None:
     time-out). On a GPU the copy to the host delays the output past the registration; on the CPU
     nothing does. Where ``execute_batch`` adopts it itself (0.28 and later), nothing is left to adopt.
     """
-    executor = module.MultiprocDiffusionExecutor
-    execute_batch = executor.execute_batch
+    from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
+    replace_once(module.MultiprocDiffusionExecutor, "execute_batch", _adopting_early_outputs)
+
+
+def _adopting_early_outputs(execute_batch: Any) -> Any:
     def execute_batch_adopting_early_outputs(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = execute_batch(self, *args, **kwargs)
         ids = [getattr(output, "async_output_id", None) for output in getattr(result, "runner_outputs", None) or ()]
@@ -154,7 +157,7 @@ def adopt_early_batch_outputs(module: Any) -> None:
                 _deliver_split(self, early, split)
         return result
 
-    executor.execute_batch = execute_batch_adopting_early_outputs
+    return execute_batch_adopting_early_outputs
 
 
 def _deliver_split(executor: Any, early: Any, split: dict[str, str]) -> None:
@@ -181,6 +184,22 @@ def _deliver_split(executor: Any, early: Any, split: dict[str, str]) -> None:
                 pending.set_result(result)
             else:
                 executor._completed_outputs[per_request_id] = future
+
+
+def _retire_nothing_on_shutdown() -> None:
+    """0.32's worker shutdown retires the allocator's device allocations through CUDA's allocator
+    module, which cannot load here; the host allocator has none to retire."""
+    import vllm_omni.patch as patch_module
+
+    retire = getattr(patch_module, "release_cumem_allocations_for_shutdown", None)
+    if retire is None or getattr(retire, "host_aware", False):
+        return
+
+    def release_allocations_for_shutdown(allocator: Any) -> int:
+        return 0 if isinstance(allocator, HostMemoryAllocator) else retire(allocator)
+
+    release_allocations_for_shutdown.host_aware = True
+    patch_module.release_cumem_allocations_for_shutdown = release_allocations_for_shutdown
 
 
 class CpuOmniPlatform(OmniPlatform, CpuPlatform):
@@ -274,6 +293,7 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
         import vllm_omni.diffusion.worker.diffusion_worker as worker_module
 
         worker_module._get_cumem_allocator_class = lambda: HostMemoryAllocator
+        _retire_nothing_on_shutdown()
         # Spawned workers (multiprocess executor) start their output thread after this hook.
         worker_module.WorkerProc._async_output_loop = host_output_loop
 

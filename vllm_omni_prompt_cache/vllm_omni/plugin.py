@@ -68,7 +68,8 @@ def hookable_features(version: str) -> set[str]:
             ", ".join(str(point) for feature in features_off for point in missing[feature]),
         )
     elif not releases.is_tested(version):
-        logger.warning("%s, which has all %d hook points the plugin uses: active.", built_for, len(HOOK_POINTS))
+        required = sum(not point.optional for point in HOOK_POINTS)
+        logger.warning("%s, which has all %d hook points the plugin needs: active.", built_for, required)
     return set(FEATURES) - set(features_off)
 
 
