@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class PromptEmbedCacheConfigError(ValueError):
-    """A prompt-embed-cache setting has a value that is not allowed."""
-
+from vllm_omni_prompt_cache.directory_trust import KEY_ENV, key_id, read_key
+from vllm_omni_prompt_cache.errors import PromptEmbedCacheConfigError
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -486,8 +484,6 @@ class PromptEmbedCacheSettings:
         }
         settings = _checked(cls(**values, sources=dict(carried.get("sources") or {})))
         if KEY_ID in carried and carried[KEY_ID] != settings.directory_key_id:
-            from vllm_omni_prompt_cache.directory_trust import KEY_ENV
-
             held = "none" if settings.directory_key_id is None else f"another (id {settings.directory_key_id})"
             raise PromptEmbedCacheConfigError(
                 f"the settings in {source} were resolved with directory signing key id {carried[KEY_ID]}, but this "
@@ -540,8 +536,6 @@ def resolve_settings(
 def _checked(settings: PromptEmbedCacheSettings, environ: Mapping[str, str] | None = None) -> PromptEmbedCacheSettings:
     """Return ``settings`` with its signing key's id, once the directory's trust settings make sense
     together; raise naming them. A disabled cache checks nothing (a key exported fleet-wide is fine)."""
-    from vllm_omni_prompt_cache.directory_trust import KEY_ENV, key_id, read_key
-
     if not settings.enabled:
         return settings
     source = settings.sources.get(DIRECTORY_KEY_FILE.name, "the stage's settings")

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_omni_prompt_cache.config import PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.errors import PromptEmbedCacheConfigError
 
 #: The environment variable that holds the signing key itself (its text, at least :data:`MIN_KEY_BYTES` bytes).
 KEY_ENV = "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_KEY"

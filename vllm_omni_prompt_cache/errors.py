@@ -1,0 +1,8 @@
+"""The error every bad setting raises, below both the settings (config.py) and the key reader
+(directory_trust.py), so that each can import it without importing the other."""
+
+from __future__ import annotations
+
+
+class PromptEmbedCacheConfigError(ValueError):
+    """A prompt-embed-cache setting has a value that is not allowed."""
