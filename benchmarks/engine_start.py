@@ -26,8 +26,9 @@ def main() -> None:
 
     from vllm_omni_prompt_cache.demo.command import DEMO_MODEL
     from vllm_omni_prompt_cache.demo.machine import cpu_summary
-    from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, engine_kwargs, open_engine
+    from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, engine_kwargs
     from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
+    from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine
 
     model_dir = ensure_tiny_qwen_image(dataclasses.replace(DEMO_MODEL, dtype=args.dtype))
     spec = RolloutSpec(model_dir=model_dir, prompts=("a red fox",), group_size=1)

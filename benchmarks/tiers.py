@@ -36,13 +36,11 @@ from vllm_omni_prompt_cache.demo.rollout import (
     RolloutResult,
     RolloutSpec,
     engine_kwargs,
-    open_engine,
     run_mode,
     send_rollout,
-    worker_value,
-    worker_values,
 )
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
+from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_value, worker_values
 
 STEP_1, STEP_2 = DEFAULT_PROMPTS[:4], DEFAULT_PROMPTS[4:8]
 

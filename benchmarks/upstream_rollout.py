@@ -47,7 +47,8 @@ def use_tree(package: Path) -> None:
 
 
 async def rollout(spec: Any, cached: bool) -> dict[str, Any]:
-    from vllm_omni_prompt_cache.demo.rollout import engine_kwargs, open_engine, send_rollout, worker_value
+    from vllm_omni_prompt_cache.demo.rollout import engine_kwargs, send_rollout
+    from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_value
 
     kwargs = engine_kwargs(spec, "ours" if cached else "off", 64, None)  # only vLLM-Omni's own kwargs
     kwargs["enable_sleep_mode"] = True

@@ -12,10 +12,11 @@ import pytest
 
 pytest.importorskip("vllm_omni", reason="the engine tests need the vllm-omni extra")
 
-from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, cache_stats, worker_value
+from vllm_omni_prompt_cache.demo.rollout import RolloutSpec
 from vllm_omni_prompt_cache.store import CacheStats
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION, TextEncoderCountersExtension
+from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, worker_value
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 GROUP_SIZE = 4

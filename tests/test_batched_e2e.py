@@ -15,8 +15,9 @@ import pytest
 import torch
 from engine_support import GROUP_SIZE, PROMPTS, MessageCollector, run
 
-from vllm_omni_prompt_cache.demo.rollout import NEGATIVE_PROMPT, cache_stats, open_engine
+from vllm_omni_prompt_cache.demo.rollout import NEGATIVE_PROMPT
 from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype, ensure_tiny_qwen_image
+from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, open_engine
 
 pytestmark = pytest.mark.engine
 REQUESTS = len(PROMPTS) * GROUP_SIZE

@@ -11,15 +11,10 @@ import torch
 from engine_support import RELOADING_EXTENSION, MessageCollector, run, tiny_spec
 
 from vllm_omni_prompt_cache import PromptEmbedCacheSettings, install_prompt_embed_cache
-from vllm_omni_prompt_cache.demo.rollout import (
-    TOKEN_ID_PIPELINE,
-    engine_kwargs,
-    open_engine,
-    send_rollout,
-    worker_value,
-)
+from vllm_omni_prompt_cache.demo.rollout import TOKEN_ID_PIPELINE, engine_kwargs, send_rollout
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 from vllm_omni_prompt_cache.vllm_omni import lifecycle, runner
+from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_value
 
 LOGGER = "vllm_omni_prompt_cache"
 

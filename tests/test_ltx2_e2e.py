@@ -26,10 +26,10 @@ import torch
 from engine_support import GROUP_SIZE, PROMPTS, Counted, adapter_engine_kwargs, counted, final_output, run
 from renamed import renamed_module
 
-from vllm_omni_prompt_cache.demo.rollout import open_engine
 from vllm_omni_prompt_cache.tiny import ltx2_adapter
 from vllm_omni_prompt_cache.tiny.ltx2 import TINY_FRAME_RATE, TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, ensure_tiny_ltx2
 from vllm_omni_prompt_cache.tiny.ltx2_adapter import LTX2_FLOW_GRPO_PIPELINE
+from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine
 
 pytestmark = pytest.mark.engine
 

@@ -18,10 +18,10 @@ import torch
 from engine_support import PROMPTS, adapter_engine_kwargs, counted, final_output, run
 from renamed import renamed_module
 
-from vllm_omni_prompt_cache.demo.rollout import open_engine
 from vllm_omni_prompt_cache.tiny import minimax_h3_adapter
 from vllm_omni_prompt_cache.tiny.minimax_h3_adapter import MINIMAX_H3_PIPELINE, TOKEN_ID_NATIVE_KEY
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image, load_tokenizer, prompt_token_ids
+from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine
 
 pytestmark = pytest.mark.engine
 

@@ -14,10 +14,11 @@ from collections import defaultdict
 import pytest
 from engine_support import run, tiny_spec
 
-from vllm_omni_prompt_cache.demo.rollout import open_engine, run_mode, send_rollout, worker_values
+from vllm_omni_prompt_cache.demo.rollout import run_mode, send_rollout
 from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype
 from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
 from vllm_omni_prompt_cache.vllm_omni.balancer import routing_stats
+from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_values
 
 pytestmark = pytest.mark.engine
 

@@ -23,10 +23,10 @@ import torch
 from engine_support import GROUP_SIZE, PROMPTS, Counted, adapter_engine_kwargs, counted, final_output, found_method, run
 from renamed import renamed_module
 
-from vllm_omni_prompt_cache.demo.rollout import open_engine
 from vllm_omni_prompt_cache.tiny import sd3_adapter
 from vllm_omni_prompt_cache.tiny.sd3 import ensure_tiny_sd3, load_tokenizers, rollout_request
 from vllm_omni_prompt_cache.tiny.sd3_adapter import SD3_FLOW_GRPO_PIPELINE
+from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine
 
 pytestmark = pytest.mark.engine
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from engine_support import PROMPTS, run, tiny_spec
 
-from vllm_omni_prompt_cache.demo.rollout import cache_stats, engine_kwargs, open_engine, send_rollout, worker_value
+from vllm_omni_prompt_cache.demo.rollout import engine_kwargs, send_rollout
+from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, open_engine, worker_value
 
 pytestmark = pytest.mark.engine
 GROUP_SIZE = 3

@@ -14,13 +14,9 @@ import torch
 from engine_support import run, tiny_spec
 
 from vllm_omni_prompt_cache import cli
-from vllm_omni_prompt_cache.demo.rollout import (
-    engine_kwargs,
-    open_engine,
-    send_rollout,
-    worker_value,
-)
+from vllm_omni_prompt_cache.demo.rollout import engine_kwargs, send_rollout
 from vllm_omni_prompt_cache.tiny.qwen_image import load_tokenizer, prompt_token_ids
+from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_value
 
 STEP_1 = ("a red fox in the snow", "a lighthouse above a stormy sea")
 STEP_2 = ("a bowl of ramen on a wooden table", "a paper boat on a puddle")

@@ -21,12 +21,12 @@ import torch
 from engine_support import GROUP_SIZE, found_method, run
 from renamed import renamed_module
 
-from vllm_omni_prompt_cache.demo.rollout import open_engine, worker_value
 from vllm_omni_prompt_cache.tiny import wan22_adapter
 from vllm_omni_prompt_cache.tiny.qwen_image import SAMPLE_PROMPTS
 from vllm_omni_prompt_cache.tiny.wan22 import TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, ensure_tiny_wan22
 from vllm_omni_prompt_cache.tiny.wan22_adapter import WAN22_DANCE_GRPO_PIPELINE
 from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
+from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_value
 
 pytestmark = pytest.mark.engine
 

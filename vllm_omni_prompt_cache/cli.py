@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_omni_prompt_cache import precompute as precompute_command
+from vllm_omni_prompt_cache.cpu_platform.entry_points import opt_in_where_no_gpu
 from vllm_omni_prompt_cache.demo import command as demo_command
+from vllm_omni_prompt_cache.vllm_omni import precompute as precompute_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         demo_command.validate(parser, args)
         return demo_command.run(args)
     if args.command == "precompute":
+        opt_in_where_no_gpu()  # as the demo: with no GPU, vLLM-Omni runs on this package's CPU platform
         return precompute_command.run(args)
     if args.command == "check":
         from vllm_omni_prompt_cache.vllm_omni.check import check

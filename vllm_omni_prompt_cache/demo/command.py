@@ -19,7 +19,7 @@ from vllm_omni_prompt_cache.demo import machine, report
 from vllm_omni_prompt_cache.demo.replicas import LB_POLICIES
 from vllm_omni_prompt_cache.demo.rollout import ARRIVALS, DEFAULT_PROMPTS, MODELS, MODES, RolloutResult, RolloutSpec
 from vllm_omni_prompt_cache.tiny.qwen_image import TinyQwenImageSpec
-from vllm_omni_prompt_cache.vllm_omni.cli_args import setting_type
+from vllm_omni_prompt_cache.vllm_omni.cli_args import positive_int, setting_type
 
 #: The demo's default model: Qwen-Image's architecture, sized so that on 2 CPU cores the text
 #: encoder takes a visible share of each request and three modes finish in about a minute.
@@ -32,16 +32,6 @@ DEMO_MODEL = TinyQwenImageSpec(
     transformer_heads=2,
     transformer_head_dim=32,
 )
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def _subset_of(allowed: tuple[str, ...], noun: str, nouns: str) -> Callable[[str], tuple[str, ...]]:

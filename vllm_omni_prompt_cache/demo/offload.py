@@ -19,14 +19,8 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache.config import DIRECTORY, ENCODER_ON_MISS
-from vllm_omni_prompt_cache.demo.rollout import (
-    RolloutSpec,
-    engine_kwargs,
-    open_engine,
-    request_dicts,
-    send_rollout,
-    worker_value,
-)
+from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, engine_kwargs, request_dicts, send_rollout
+from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_value
 
 #: The cache configurations an offload rollout compares (the demo's modes, plus ours on a directory).
 CONFIGURATIONS = ("off", "stock", "ours", "ours, precomputed directory")
@@ -103,7 +97,7 @@ async def offload_rollout(
 async def precompute_directory(spec: RolloutSpec, directory: str) -> None:
     """Fill ``directory`` with every prompt of ``spec`` (and, through the engine's start-up warm-up, its
     dummy prompt) with ``vllm-omni-prompt-cache precompute``'s function, sending what the rollout sends."""
-    from vllm_omni_prompt_cache.precompute import precompute
+    from vllm_omni_prompt_cache.vllm_omni.precompute import precompute
 
     kwargs = engine_kwargs(spec, "ours", 16, None)
     model = kwargs.pop("model")

@@ -7,17 +7,12 @@ needs no deploy config, such as Qwen-Image: ``stage_id=0`` with a master address
 this process the head, and ``omni_dp_size_local=R`` launches R local replicas. So the demo
 compares the policies there, with the same kwargs a user passes.
 
-vLLM-Omni 0.30's distributed shutdown waits for the membership watcher, which stops only on an
-event set after that wait: :func:`membership_watchers_stopped` sets it first, or every shutdown
-hangs for its 30 s timeout and leaves the replica processes running.
+Starting and stopping such an engine is :mod:`~vllm_omni_prompt_cache.vllm_omni.engine_client`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 from vllm_omni_prompt_cache.vllm_omni.cli_args import POLICY
@@ -46,28 +41,3 @@ def distributed_kwargs(replicas: int, lb_policy: str) -> dict[str, Any]:
         "omni_dp_size_local": replicas,
         "omni_lb_policy": lb_policy,
     }
-
-
-@contextlib.contextmanager
-def membership_watchers_stopped() -> Iterator[None]:
-    """Record membership controllers started inside the block; on leaving it, stop their watchers.
-
-    Leave the block before ``engine.shutdown()``.
-    """
-    from vllm_omni.engine.membership_controller import MembershipController
-
-    started: list[tuple[Any, asyncio.AbstractEventLoop]] = []
-    original_start = MembershipController.start
-
-    def start(self: Any) -> Any:
-        started.append((self, asyncio.get_running_loop()))
-        return original_start(self)
-
-    MembershipController.start = start
-    try:
-        yield
-    finally:
-        MembershipController.start = original_start
-        for controller, loop in started:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(controller._shutdown_event.set)

@@ -15,11 +15,10 @@ each with its own cache.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from vllm_omni_prompt_cache.tiny.qwen_image import (
     load_tokenizer,
     prompt_token_ids,
 )
+from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, open_engine, worker_values
 
 MODES = ("off", "stock", "ours")
 #: Request orders: sibling-major (one request of every prompt, then the next round), prompt-major
@@ -157,45 +157,6 @@ def engine_kwargs(spec: RolloutSpec, mode: str, cache_size: int, max_bytes: str 
 
         kwargs.update(distributed_kwargs(spec.replicas, spec.lb_policy))
     return kwargs
-
-
-@contextlib.asynccontextmanager
-async def open_engine(kwargs: dict[str, Any]) -> AsyncIterator[Any]:
-    """Yield a started ``AsyncOmni`` built from ``kwargs``; shut it down afterwards."""
-    from vllm_omni.entrypoints.async_omni import AsyncOmni
-
-    from vllm_omni_prompt_cache.demo.replicas import membership_watchers_stopped
-
-    distributed = "omni_master_address" in kwargs
-    engine = None
-    try:
-        with membership_watchers_stopped() if distributed else contextlib.nullcontext():
-            engine = AsyncOmni(**kwargs)
-            yield engine
-    finally:  # after the watchers are told to stop: distributed shutdown waits for them
-        if engine is not None:
-            engine.shutdown()
-
-
-async def cache_stats(engine: Any) -> CacheStats | None:
-    """Return the diffusion workers' cache statistics (summed over replicas), or None when there is no cache."""
-    replicas = [stats for stats in await worker_values(engine, "get_prompt_embed_cache_stats") if stats is not None]
-    return CacheStats.merged(CacheStats.from_dict(stats) for stats in replicas) if replicas else None
-
-
-async def worker_value(engine: Any, method: str) -> Any:
-    """Return the first diffusion worker's answer to an RPC (one stage, one worker here)."""
-    return (await worker_values(engine, method))[0]
-
-
-async def worker_values(engine: Any, method: str) -> list[Any]:
-    """Return every replica's diffusion worker's answer to an RPC, in replica order."""
-    values = []
-    for value in await engine.collective_rpc(method):
-        while isinstance(value, list):  # one list per replica, one entry per worker
-            value = value[0]
-        values.append(value)
-    return values
 
 
 async def send_rollout(

@@ -160,3 +160,14 @@ def _accepting_our_policy(original: Any) -> Any:
             args.omni_lb_policy = POLICY
 
     return validate
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for a count of at least 1 (the commands' sizes and counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value

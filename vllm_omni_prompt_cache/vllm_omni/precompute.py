@@ -30,8 +30,9 @@ from typing import Any
 import xxhash
 
 from vllm_omni_prompt_cache.config import DIRECTORY, DIRECTORY_BYTES, ENABLE
-from vllm_omni_prompt_cache.demo.command import positive_int
-from vllm_omni_prompt_cache.vllm_omni.cli_args import setting_type
+from vllm_omni_prompt_cache.stats import CacheStats
+from vllm_omni_prompt_cache.vllm_omni.cli_args import positive_int, setting_type
+from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, open_engine, worker_values
 
 #: Sampling parameters precompute sends unless told otherwise: the cheapest request that encodes.
 DEFAULT_SAMPLING = {"num_inference_steps": 1}
@@ -141,9 +142,6 @@ async def precompute(
     batch of ``n`` prompts finishes.
     """
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
-    from vllm_omni_prompt_cache.demo.rollout import cache_stats, open_engine, worker_values
-    from vllm_omni_prompt_cache.store import CacheStats
 
     sampling = {**DEFAULT_SAMPLING, **(sampling or {})}
     params = OmniDiffusionSamplingParams(**sampling)
@@ -260,9 +258,6 @@ def run(args: Any) -> int:
     """Run the subcommand; return its exit code."""
     import sys
 
-    from vllm_omni_prompt_cache.cpu_platform.entry_points import opt_in_where_no_gpu
-
-    opt_in_where_no_gpu()  # as the demo: with no GPU, vLLM-Omni runs on this package's CPU platform
     try:
         prompts = read_prompts(args.prompts)
     except (OSError, PromptFileError) as error:
