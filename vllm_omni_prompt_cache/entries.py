@@ -1,17 +1,21 @@
-"""Where entries live in device memory: an LRU mapping within an entry budget and a byte budget.
+"""Where entries live in memory: an LRU mapping within an entry budget and a byte budget.
 
-A plain mapping: no lock (the store holds one), no counters, no tiers. What an insertion pushes
-out is returned to the caller, which decides where it goes next (the host tier) and counts it.
+A plain mapping (cachetools' ``Cache`` shape: a size function makes a byte budget): no lock (its
+owner holds one), no counters, no tiers. What an insertion pushes out is returned to the caller,
+which decides where it goes next and counts it. Device memory and the host tier both keep their
+entries in one.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from vllm_omni_prompt_cache.keys import witness_nbytes
 from vllm_omni_prompt_cache.values import value_nbytes
+
+V = TypeVar("V")
 
 
 class Entry(NamedTuple):
@@ -28,60 +32,73 @@ class Entry(NamedTuple):
         return cls(value, witness, value_nbytes(value) + (0 if witness is None else witness_nbytes(witness)), keyed)
 
 
-#: What left the mapping, oldest first: (identity, entry) pairs.
+#: What left a mapping, oldest first: (identity, entry) pairs.
 Departures = list[tuple[Hashable, Entry]]
 
 
-class Entries:
-    """Entries by key identity, least recently used first, within ``max_size`` entries and ``max_bytes``
-    bytes (None: no byte budget).
+def _nbytes(value: Any) -> int:
+    return value.nbytes
 
-    ``get(identity)`` returns an entry (None: absent) and leaves its recency alone; ``refresh(identity)``
+
+class LRU(Generic[V]):
+    """Values by key identity, least recently used first, within ``max_entries`` values and ``max_bytes``
+    bytes (None: no such budget); ``sizeof(value)`` says what a value weighs (by default its ``nbytes``).
+
+    ``get(identity)`` returns a value (None: absent) and leaves its recency alone; ``refresh(identity)``
     makes it the most recently used (a verified hit).
     """
 
-    def __init__(self, max_size: int, max_bytes: int | None) -> None:
-        self.max_size = max_size
+    def __init__(self, max_entries: int | None, max_bytes: int | None, sizeof: Callable[[V], int] = _nbytes) -> None:
+        self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._entries: OrderedDict[Hashable, Entry] = OrderedDict()
+        self._sizeof = sizeof
+        self._values: OrderedDict[Hashable, V] = OrderedDict()
         # The hit path's two operations are the mapping's own (C) methods, not wrappers around them.
-        self.get: Callable[[Hashable], Entry | None] = self._entries.get
-        self.refresh: Callable[[Hashable], None] = self._entries.move_to_end
+        self.get: Callable[[Hashable], V | None] = self._values.get
+        self.refresh: Callable[[Hashable], None] = self._values.move_to_end
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._values)
 
-    def put(self, identity: Hashable, entry: Entry) -> tuple[Departures, bool]:
-        """Insert or replace ``identity``'s entry, then evict the least recently used over the budgets.
+    def values(self) -> list[V]:
+        """Return the values held now, least recently used first."""
+        return list(self._values.values())
 
-        Returns what was evicted, oldest first, and whether ``entry`` itself was too large to keep
-        (then it is the one departure, and any entry it replaced is gone too).
+    def put(self, identity: Hashable, value: V) -> tuple[list[tuple[Hashable, V]], bool]:
+        """Insert or replace ``identity``'s value, then evict the least recently used over the budgets.
+
+        Returns what was evicted, oldest first, and whether ``value`` itself was too large to keep
+        (then it is the one departure, and any value it replaced is gone too).
         """
-        previous = self._entries.pop(identity, None)
-        if previous is not None:
-            self.bytes -= previous.nbytes
-        if self.max_bytes is not None and entry.nbytes > self.max_bytes:
-            return [(identity, entry)], True
-        self._entries[identity] = entry
-        self.bytes += entry.nbytes
-        evicted: Departures = []
-        while len(self._entries) > self.max_size or (self.max_bytes is not None and self.bytes > self.max_bytes):
-            oldest = self._entries.popitem(last=False)
-            self.bytes -= oldest[1].nbytes
+        self.pop(identity)
+        nbytes = self._sizeof(value)
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            return [(identity, value)], True
+        self._values[identity] = value
+        self.bytes += nbytes
+        evicted: list[tuple[Hashable, V]] = []
+        while self._over_budget():
+            oldest = self._values.popitem(last=False)
+            self.bytes -= self._sizeof(oldest[1])
             evicted.append(oldest)
         return evicted, False
 
-    def pop(self, identity: Hashable) -> Entry | None:
-        """Remove ``identity``'s entry and return it (None: absent)."""
-        entry = self._entries.pop(identity, None)
-        if entry is not None:
-            self.bytes -= entry.nbytes
-        return entry
+    def _over_budget(self) -> bool:
+        return (self.max_entries is not None and len(self._values) > self.max_entries) or (
+            self.max_bytes is not None and self.bytes > self.max_bytes
+        )
 
-    def drain(self) -> Departures:
-        """Remove every entry; return them, oldest first."""
-        drained = list(self._entries.items())
-        self._entries.clear()
+    def pop(self, identity: Hashable) -> V | None:
+        """Remove ``identity``'s value and return it (None: absent)."""
+        value = self._values.pop(identity, None)
+        if value is not None:
+            self.bytes -= self._sizeof(value)
+        return value
+
+    def drain(self) -> list[tuple[Hashable, V]]:
+        """Remove every value; return them with their identities, oldest first."""
+        drained = list(self._values.items())
+        self._values.clear()
         self.bytes = 0
         return drained

@@ -10,12 +10,12 @@ On a CPU-only machine the tensors already are in host memory and nothing is copi
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import torch
 
+from vllm_omni_prompt_cache.entries import LRU
 from vllm_omni_prompt_cache.flights import Ticket
 from vllm_omni_prompt_cache.keys import witness_matches
 from vllm_omni_prompt_cache.values import map_tensors
@@ -56,15 +56,23 @@ class HostTier:
     def __init__(self, max_bytes: int) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"host max_bytes must be an integer >= 1, got {max_bytes!r}")
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[Hashable, HostEntry] = OrderedDict()
+        self._entries: LRU[HostEntry] = LRU(None, max_bytes)
         self._lock = threading.Lock()
-        self.bytes = 0
         # Counts since the tier was made (clear() keeps them), read by the store's snapshot.
         self.hits = 0  # device misses served from here
         self.misses = 0  # device misses that looked here and found nothing
         self.demotions = 0  # entries that arrived from the device tier
         self.evictions = 0  # entries dropped to stay within max_bytes (or larger than it)
+
+    @property
+    def max_bytes(self) -> int:
+        """The byte budget."""
+        return self._entries.max_bytes
+
+    @property
+    def bytes(self) -> int:
+        """Bytes held now."""
+        return self._entries.bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -72,7 +80,7 @@ class HostTier:
     def held(self) -> list[HostEntry]:
         """Return the entries in host memory now, least recently arrived first."""
         with self._lock:
-            return list(self._entries.values())
+            return self._entries.values()
 
     def put(
         self, identity: Hashable, value: Any, witness: tuple[bytes, ...] | None, nbytes: int, ticket: Ticket
@@ -91,15 +99,8 @@ class HostTier:
             if ticket.stale:
                 return
             self.demotions += 1
-            previous = self._entries.pop(identity, None)
-            if previous is not None:
-                self.bytes -= previous.nbytes
-            self._entries[identity] = HostEntry(host_value, devices, witness, nbytes)
-            self.bytes += nbytes
-            while self.bytes > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self.bytes -= evicted.nbytes
-                self.evictions += 1
+            evicted, _ = self._entries.put(identity, HostEntry(host_value, devices, witness, nbytes))
+            self.evictions += len(evicted)
 
     def take(self, identity: Hashable, witness: tuple) -> HostEntry | None:
         """Remove and return the entry for ``identity`` if its witness matches ``witness`` (None: a miss).
@@ -111,13 +112,11 @@ class HostTier:
             if entry is None or (entry.witness is not None and not witness_matches(entry.witness, witness)):
                 self.misses += 1
                 return None
-            del self._entries[identity]
-            self.bytes -= entry.nbytes
+            self._entries.pop(identity)
             self.hits += 1
             return entry
 
     def clear(self) -> None:
         """Drop every entry (they are stale); counts are kept."""
         with self._lock:
-            self._entries.clear()
-            self.bytes = 0
+            self._entries.drain()

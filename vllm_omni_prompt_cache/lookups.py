@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 from vllm_omni_prompt_cache.counters import Outcome
-from vllm_omni_prompt_cache.entries import Departures, Entries, Entry
+from vllm_omni_prompt_cache.entries import LRU, Departures, Entry
 from vllm_omni_prompt_cache.flights import Claim, Flight, Flights, Ticket
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
 from vllm_omni_prompt_cache.tiers import LowerTiers
@@ -39,7 +39,7 @@ class Lookups:
     counts what an insertion evicted, for the method whose entry it was.
     """
 
-    def __init__(self, entries: Entries, tiers: LowerTiers, *, verify: bool, record: Record) -> None:
+    def __init__(self, entries: LRU[Entry], tiers: LowerTiers, *, verify: bool, record: Record) -> None:
         self.entries = entries
         self.flights = Flights()
         self.tiers = tiers

@@ -33,7 +33,7 @@ from vllm_omni_prompt_cache.counters import (
     tally,
 )
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
-from vllm_omni_prompt_cache.entries import Entries, Entry
+from vllm_omni_prompt_cache.entries import LRU, Entry
 from vllm_omni_prompt_cache.flights import Flights
 from vllm_omni_prompt_cache.host_tier import HostTier
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
@@ -100,7 +100,7 @@ class PromptEmbedCache:
         self.verify = verify
         self._counters = MethodCounters()
         self.tiers = LowerTiers(None if host_bytes is None else HostTier(host_bytes), directory)
-        self._lookups = Lookups(Entries(max_size, max_bytes), self.tiers, verify=verify, record=self.record)
+        self._lookups = Lookups(LRU(max_size, max_bytes), self.tiers, verify=verify, record=self.record)
         self._max_gap = 0.0
         #: What moves the text encoders between host and device, counted (set by the worker; None: nothing).
         self.moves: EncoderMoves | None = None
