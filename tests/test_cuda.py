@@ -123,8 +123,8 @@ def test_cuda_bf16_arguments_are_keyed_by_content() -> None:
 def test_a_batched_cuda_call_encodes_each_distinct_row_once_and_stays_on_the_gpu(cuda_encoder) -> None:
     """Row-level caching with CUDA ids: rows are keyed from one CPU copy, encoded alone on the GPU,
     and assembled on the GPU, bit-identical to encoding each row alone."""
+    from vllm_omni_prompt_cache.layouts import TOKEN_IDS
     from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline
-    from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
 
     pipeline = QwenStyleTokenPipeline(cuda_encoder)
     reference = QwenStyleTokenPipeline(cuda_encoder)

@@ -12,15 +12,7 @@ from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImageP
 
 from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache, uninstall_prompt_embed_cache
 from vllm_omni_prompt_cache.config import PromptEmbedCacheConfigError
-from vllm_omni_prompt_cache.proofs import DECLARED_BY_CLASS
-from vllm_omni_prompt_cache.tiny.qwen_image import (
-    PROMPT_TEMPLATE,
-    TEMPLATE_DROP_TOKENS,
-    ensure_tiny_qwen_image,
-    load_tokenizer,
-)
-from vllm_omni_prompt_cache.tiny.token_id_pipeline import TokenIdQwenImagePipeline
-from vllm_omni_prompt_cache.vllm_omni.layouts import (
+from vllm_omni_prompt_cache.layouts import (
     QWEN_IMAGE_EDIT_TOKEN_IDS,
     QWEN_IMAGE_TEXT,
     QWEN_IMAGE_TOKEN_IDS,
@@ -29,6 +21,14 @@ from vllm_omni_prompt_cache.vllm_omni.layouts import (
     resolve_declared_layouts,
     row_layout_for,
 )
+from vllm_omni_prompt_cache.proofs import DECLARED_BY_CLASS
+from vllm_omni_prompt_cache.tiny.qwen_image import (
+    PROMPT_TEMPLATE,
+    TEMPLATE_DROP_TOKENS,
+    ensure_tiny_qwen_image,
+    load_tokenizer,
+)
+from vllm_omni_prompt_cache.tiny.token_id_pipeline import TokenIdQwenImagePipeline
 
 
 def bare(cls: type) -> object:
@@ -105,7 +105,7 @@ def test_a_user_declaration_wins_over_the_class_and_applies_to_subclasses() -> N
     [
         ("no-such-layout", "no proven layout is named 'no-such-layout'; expected one of qwen-image-text"),
         ("vllm_omni_prompt_cache.nowhere:X", "cannot be imported"),
-        ("vllm_omni_prompt_cache.vllm_omni.layouts:PROVEN_LAYOUTS", "is a dict, expected a RowLayout"),
+        ("vllm_omni_prompt_cache.layouts:PROVEN_LAYOUTS", "is a dict, expected a RowLayout"),
     ],
 )
 def test_a_declaration_naming_no_layout_is_refused_with_the_setting_and_source(reference, message) -> None:

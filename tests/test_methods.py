@@ -24,9 +24,9 @@ import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.methods import find_encode_methods, resolve_declared_methods
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
-from vllm_omni_prompt_cache.vllm_omni.methods import find_encode_methods, resolve_declared_methods
 
 CLIP_LENGTH = 12
 T5_LENGTH = 16

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache
+from vllm_omni_prompt_cache.layouts import QWEN_IMAGE_TEXT, TOKEN_IDS
 from vllm_omni_prompt_cache.rows import LayoutMismatch
 from vllm_omni_prompt_cache.store import COLLISION_REASON
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
-from vllm_omni_prompt_cache.vllm_omni.layouts import QWEN_IMAGE_TEXT, TOKEN_IDS
 from vllm_omni_prompt_cache.wrapper import LAYOUT_DROPPED_REASON, UNSTACKABLE_REASON
 
 WIDTH = 24

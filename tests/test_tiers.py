@@ -32,8 +32,8 @@ from vllm_omni_prompt_cache.directory_tier import (
     DirectoryTier,
 )
 from vllm_omni_prompt_cache.keys import CallKeyBuilder
+from vllm_omni_prompt_cache.layouts import TOKEN_IDS
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
-from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import release_device_memory
 
 PROMPTS = [torch.tensor([[3, 1, 4, 1, 5, i]]) for i in range(6)]

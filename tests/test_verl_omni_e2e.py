@@ -18,10 +18,10 @@ from engine_support import GROUP_SIZE, PROMPTS, found_method, run, tiny_spec
 from renamed import renamed_module
 
 from vllm_omni_prompt_cache.demo.rollout import run_mode
+from vllm_omni_prompt_cache.layouts import TOKEN_IDS
 from vllm_omni_prompt_cache.rows import RowLayout
 from vllm_omni_prompt_cache.tiny import verl_omni_adapters
 from vllm_omni_prompt_cache.tiny.verl_omni_adapters import LIST_IDS_PIPELINE, TEAM_PIPELINE, VERL_OMNI_PIPELINE
-from vllm_omni_prompt_cache.vllm_omni.layouts import TOKEN_IDS
 
 pytestmark = pytest.mark.engine
 ROWS = 2 * len(PROMPTS) * GROUP_SIZE

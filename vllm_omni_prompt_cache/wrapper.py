@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -47,7 +47,9 @@ from vllm_omni_prompt_cache.fingerprint import (
 )
 from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, with_state
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.layouts import find_method_layout, find_row_layout
 from vllm_omni_prompt_cache.logs import warn_once
+from vllm_omni_prompt_cache.methods import EncodeMethod, find_encode_methods
 from vllm_omni_prompt_cache.proofs import (
     DECLARED_BY_CLASS,
     DECLARED_IN_CODE,
@@ -63,9 +65,6 @@ from vllm_omni_prompt_cache.row_batches import RowTally
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, SingleRow, UnstackableRows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 from vllm_omni_prompt_cache.values import unaliased
-
-if TYPE_CHECKING:
-    from vllm_omni_prompt_cache.vllm_omni.methods import EncodeMethod
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ def install_prompt_embed_cache(
     The methods: ``encode_prompt``, the encode methods known for the pipeline's classes, and
     ``methods[class path]`` (a user's declarations, for classes they cannot edit; the path is
     ``module.qualname`` where the class is defined, as
-    :func:`~.vllm_omni.methods.resolve_declared_methods` returns it). Each has its
+    :func:`~.methods.resolve_declared_methods` returns it). Each has its
     own keys, row layout and counters (``stats()["methods"]``); a method known to read input that
     is not an argument is wrapped only to count every call as a bypass with that reason.
 
@@ -144,8 +143,6 @@ def install_prompt_embed_cache(
     existing = getattr(pipeline, "_prompt_embed_cache", None)
     if existing is not None:
         return existing
-
-    from vllm_omni_prompt_cache.vllm_omni.methods import find_encode_methods  # imports nothing of vLLM-Omni
 
     wrapped = _readable_methods(pipeline, find_encode_methods(pipeline, methods))
     watchable = find_encodes and any(holds_token_embedding(module) for module in child_modules(pipeline).values())
@@ -537,8 +534,6 @@ def _local_device(pipeline: Any, recorded: str) -> torch.device:
 
 def _method_layout_proof(pipeline: Any, method: str, signature: inspect.Signature, tag: str) -> LayoutProof:
     """Return where the row layout of ``pipeline``'s encode method ``method`` comes from."""
-    from vllm_omni_prompt_cache.vllm_omni.layouts import find_method_layout  # imports nothing of vLLM-Omni
-
     layout, source = find_method_layout(type(pipeline), method)
     if layout is not None and (why := layout.unusable_with(signature)) is not None:
         logger.warning(
@@ -561,8 +556,6 @@ def _layout_proof(
     row_layouts: Mapping[str, RowLayout] | None,
 ) -> LayoutProof:
     """Return where ``pipeline``'s row layout comes from, checked for use with ``signature``."""
-    from vllm_omni_prompt_cache.vllm_omni.layouts import find_row_layout  # imports nothing of vLLM-Omni
-
     kind = type(pipeline)
     if row_layout is not None:
         layout, source = row_layout, DECLARED_IN_CODE

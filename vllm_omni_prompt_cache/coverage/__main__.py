@@ -19,7 +19,7 @@ from pathlib import Path
 from vllm_omni_prompt_cache.coverage.classes import PACKAGE, Enumeration, enumerate_classes
 from vllm_omni_prompt_cache.coverage.harness import NOT_BUILT, VERDICTS, Case, NotBuilt, Verdict, judge
 from vllm_omni_prompt_cache.coverage.paths import build_path
-from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT
+from vllm_omni_prompt_cache.methods import ENCODE_PROMPT
 
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 COMMAND = "python -m vllm_omni_prompt_cache.coverage --write docs/coverage.md"

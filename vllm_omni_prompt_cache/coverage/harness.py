@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.methods import ENCODE_PROMPT
 from vllm_omni_prompt_cache.proofs import class_path, compare_outputs, refuted_layouts
-from vllm_omni_prompt_cache.vllm_omni.methods import ENCODE_PROMPT
 
 COVERED = "covered"
 COVERED_WITHOUT_ROWS = "covered without rows"

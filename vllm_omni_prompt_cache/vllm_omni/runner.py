@@ -27,6 +27,8 @@ from vllm_omni_prompt_cache.config import (
     PromptEmbedCacheSettings,
 )
 from vllm_omni_prompt_cache.directory_trust import read_key
+from vllm_omni_prompt_cache.layouts import resolve_declared_layouts
+from vllm_omni_prompt_cache.methods import resolve_declared_methods
 from vllm_omni_prompt_cache.residency import (
     PLACEMENT_ATTRIBUTE,
     EncoderMoves,
@@ -35,9 +37,7 @@ from vllm_omni_prompt_cache.residency import (
 )
 from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
-from vllm_omni_prompt_cache.vllm_omni.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import StatsLogger, watch_weight_loads
-from vllm_omni_prompt_cache.vllm_omni.methods import resolve_declared_methods
 from vllm_omni_prompt_cache.vllm_omni.offload import observe_module_offload, refusal_with_offload
 from vllm_omni_prompt_cache.vllm_omni.settings import stage_settings
 from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache

@@ -37,8 +37,8 @@ from vllm_omni_prompt_cache.config import (
     PromptEmbedCacheSettings,
     resolve_settings,
 )
+from vllm_omni_prompt_cache.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
-from vllm_omni_prompt_cache.vllm_omni.layouts import resolve_declared_layouts
 
 #: Where a deploy-config stage names our settings: ``engine_args.extras.prompt_embed_cache``.
 EXTRAS_KEY = "prompt_embed_cache"

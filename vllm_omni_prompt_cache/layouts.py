@@ -1,4 +1,4 @@
-"""Where a vLLM-Omni pipeline's row layout comes from, and the layouts proven for known pipelines.
+"""Where a pipeline's row layout comes from, and the layouts proven for known vLLM-Omni and verl-omni pipelines.
 
 In order (the first that applies wins):
 
@@ -9,7 +9,7 @@ In order (the first that applies wins):
    subclass replaced the ``encode_prompt`` it was declared for);
 3. a layout of :data:`PROVEN_LAYOUTS` whose rule matches the class: each was written against
    that pipeline's real ``encode_prompt`` and is tested on it (``tests/test_layouts.py``);
-4. none: the wrapper infers one from the first batched call (see :mod:`..proofs`).
+4. none: the wrapper infers one from the first batched call (see :mod:`.proofs`).
 
 Names never decide alone: every layout from 1, 3 and 4 is checked against the uncached call on
 the first call of each kind before a row is served. Nothing here imports vLLM-Omni; a pipeline of
