@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,67 +212,94 @@ def _tracing_class(kind: type) -> type:
     tracing = _tracing_classes.get(kind)
     if tracing is not None:
         return tracing
-    base_getattribute = kind.__getattribute__
-    base_setattr = kind.__setattr__
-    base_delattr = kind.__delattr__
     base_getattr = getattr(kind, "__getattr__", None)
-
-    def __getattribute__(self: Any, name: str) -> Any:
-        try:
-            value = base_getattribute(self, name)
-        except AttributeError:
-            trace = getattr(_local, "trace", None)
-            if trace is not None and trace.instance is self and base_getattr is None:
-                trace.read(name, ABSENT)  # absent is an input too: a later call may find it set
-            raise
-        trace = getattr(_local, "trace", None)
-        if trace is not None and trace.instance is self:
-            where = _state_kind(self, kind, name)
-            if where is not None:
-                trace.read(name, value, shared=where is _SHARED)
-        return value
-
-    def __setattr__(self: Any, name: str, value: Any) -> None:
-        trace = getattr(_local, "trace", None)
-        before = _instance_dict(self).get(name, ABSENT) if trace is not None and trace.instance is self else None
-        base_setattr(self, name, value)
-        # Instance state only: a property's setter keeps its value elsewhere, and its reads of self are traced.
-        if trace is not None and trace.instance is self and name in _instance_dict(self):
-            trace.write(name, value, before)
-
-    def __delattr__(self: Any, name: str) -> None:
-        trace = getattr(_local, "trace", None)
-        before = _instance_dict(self).get(name, ABSENT) if trace is not None and trace.instance is self else None
-        base_delattr(self, name)
-        if trace is not None and trace.instance is self:
-            trace.write(name, ABSENT, before)
-
     namespace: dict[str, Any] = {
-        "__getattribute__": __getattribute__,
-        "__setattr__": __setattr__,
-        "__delattr__": __delattr__,
+        "__getattribute__": _noting_getattribute(kind, notes_absent=base_getattr is None),
+        "__setattr__": _noting_setattr(kind.__setattr__),
+        "__delattr__": _noting_delattr(kind.__delattr__),
         "__slots__": (),  # the same layout as ``kind``, so an instance's class may be swapped to it
         "__module__": kind.__module__,
         "__qualname__": kind.__qualname__,
     }
     if base_getattr is not None:  # torch modules: submodules, parameters and buffers (components all)
-
-        def __getattr__(self: Any, name: str) -> Any:
-            trace = getattr(_local, "trace", None)
-            try:
-                value = base_getattr(self, name)
-            except AttributeError:
-                if trace is not None and trace.instance is self:
-                    trace.read(name, ABSENT)
-                raise
-            if trace is not None and trace.instance is self:
-                trace.read(name, value)
-            return value
-
-        namespace["__getattr__"] = __getattr__
+        namespace["__getattr__"] = _noting_getattr(base_getattr)
     tracing = type(kind.__name__, (kind,), namespace)
     _tracing_classes[kind] = tracing
     return tracing
+
+
+def _tracing(instance: Any) -> Trace | None:
+    """Return the trace this thread records ``instance``'s attributes into, if any."""
+    trace = getattr(_local, "trace", None)
+    return trace if trace is not None and trace.instance is instance else None
+
+
+def _noting_getattribute(kind: type, *, notes_absent: bool) -> Callable[[Any, str], Any]:
+    """Return ``kind``'s ``__getattribute__`` noting reads of state; ``notes_absent``: a missing attribute is
+    noted too (no ``__getattr__`` of the class will note it)."""
+    base_getattribute = kind.__getattribute__
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        try:
+            value = base_getattribute(self, name)
+        except AttributeError:
+            trace = _tracing(self)
+            if trace is not None and notes_absent:
+                trace.read(name, ABSENT)  # absent is an input too: a later call may find it set
+            raise
+        trace = _tracing(self)
+        if trace is not None:
+            where = _state_kind(self, kind, name)
+            if where is not None:
+                trace.read(name, value, shared=where is _SHARED)
+        return value
+
+    return __getattribute__
+
+
+def _noting_setattr(base_setattr: Callable[[Any, str, Any], None]) -> Callable[[Any, str, Any], None]:
+    """Return a ``__setattr__`` that notes writes of instance state."""
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        trace = _tracing(self)
+        before = _instance_dict(self).get(name, ABSENT) if trace is not None else None
+        base_setattr(self, name, value)
+        # Instance state only: a property's setter keeps its value elsewhere, and its reads of self are traced.
+        if trace is not None and name in _instance_dict(self):
+            trace.write(name, value, before)
+
+    return __setattr__
+
+
+def _noting_delattr(base_delattr: Callable[[Any, str], None]) -> Callable[[Any, str], None]:
+    """Return a ``__delattr__`` that notes a deletion as a write of :data:`ABSENT`."""
+
+    def __delattr__(self: Any, name: str) -> None:
+        trace = _tracing(self)
+        before = _instance_dict(self).get(name, ABSENT) if trace is not None else None
+        base_delattr(self, name)
+        if trace is not None:
+            trace.write(name, ABSENT, before)
+
+    return __delattr__
+
+
+def _noting_getattr(base_getattr: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    """Return a ``__getattr__`` (torch modules' submodules, parameters, buffers) that notes what it finds."""
+
+    def __getattr__(self: Any, name: str) -> Any:
+        trace = _tracing(self)
+        try:
+            value = base_getattr(self, name)
+        except AttributeError:
+            if trace is not None:
+                trace.read(name, ABSENT)
+            raise
+        if trace is not None:
+            trace.read(name, value)
+        return value
+
+    return __getattr__
 
 
 class CannotTrace(Exception):
