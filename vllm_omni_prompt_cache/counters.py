@@ -1,8 +1,13 @@
 """What a cache counts, declared once, and the one function that turns what happened into counts.
 
-Every count belongs to the pipeline method whose call made it. A call's counts are made by
-:func:`tally` from what the call came to and added under one lock when the call ends (or raises).
-A snapshot copies the fields of :class:`Counters` by name; it never lists them by hand.
+:data:`COUNTS` is the table of every counter: one :class:`Count` each. :class:`Counters` (each
+method's counts), :class:`~.stats.CacheStats` (the snapshot) and the Prometheus families of
+``vllm_omni/metrics.py`` are generated from it, so a new counter is one more line there.
+
+Every count a call makes belongs to the pipeline method whose call made it. A call's counts are
+made by :func:`tally` from what the call came to and added under one lock when the call ends (or
+raises). The tiers below device memory and the encoder moves keep their own counts, which a
+snapshot reads off them by the attribute the table names.
 """
 
 from __future__ import annotations
@@ -11,13 +16,191 @@ import dataclasses
 import enum
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 #: The method every pipeline encodes prompts with, upstream's one cached method: a count belongs to
 #: it when its caller names none.
 ENCODE_PROMPT = "encode_prompt"
+#: Where a count made by calls is kept: each method's :class:`Counters` (the others name a tier's attribute).
+CALLS = "calls"
+
+
+@dataclasses.dataclass(frozen=True)
+class Count:
+    """One counter: its snapshot field, who keeps it, and the Prometheus family it advances.
+
+    The family is ``vllm_omni:prompt_embed_cache_<family>_total`` with labels ``model_name``, ``stage``,
+    ``replica``, then the names of ``labels`` (fixed values, for a family several counts share), then
+    ``reason`` for a count by reason. ``by_method``: the family (name, help) that counts it by method
+    too (label ``method`` after the replica's).
+    """
+
+    name: str  # the field of the snapshot, and of Counters when calls make it
+    help: str | None  # the family's help text; None: no family (stats() only)
+    kept_by: str = CALLS  # CALLS, or "tier.attribute": a count the tier (host, directory) or the moves keep
+    by_reason: bool = False  # counted by reason: each reason its own series
+    family: str = ""  # the family's name, when it is not the count's
+    labels: tuple[tuple[str, str], ...] = ()  # (label, value) of its series in a family other counts share
+    by_method: tuple[str, str] | None = None  # the family (name, help) counting it per method
+
+    def __post_init__(self) -> None:
+        if not self.family:
+            object.__setattr__(self, "family", self.name)
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        """Return its family's labels after ``model_name``, ``stage``, ``replica`` (and ``method``)."""
+        return (*(label for label, _ in self.labels), *(("reason",) if self.by_reason else ()))
+
+    @property
+    def label_values(self) -> tuple[str, ...]:
+        """Return the values of its series' fixed labels (before a reason)."""
+        return tuple(value for _, value in self.labels)
+
+
+#: The family the exactness checks share, each check a series of its own (label ``check``), and its help.
+VERIFICATION_FAILURES = "verification_failures"
+VERIFICATION_FAILURES_HELP = (
+    "Exactness checks that failed: a key whose stored bytes differed (check=key, the call is encoded), "
+    "a row layout whose rows differed from the uncached call (check=row_layout, rows turned off), "
+    "or a hit whose fresh encode differed (check=audit, the cache turned off for the class)."
+)
+
+#: Every counter, once. Integers are event counts since the cache was made (``clear()`` keeps them);
+#: counts by reason are Counters (mappings in a snapshot). The help texts are the ``/metrics`` page's.
+COUNTS: tuple[Count, ...] = (
+    # Calls, by the method that made them.
+    Count(
+        "hits",
+        "encode_prompt calls served from the cache, without encoding.",
+        by_method=("method_hits", "Calls of one cached method served without encoding."),
+    ),
+    Count(
+        "misses",  # calls that ran the encoder and offered the result to the cache
+        "encode_prompt calls that ran the text encoder and offered the result.",
+        by_method=("method_misses", "Calls of one cached method that ran the encoder."),
+    ),
+    Count(
+        "bypass_reasons",  # calls not using the cache
+        "encode_prompt calls that did not use the cache, by reason (bounded set).",
+        by_reason=True,
+        family="bypassed",
+        by_method=("method_bypassed", "Calls of one cached method that did not use the cache, by reason."),
+    ),
+    Count("evictions", "Entries evicted to stay within the entry or byte budget."),
+    Count("oversize_rejections", "Results larger than the byte budget, not stored."),
+    # Rows of batched calls (pipelines with a row layout): each row is an entry of its own.
+    # row_hits: served without this call encoding them (cache, another call's encode, a duplicate);
+    # row_misses: encoded and offered to the store (kept unless a clear() or a budget intervened).
+    Count("row_hits", "Rows of batched calls served without encoding them."),
+    Count("row_misses", "Rows of batched calls encoded and offered to the cache (kept unless over a budget)."),
+    Count(
+        "row_bypass_reasons",
+        "Rows of batched calls encoded without caching, by reason.",
+        by_reason=True,
+        family="row_bypassed",
+    ),
+    Count(
+        "rows_encoded",  # rows that reached the encoder to be served: row misses and bypasses, whole calls
+        "Prompt rows that reached the text encoder (misses and bypasses).",
+        by_method=("method_rows_encoded", "Prompt rows one cached method sent to the text encoder."),
+    ),
+    Count(
+        "whole_call_reasons",
+        "Batched calls cached as one entry instead of row by row, by reason.",
+        by_reason=True,
+        family="whole_calls",
+    ),
+    # First-use checks of a row layout against the uncached call (see wrapper.py).
+    Count("layout_checks", None),  # calls served uncached and compared with their assembled rows
+    Count("layout_check_rows", None),  # rows those uncached calls sent to the encoder
+    Count(
+        "layout_mismatches",
+        VERIFICATION_FAILURES_HELP,
+        family=VERIFICATION_FAILURES,
+        labels=(("check", "row_layout"),),
+    ),
+    # Audits: hits encoded again and compared with what was served (see audit.py).
+    Count("audits", "Hits encoded again and compared with what was served (check=audit fails)."),
+    Count("audit_mismatches", VERIFICATION_FAILURES_HELP, family=VERIFICATION_FAILURES, labels=(("check", "audit"),)),
+    # The host-memory tier.
+    Count("host_hits", "Device-memory misses served from the host-memory tier.", "host.hits"),
+    Count("host_misses", "Device-memory misses the host-memory tier did not hold.", "host.misses"),
+    Count(
+        "host_demotions",
+        "Entries moved from device memory to the host-memory tier (evicted, or at sleep).",
+        "host.demotions",
+    ),
+    Count("host_evictions", "Entries dropped from the host-memory tier by its budget.", "host.evictions"),
+    # The directory tier.
+    Count("dir_hits", "Misses in memory served from a file of the directory tier.", "directory.hits"),
+    Count("dir_misses", "Misses in memory the directory tier had no usable file for.", "directory.misses"),
+    Count("dir_writes", "Encoded entries written to the directory tier.", "directory.writes"),
+    Count(
+        "dir_write_errors",
+        "Writes to the directory tier that failed (a full disk...); the entry stays in memory.",
+        "directory.write_errors",
+    ),
+    Count("dir_evictions", "Files removed from the directory tier to stay within its budget.", "directory.evictions"),
+    Count(
+        "dir_rejections",
+        "Files of the directory tier removed on read, by reason: truncated, corrupt, another namespace, "
+        "other key bytes. Each is a miss, never an error or a wrong embedding.",
+        "directory.rejections",
+        by_reason=True,
+    ),
+    Count(
+        "dir_waits",
+        "Misses served by waiting for another process's encode of the same entry (then a hit).",
+        "directory.waits",
+    ),
+    Count(
+        "dir_stale_claims",
+        "Claims on directory entries taken over: their process was gone, or silent for the claim wait.",
+        "directory.stale_claims",
+    ),
+    Count(
+        "dir_wait_timeouts",
+        "Waits for another process's encode that ended without its file (then encoded here).",
+        "directory.wait_timeouts",
+    ),
+    Count(
+        "dir_leftovers_removed",
+        "Temporary and claim files of crashed processes removed from the directory tier.",
+        "directory.leftovers_removed",
+    ),
+    # Moves of the text encoders (and the DiTs they swap with) between host and device, whoever made
+    # them: vLLM-Omni's module offload, or this package's placement on a miss (see residency.py).
+    Count(
+        "encoder_placements",
+        "Text-encoder moves onto the device (vLLM-Omni's module offload, or this cache's placement on a miss).",
+        "moves.encoder_placements",
+    ),
+    Count("encoder_evictions", "Text-encoder moves off the device.", "moves.encoder_evictions"),
+    Count(
+        "dit_placements",
+        "DiT moves back onto the device that vLLM-Omni's module offload made after an encode.",
+        "moves.dit_placements",
+    ),
+    Count(
+        "dit_evictions",
+        "DiT moves to the host that vLLM-Omni's module offload made for an encode.",
+        "moves.dit_evictions",
+    ),
+    Count("bytes_moved", "Bytes those moves copied between host and device.", "moves.bytes_moved"),
+    Count(
+        "placements_avoided",
+        "Text-encoder placements that calls served from the cache did not make.",
+        "moves.placements_avoided",
+    ),
+    Count(
+        "bytes_not_moved",
+        "Bytes those avoided placements, and the DiT swaps they bring, would have copied.",
+        "moves.bytes_not_moved",
+    ),
+)
 
 
 class Outcome(enum.Enum):
@@ -28,32 +211,41 @@ class Outcome(enum.Enum):
     BYPASS = "encoded without the cache"
 
 
-@dataclasses.dataclass
-class Counters:
-    """Every count a cache keeps for one method: a snapshot copies it field by field.
+#: The counts calls make, kept per method: the fields of :class:`Counters`.
+CALL_COUNTS = tuple(count for count in COUNTS if count.kept_by == CALLS)
 
-    Integers are event counts since the cache was made (``clear()`` keeps them); mappings count
+
+def count_fields(counts: Iterable[Count], by_reason: Any, reasons: Callable[[], Any]) -> dict[str, tuple[Any, Any]]:
+    """Return a dataclass field (type hint, default) for each count: an int from 0, or ``by_reason`` made by
+    ``reasons``."""
+    return {
+        count.name: (by_reason, dataclasses.field(default_factory=reasons)) if count.by_reason else (int, 0)
+        for count in counts
+    }
+
+
+def with_fields(fields: Mapping[str, tuple[Any, Any]]) -> Callable[[type], type]:
+    """Return a class decorator, for under ``@dataclass``: make ``fields`` (name: (type hint, default)) the
+    class's fields, in their order, as if its body declared them."""
+
+    def declare(cls: type) -> type:
+        cls.__annotations__ = {name: hint for name, (hint, _) in fields.items()}
+        for name, (_, default) in fields.items():
+            setattr(cls, name, default)
+        return cls
+
+    return declare
+
+
+@dataclasses.dataclass
+@with_fields(count_fields(CALL_COUNTS, Counter[str], Counter))
+class Counters:
+    """Every count a cache keeps for one method (one field per :data:`CALL_COUNTS` entry): a snapshot
+    copies it field by field.
+
+    Integers are event counts since the cache was made (``clear()`` keeps them); Counters count
     events by reason. :class:`~.stats.CacheStats` has a field of the same name for each.
     """
-
-    hits: int = 0  # calls served without encoding
-    misses: int = 0  # calls that ran the encoder and offered the result to the cache
-    bypass_reasons: Counter[str] = dataclasses.field(default_factory=Counter)  # calls not using the cache
-    evictions: int = 0
-    oversize_rejections: int = 0
-    # Rows of batched calls (pipelines with a row layout): each row is an entry of its own.
-    row_hits: int = 0  # rows served without this call encoding them (cache, another call's encode, a duplicate)
-    row_misses: int = 0  # rows encoded and offered to the store (kept unless a clear() or a budget intervened)
-    row_bypass_reasons: Counter[str] = dataclasses.field(default_factory=Counter)  # rows encoded, not stored
-    rows_encoded: int = 0  # rows that reached the encoder to be served: row misses and bypasses, whole calls
-    whole_call_reasons: Counter[str] = dataclasses.field(default_factory=Counter)  # calls not split, and why
-    # First-use checks of a row layout against the uncached call (see wrapper.py).
-    layout_checks: int = 0  # calls served uncached and compared with their assembled rows
-    layout_check_rows: int = 0  # rows those uncached calls sent to the encoder
-    layout_mismatches: int = 0  # checks that turned rows off
-    # Audits: hits encoded again and compared with what was served (see audit.py).
-    audits: int = 0
-    audit_mismatches: int = 0  # audits that found another output (the cache turned off)
 
     def add(self, counts: Mapping[str, Any]) -> None:
         """Add ``counts`` (field name to a number, or to counts by reason), as :func:`tally` makes them."""
@@ -65,9 +257,9 @@ class Counters:
 
 
 #: The counts of a :class:`Counters`, by name: what snapshots copy for each method.
-METHOD_COUNTER_FIELDS = tuple(field.name for field in dataclasses.fields(Counters))
+METHOD_COUNTER_FIELDS = tuple(count.name for count in CALL_COUNTS)
 #: Those of them kept by reason.
-REASON_FIELDS = tuple(field.name for field in dataclasses.fields(Counters) if field.default_factory is Counter)
+REASON_FIELDS = tuple(count.name for count in CALL_COUNTS if count.by_reason)
 
 
 def tally(

@@ -1,9 +1,10 @@
 """One snapshot of a cache's counts and levels: what ``stats()``, the worker RPC, ``/metrics``, the log
 line and the demo show.
 
-:class:`CacheStats` holds every :class:`~.counters.Counters` field (summed over methods, and by
-method in ``methods``), the counts the tiers below device memory keep (:data:`TIER_COUNTERS`),
-and levels: sizes, budgets and switches at the moment of the snapshot.
+:class:`CacheStats` declares the levels (sizes, budgets and switches at the moment of the snapshot)
+and gets a field for every counter of the table, :data:`~.counters.COUNTS`: those calls make
+(summed over methods, and by method in ``methods``) and those the tiers below device memory and the
+encoder moves keep (:data:`TIER_COUNTERS`).
 """
 
 from __future__ import annotations
@@ -14,121 +15,96 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, METHOD_COUNTER_FIELDS, ranked_reasons
+from vllm_omni_prompt_cache.counters import (
+    CALLS,
+    COUNTS,
+    ENCODE_PROMPT,
+    count_fields,
+    ranked_reasons,
+    with_fields,
+)
 
-#: Counts the tiers below device memory keep, by :class:`CacheStats` field: (tier, its attribute).
-TIER_COUNTERS = {
-    "host_hits": ("host", "hits"),  # device misses served from host memory
-    "host_misses": ("host", "misses"),
-    "host_demotions": ("host", "demotions"),  # entries moved to host memory from the device
-    "host_evictions": ("host", "evictions"),
-    "dir_hits": ("directory", "hits"),  # device (and host) misses served from a file
-    "dir_misses": ("directory", "misses"),
-    "dir_writes": ("directory", "writes"),
-    "dir_write_errors": ("directory", "write_errors"),
-    "dir_evictions": ("directory", "evictions"),  # files removed to stay within the directory's budget
-    "dir_rejections": ("directory", "rejections"),  # files removed on read (corrupt, foreign...), by reason
-    "dir_waits": ("directory", "waits"),  # misses served by waiting for another process's encode
-    "dir_stale_claims": ("directory", "stale_claims"),  # claims of a gone (or silent) process taken over
-    "dir_wait_timeouts": ("directory", "wait_timeouts"),  # waits for another process that ended without its file
-    "dir_leftovers_removed": ("directory", "leftovers_removed"),  # crashed writers' temporary and claim files
-    # Moves of the text encoders (and the DiTs they swap with) between host and device, whoever made
-    # them: vLLM-Omni's module offload, or this package's placement on a miss (see residency.py).
-    "encoder_placements": ("moves", "encoder_placements"),
-    "encoder_evictions": ("moves", "encoder_evictions"),
-    "dit_placements": ("moves", "dit_placements"),
-    "dit_evictions": ("moves", "dit_evictions"),
-    "bytes_moved": ("moves", "bytes_moved"),
-    "placements_avoided": ("moves", "placements_avoided"),  # placements calls served from the cache did not make
-    "bytes_not_moved": ("moves", "bytes_not_moved"),
-}
+#: Counts the tiers below device memory and the encoder moves keep, by :class:`CacheStats` field: (tier, its
+#: attribute).
+TIER_COUNTERS = {count.name: tuple(count.kept_by.split(".", 1)) for count in COUNTS if count.kept_by != CALLS}
 
 #: The counters, by name: what snapshots copy, ``since`` subtracts and ``merged`` adds.
-COUNTER_FIELDS = METHOD_COUNTER_FIELDS + tuple(TIER_COUNTERS)
+COUNTER_FIELDS = tuple(count.name for count in COUNTS)
+#: Upstream's ``stats()`` keys, which come first in a snapshot, in upstream's order.
+UPSTREAM_KEYS = ("size", "max_size", "hits", "misses", "bypassed")
+#: Where the counts of each keeper go among the snapshot's levels: before this level (else before ``methods``).
+COUNTS_BEFORE = {CALLS: "bypassed", "host": "host_entries", "directory": "dir_files", "moves": "encoder_device_bytes"}
 
 
 def tier_counts(**tiers: Any) -> dict[str, Any]:
     """Return every :data:`TIER_COUNTERS` count from ``tiers`` (by name; None: that tier is off, counted 0)."""
     counts = {}
-    for name, (tier_name, attribute) in TIER_COUNTERS.items():
+    for count in COUNTS:
+        if count.kept_by == CALLS:
+            continue
+        tier_name, attribute = TIER_COUNTERS[count.name]
         tier = tiers[tier_name]
         if tier is None:
-            counts[name] = {} if name == "dir_rejections" else 0  # the one count by reason
+            counts[count.name] = {} if count.by_reason else 0
         else:
             value = getattr(tier, attribute)
-            counts[name] = ranked_reasons(value) if isinstance(value, Counter) else value
+            counts[count.name] = ranked_reasons(value) if isinstance(value, Counter) else value
     return counts
 
 
-@dataclasses.dataclass(frozen=True)
-class CacheStats:
-    """One snapshot of a cache's counters: what ``stats()``, the worker RPC, the log line and the demo show.
+def with_counts(levels: type) -> type:
+    """Give a snapshot class whose body declares its levels a field for every count, for ``@dataclass``: each
+    keeper's counts before the level :data:`COUNTS_BEFORE` names, upstream's keys first."""
+    counts = count_fields(COUNTS, Mapping[str, int], dict)
+    before: dict[str, list[str]] = {}
+    for count in COUNTS:
+        before.setdefault(COUNTS_BEFORE.get(count.kept_by.split(".")[0], "methods"), []).append(count.name)
+    fields: dict[str, tuple[Any, Any]] = {}
+    for name, hint in levels.__annotations__.items():
+        if name in counts:
+            raise TypeError(f"{levels.__name__} declares {name}, a count of the table, as a level")
+        fields.update({count: counts[count] for count in before.pop(name, [])})
+        fields[name] = (hint, levels.__dict__[name])
+    if before:
+        raise TypeError(f"{levels.__name__} has no level {', '.join(before)} to place counts before")
+    return with_fields({**{name: fields[name] for name in UPSTREAM_KEYS}, **fields})(levels)
 
-    Every :class:`Counters` field appears here under its name; the other fields are levels
-    (sizes, budgets, switches) that describe the cache at the moment of the snapshot.
+
+@dataclasses.dataclass(frozen=True)
+@with_counts
+class CacheStats:
+    """One snapshot of a cache: its levels, declared here, and its counts, one field for each entry of the
+    table (:data:`~.counters.COUNTS`), of the same name.
+
+    Counts are integers, or mappings of counts by reason (most common first); levels describe the
+    cache at the moment of the snapshot.
     """
 
-    # Upstream's stats() keys first, in its order; ours after.
+    # Upstream's stats() keys first, in its order (hits and misses are counts); ours after.
     size: int = 0
     max_size: int = 0
-    hits: int = 0
-    misses: int = 0
-    bypassed: int = 0
-    bypass_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)  # most common first
-    evictions: int = 0
-    oversize_rejections: int = 0
+    bypassed: int = 0  # upstream's count: the sum of bypass_reasons
     bytes: int = 0
     max_bytes: int | None = None
     enabled: bool = True
     verify: bool = True
-    row_hits: int = 0
-    row_misses: int = 0
-    row_bypass_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    rows_encoded: int = 0
-    whole_call_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    layout_checks: int = 0
-    layout_check_rows: int = 0
-    layout_mismatches: int = 0
-    audits: int = 0
-    audit_mismatches: int = 0
     #: The largest difference a passing layout check measured (relative to each row's largest value).
     layout_check_max_gap: float = 0.0
-    # The host-memory tier (counts, then levels; max None: no host tier).
-    host_hits: int = 0
-    host_misses: int = 0
-    host_demotions: int = 0
-    host_evictions: int = 0
+    # The host-memory tier (max None: no host tier).
     host_entries: int = 0
     host_bytes: int = 0
     host_max_bytes: int | None = None
-    # The directory tier (counts, then levels; directory None: no directory tier).
-    dir_hits: int = 0
-    dir_misses: int = 0
-    dir_writes: int = 0
-    dir_write_errors: int = 0
-    dir_evictions: int = 0
-    dir_rejections: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    dir_waits: int = 0
-    dir_stale_claims: int = 0
-    dir_wait_timeouts: int = 0
-    dir_leftovers_removed: int = 0
+    # The directory tier (directory None: no directory tier).
     dir_files: int = 0  # under the root at this process's last rescan
     dir_bytes: int = 0  # that rescan plus this process's writes since
     dir_max_bytes: int | None = None
     directory: str | None = None
     dir_off_reason: str | None = None  # why the directory tier is not used now (None: in use)
-    # The text encoders' moves (counts above, in TIER_COUNTERS; placer None: nothing moves them).
-    encoder_placements: int = 0
-    encoder_evictions: int = 0
-    dit_placements: int = 0
-    dit_evictions: int = 0
-    bytes_moved: int = 0
-    placements_avoided: int = 0
-    bytes_not_moved: int = 0
+    # The text encoders' moves (placer None: nothing moves them).
     encoder_device_bytes: int | None = None  # text-encoder bytes on the device at the snapshot (None: not known)
     encoder_placer: str | None = None  # who moves the text encoders: vLLM-Omni's module offload, "on a miss"
-    #: The store's counts (every :class:`Counters` field) by the pipeline method that made them;
-    #: the fields above are their sums. A method the cache wraps appears from install on.
+    #: The store's counts (every :class:`~.counters.Counters` field) by the pipeline method that made them;
+    #: the counts of the same names are their sums. A method the cache wraps appears from install on.
     methods: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
