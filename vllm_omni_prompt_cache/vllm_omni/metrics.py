@@ -43,8 +43,14 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.counters import METHOD_COUNTER_FIELDS, REASON_FIELDS, ranked_reasons
-from vllm_omni_prompt_cache.stats import COUNTER_FIELDS, TIER_COUNTERS, CacheStats
+from vllm_omni_prompt_cache.counters import (
+    COUNTS,
+    METHOD_COUNTER_FIELDS,
+    REASON_FIELDS,
+    VERIFICATION_FAILURES,
+    ranked_reasons,
+)
+from vllm_omni_prompt_cache.stats import COUNTER_FIELDS, CacheStats
 from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
@@ -67,23 +73,47 @@ HOST_LEVELS = ("host_entries", "host_bytes", "host_max_bytes")
 DIRECTORY_LEVELS = ("dir_files", "dir_bytes", "dir_max_bytes")
 #: The text encoders' bytes on the device now, when something moves them (offload, or placement on a miss).
 MOVE_LEVELS = ("encoder_device_bytes",)
-#: Counter families with no label of their own, by the :class:`CacheStats` count they advance by.
-COUNTED = {
-    "queries": "calls",
-    "hits": "hits",
-    "misses": "misses",
-    "row_hits": "row_hits",
-    "row_misses": "row_misses",
-    "rows_encoded": "rows_encoded",
-    "evictions": "evictions",
-    "oversize_rejections": "oversize_rejections",
-    "audits": "audits",
-    # The tiers' counts, each its family's name; rejections are counted by reason (below).
-    **{name: name for name in TIER_COUNTERS if name != "dir_rejections"},
+#: The gauge families, by the level they show: (family, help). A level a snapshot lacks sets no series.
+GAUGES = {
+    "encoder_device_bytes": (
+        "encoder_device_bytes",
+        "Text-encoder bytes on the device now (a series only when something moves it).",
+    ),
+    "host_entries": ("host_entries", "Entries held in the host-memory tier now."),
+    "host_bytes": ("host_bytes", "Bytes held in the host-memory tier now."),
+    "host_max_bytes": ("host_max_bytes", "The host-memory tier's byte budget."),
+    "dir_files": ("dir_files", "Files under the directory tier's root at this process's last scan."),
+    "dir_bytes": ("dir_bytes", "Bytes of files under the directory tier's root, as this process counts."),
+    "dir_max_bytes": ("dir_max_bytes", "The directory tier's byte budget (no series when unbounded)."),
+    "size": ("entries", "Entries held now."),
+    "bytes": ("bytes", "Bytes held now: embedding tensors and the key bytes kept to verify hits."),
+    "max_size": ("max_entries", "Entry budget."),
+    "max_bytes": ("max_bytes", "Byte budget (no series when unbounded)."),
 }
-#: Counter families labelled by the pipeline method whose calls they count, by the count they advance by
-#: (calls are a method's hits, misses and bypasses; bypasses are counted by reason too).
-COUNTED_BY_METHOD = {"method_hits": "hits", "method_misses": "misses", "method_rows_encoded": "rows_encoded"}
+#: Counter families worked out from several counts, the calls (hits, misses and bypasses): (help, labels after
+#: the replica's). Every other counter family is a count's of the table, :data:`~..counters.COUNTS`.
+QUERIES = "queries"
+METHOD_QUERIES = "method_queries"
+DERIVED_FAMILIES = {
+    QUERIES: ("encode_prompt calls the prompt-embed cache saw: hits, misses and bypasses.", ()),
+    METHOD_QUERIES: ("Calls of one cached pipeline method (label method): hits, misses and bypasses.", ("method",)),
+}
+
+
+def counter_families() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Return every counter family, by name: (help, labels after the replica's). The table's counts each
+    advance their family, and their family per method (label ``method``) when they have one."""
+    families = dict(DERIVED_FAMILIES)
+    for count in COUNTS:
+        declared = []
+        if count.help is not None:
+            declared.append((count.family, count.help, count.label_names))
+        if count.by_method is not None:
+            declared.append((*count.by_method, ("method", *count.label_names)))
+        for name, documentation, labels in declared:
+            if families.setdefault(name, (documentation, labels)) != (documentation, labels):
+                raise ValueError(f"counter family {name} is declared twice, with other help or labels")
+    return families
 
 
 @dataclass(frozen=True)
@@ -269,126 +299,25 @@ class PromptEmbedCacheMetrics:
     """Our Prometheus families, and each cache's last snapshot to take differences from."""
 
     def __init__(self, registry: Any = None) -> None:
-        """Register the families on ``registry`` (prometheus_client's default, which ``/metrics`` serves)."""
+        """Register the families on ``registry`` (prometheus_client's default, which ``/metrics`` serves):
+        a counter family for each of :func:`counter_families`, a gauge for each of :data:`GAUGES`."""
         from prometheus_client import REGISTRY, Counter, Gauge
 
         registry = REGISTRY if registry is None else registry
-
-        def counter(name: str, documentation: str, *extra: str) -> Any:
-            return Counter(METRIC_PREFIX + name, documentation, labelnames=[*LABELS, *extra], registry=registry)
-
-        def gauge(name: str, documentation: str) -> Any:
-            return Gauge(
+        self.counters = {
+            name: Counter(METRIC_PREFIX + name, documentation, labelnames=[*LABELS, *labels], registry=registry)
+            for name, (documentation, labels) in counter_families().items()
+        }
+        self.gauges = {
+            level: Gauge(
                 METRIC_PREFIX + name,
                 documentation,
                 labelnames=list(LABELS),
                 multiprocess_mode="mostrecent",
                 registry=registry,
             )
-
-        self.queries = counter("queries", "encode_prompt calls the prompt-embed cache saw: hits, misses and bypasses.")
-        self.hits = counter("hits", "encode_prompt calls served from the cache, without encoding.")
-        self.misses = counter("misses", "encode_prompt calls that ran the text encoder and offered the result.")
-        self.bypassed = counter(
-            "bypassed", "encode_prompt calls that did not use the cache, by reason (bounded set).", "reason"
-        )
-        self.row_hits = counter("row_hits", "Rows of batched calls served without encoding them.")
-        self.row_misses = counter(
-            "row_misses", "Rows of batched calls encoded and offered to the cache (kept unless over a budget)."
-        )
-        self.row_bypassed = counter(
-            "row_bypassed", "Rows of batched calls encoded without caching, by reason.", "reason"
-        )
-        self.rows_encoded = counter("rows_encoded", "Prompt rows that reached the text encoder (misses and bypasses).")
-        self.whole_calls = counter(
-            "whole_calls", "Batched calls cached as one entry instead of row by row, by reason.", "reason"
-        )
-        self.evictions = counter("evictions", "Entries evicted to stay within the entry or byte budget.")
-        self.oversize_rejections = counter("oversize_rejections", "Results larger than the byte budget, not stored.")
-        self.audits = counter("audits", "Hits encoded again and compared with what was served (check=audit fails).")
-        self.verification_failures = counter(
-            "verification_failures",
-            "Exactness checks that failed: a key whose stored bytes differed (check=key, the call is encoded), "
-            "a row layout whose rows differed from the uncached call (check=row_layout, rows turned off), "
-            "or a hit whose fresh encode differed (check=audit, the cache turned off for the class).",
-            "check",
-        )
-        self.method_queries = counter(
-            "method_queries", "Calls of one cached pipeline method (label method): hits, misses and bypasses.", "method"
-        )
-        self.method_hits = counter("method_hits", "Calls of one cached method served without encoding.", "method")
-        self.method_misses = counter("method_misses", "Calls of one cached method that ran the encoder.", "method")
-        self.method_bypassed = counter(
-            "method_bypassed", "Calls of one cached method that did not use the cache, by reason.", "method", "reason"
-        )
-        self.method_rows_encoded = counter(
-            "method_rows_encoded", "Prompt rows one cached method sent to the text encoder.", "method"
-        )
-        self.host_hits = counter("host_hits", "Device-memory misses served from the host-memory tier.")
-        self.host_misses = counter("host_misses", "Device-memory misses the host-memory tier did not hold.")
-        self.host_demotions = counter(
-            "host_demotions", "Entries moved from device memory to the host-memory tier (evicted, or at sleep)."
-        )
-        self.host_evictions = counter("host_evictions", "Entries dropped from the host-memory tier by its budget.")
-        self.dir_hits = counter("dir_hits", "Misses in memory served from a file of the directory tier.")
-        self.dir_misses = counter("dir_misses", "Misses in memory the directory tier had no usable file for.")
-        self.dir_writes = counter("dir_writes", "Encoded entries written to the directory tier.")
-        self.dir_write_errors = counter(
-            "dir_write_errors", "Writes to the directory tier that failed (a full disk...); the entry stays in memory."
-        )
-        self.dir_evictions = counter(
-            "dir_evictions", "Files removed from the directory tier to stay within its budget."
-        )
-        self.dir_waits = counter(
-            "dir_waits", "Misses served by waiting for another process's encode of the same entry (then a hit)."
-        )
-        self.dir_stale_claims = counter(
-            "dir_stale_claims",
-            "Claims on directory entries taken over: their process was gone, or silent for the claim wait.",
-        )
-        self.dir_wait_timeouts = counter(
-            "dir_wait_timeouts", "Waits for another process's encode that ended without its file (then encoded here)."
-        )
-        self.dir_leftovers_removed = counter(
-            "dir_leftovers_removed", "Temporary and claim files of crashed processes removed from the directory tier."
-        )
-        self.dir_rejections = counter(
-            "dir_rejections",
-            "Files of the directory tier removed on read, by reason: truncated, corrupt, another namespace, "
-            "other key bytes. Each is a miss, never an error or a wrong embedding.",
-            "reason",
-        )
-        self.encoder_placements = counter(
-            "encoder_placements",
-            "Text-encoder moves onto the device (vLLM-Omni's module offload, or this cache's placement on a miss).",
-        )
-        self.encoder_evictions = counter("encoder_evictions", "Text-encoder moves off the device.")
-        self.dit_placements = counter(
-            "dit_placements", "DiT moves back onto the device that vLLM-Omni's module offload made after an encode."
-        )
-        self.dit_evictions = counter(
-            "dit_evictions", "DiT moves to the host that vLLM-Omni's module offload made for an encode."
-        )
-        self.bytes_moved = counter("bytes_moved", "Bytes those moves copied between host and device.")
-        self.placements_avoided = counter(
-            "placements_avoided", "Text-encoder placements that calls served from the cache did not make."
-        )
-        self.bytes_not_moved = counter(
-            "bytes_not_moved", "Bytes those avoided placements, and the DiT swaps they bring, would have copied."
-        )
-        self.encoder_device_bytes = gauge(
-            "encoder_device_bytes", "Text-encoder bytes on the device now (a series only when something moves it)."
-        )
-        self.host_entries = gauge("host_entries", "Entries held in the host-memory tier now.")
-        self.host_bytes = gauge("host_bytes", "Bytes held in the host-memory tier now.")
-        self.host_max_bytes = gauge("host_max_bytes", "The host-memory tier's byte budget.")
-        self.dir_files = gauge("dir_files", "Files under the directory tier's root at this process's last scan.")
-        self.dir_bytes = gauge("dir_bytes", "Bytes of files under the directory tier's root, as this process counts.")
-        self.dir_max_bytes = gauge("dir_max_bytes", "The directory tier's byte budget (no series when unbounded).")
-        self.entries = gauge("entries", "Entries held now.")
-        self.bytes = gauge("bytes", "Bytes held now: embedding tensors and the key bytes kept to verify hits.")
-        self.max_entries = gauge("max_entries", "Entry budget.")
-        self.max_bytes = gauge("max_bytes", "Byte budget (no series when unbounded).")
+            for level, (name, documentation) in GAUGES.items()
+        }
         self._last: dict[tuple[tuple[str, str, str], int], Snapshot] = {}  # by (labels, epoch)
         self._labelled: set[tuple[str, str, str]] = set()
         self._methods_labelled: set[tuple[tuple[str, str, str], str]] = set()
@@ -410,57 +339,53 @@ class PromptEmbedCacheMetrics:
                 self._labelled.add(labels)
                 self._create_series(labels)
             delta = now.stats if before is None else now.stats.since(before.stats)
-
-            def advance(family: Any, amount: int, *extra: str) -> None:
-                if amount > 0:
-                    family.labels(*labels, *extra).inc(amount)
-
-            for family, count in COUNTED.items():
-                advance(getattr(self, family), getattr(delta, count))
-            for family, reasons in (
-                (self.bypassed, delta.bypass_reasons),
-                (self.row_bypassed, delta.row_bypass_reasons),
-                (self.whole_calls, delta.whole_call_reasons),
-                (self.dir_rejections, delta.dir_rejections),
-            ):
-                for reason, amount in reasons.items():
-                    advance(family, amount, reason)
-            for method, counts in delta.methods.items():
-                reasons = counts.get("bypass_reasons", {})
-                calls = counts.get("hits", 0) + counts.get("misses", 0) + sum(reasons.values())
-                if (labels, method) not in self._methods_labelled:
-                    self._methods_labelled.add((labels, method))
-                    for family in (self.method_queries, *(getattr(self, name) for name in COUNTED_BY_METHOD)):
-                        family.labels(*labels, method)
-                advance(self.method_queries, calls, method)
-                for family, count in COUNTED_BY_METHOD.items():
-                    advance(getattr(self, family), counts.get(count, 0), method)
-                for reason, amount in reasons.items():
-                    advance(self.method_bypassed, amount, method, reason)
+            self._advance(QUERIES, labels, delta.calls)
+            for count in COUNTS:
+                if count.help is not None:
+                    self._advance(count.family, (*labels, *count.label_values), getattr(delta, count.name))
             collisions = delta.bypass_reasons.get(COLLISION_REASON, 0) + delta.row_bypass_reasons.get(
                 COLLISION_REASON, 0
             )
-            advance(self.verification_failures, collisions, "key")
-            advance(self.verification_failures, delta.layout_mismatches, "row_layout")
-            advance(self.verification_failures, delta.audit_mismatches, "audit")
-            for name, family in (
-                ("size", self.entries),
-                ("bytes", self.bytes),
-                ("max_size", self.max_entries),
-                ("max_bytes", self.max_bytes),
-            ):
-                if name in now.levels:  # the most recent snapshot's cache
-                    family.labels(*labels).set(now.levels[name])
-            for name in (*HOST_LEVELS, *DIRECTORY_LEVELS, *MOVE_LEVELS):
-                if name in now.levels:
-                    getattr(self, name).labels(*labels).set(now.levels[name])
+            self._advance(VERIFICATION_FAILURES, (*labels, "key"), collisions)
+            for method, counts in delta.methods.items():
+                self._record_method(labels, method, counts)
+            for level, gauge in self.gauges.items():
+                if level in now.levels:  # the most recent snapshot's cache
+                    gauge.labels(*labels).set(now.levels[level])
+
+    def _record_method(self, labels: tuple[str, str, str], method: str, counts: Mapping[str, Any]) -> None:
+        """Advance the families by method by one method's counts since its cache's last snapshot."""
+        series = (*labels, method)
+        if (labels, method) not in self._methods_labelled:
+            self._methods_labelled.add((labels, method))
+            self.counters[METHOD_QUERIES].labels(*series)
+            for count in COUNTS:
+                if count.by_method is not None and not count.by_reason:
+                    self.counters[count.by_method[0]].labels(*series, *count.label_values)
+        reasons = counts.get("bypass_reasons", {})
+        self._advance(METHOD_QUERIES, series, counts.get("hits", 0) + counts.get("misses", 0) + sum(reasons.values()))
+        for count in COUNTS:
+            if count.by_method is not None:
+                amount = counts.get(count.name, {} if count.by_reason else 0)
+                self._advance(count.by_method[0], (*series, *count.label_values), amount)
+
+    def _advance(self, family: str, series: tuple[str, ...], amount: int | Mapping[str, int]) -> None:
+        """Add ``amount`` to the family's series (counts by reason: each to its reason's series); skip what is
+        not positive."""
+        if isinstance(amount, Mapping):
+            for reason, each in amount.items():
+                self._advance(family, (*series, reason), each)
+        elif amount > 0:
+            self.counters[family].labels(*series).inc(amount)
 
     def _create_series(self, labels: tuple[str, str, str]) -> None:
-        """Create the label set's series at zero, so ``/metrics`` shows them from the first output on."""
-        for family in COUNTED:
-            getattr(self, family).labels(*labels)
-        for check in ("key", "row_layout", "audit"):
-            self.verification_failures.labels(*labels, check)
+        """Create the label set's series at zero, so ``/metrics`` shows them from the first output on: each
+        one that no reason or method labels."""
+        self.counters[QUERIES].labels(*labels)
+        self.counters[VERIFICATION_FAILURES].labels(*labels, "key")
+        for count in COUNTS:
+            if count.help is not None and not count.by_reason:
+                self.counters[count.family].labels(*labels, *count.label_values)
 
 
 @functools.cache
