@@ -21,19 +21,28 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the selected tests' slow port-free subprocesses in a second lane (see ``background.py``)."""
-    import background
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the modules with the most engine tests first, keeping each module's own order.
 
-    if not session.config.option.collectonly:
-        background.start_for(session.items)
+    pytest-xdist (``-n 2 --dist loadfile --no-loadscope-reorder``) hands out whole modules in this
+    order, so the longest ones start first and the short ones fill in at the end on both cores.
+    """
+    engine_tests: dict[str, int] = {}  # by module, in collection order
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        engine_tests[module] = engine_tests.get(module, 0) + (item.get_closest_marker("engine") is not None)
+    order = {module: (-count, index) for index, (module, count) in enumerate(engine_tests.items())}
+    items.sort(key=lambda item: order[item.nodeid.split("::")[0]])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    import background
+    if not hasattr(session.config, "workerinput"):  # the main process (or the only one): every report reached it
+        release_record.write()
 
-    background.finish()
-    release_record.write()
+
+#: The key of a release fact among a test report's user properties, which pytest-xdist's workers send
+#: to the main process with the report.
+RELEASE_FACT = "release fact"
 
 
 @pytest.fixture
@@ -41,7 +50,7 @@ def record_release_fact(request: pytest.FixtureRequest):
     """Keep a fact a release test measured (counts of a rollout) for the support table (see noxfile.py)."""
 
     def record(name: str, value: object) -> None:
-        release_record.facts[name] = value
+        request.node.user_properties.append((RELEASE_FACT, (name, value)))
 
     return record
 
@@ -61,6 +70,10 @@ class _ReleaseRecord:
     def outcome(self, report: pytest.TestReport) -> None:
         if report.when == "call" or report.outcome != "passed":
             self.outcomes[report.nodeid] = report.outcome
+        for key, value in report.user_properties:
+            if key == RELEASE_FACT:
+                name, fact = value
+                self.facts[name] = fact
 
     def write(self) -> None:
         path = os.environ.get("PROMPT_CACHE_RELEASE_RECORD")

@@ -3,26 +3,28 @@ and its rows are exactly the classes the installed vLLM-Omni ships with an encod
 
 The cases run in a subprocess, as the script does: several text stacks need vLLM's tensor-parallel
 layers, whose one-rank process group would outlive them and break the in-process engines of later
-tests. The same process enumerates the classes (``coverage/classes.py``), after the cases.
+tests. The same process enumerates the classes (``prompt_cache_coverage/classes.py``), after the cases. The
+matrix is a developer's tool outside the wheel: it imports from the repository root.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import background
 import pytest
 
 pytest.importorskip("vllm_omni", reason="the coverage matrix runs vLLM-Omni's pipelines")
 
-from vllm_omni_prompt_cache.coverage.__main__ import all_cases
-from vllm_omni_prompt_cache.coverage.harness import NotBuilt
+from prompt_cache_coverage.__main__ import all_cases
+from prompt_cache_coverage.harness import NotBuilt
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "coverage.md"
 ROW = re.compile(r"^\| `(?P<pipeline>\w+)` \| (?P<verdict>[^|]+) \| [^|]* \| (?P<whole>[^|]*) \| (?P<rows>[^|]*) \|")
 
 
@@ -42,35 +44,19 @@ PIPELINES = sorted(case.pipeline for case in all_cases())
 def judge_every_case() -> subprocess.CompletedProcess:
     """Judge every case afresh and resolve every build path, in a process of their own."""
     return subprocess.run(
-        [sys.executable, "-m", "vllm_omni_prompt_cache.coverage", "--json"],
+        [sys.executable, "-m", "prompt_cache_coverage", "--json"],
+        cwd=ROOT,  # where prompt_cache_coverage imports from
         capture_output=True,
         text=True,
         timeout=600,
-        env=background.environment(VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM="1"),
+        env=dict(os.environ, VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM="1"),
     )
-
-
-def start_judging() -> None:
-    background.submit("coverage", judge_every_case)
-
-
-#: The matrix's process starts in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {
-    name: start_judging
-    for name in (
-        "test_every_class_vllm_omni_ships_has_a_case_and_every_case_a_class",
-        "test_no_module_the_enumeration_could_not_import_defines_an_encode_method",
-        "test_every_claimed_row_holds",
-        "test_the_switch_reaches_every_pipelines_stage_on_either_builder",
-        "test_the_summary_line_counts_the_table",
-    )
-}
 
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
     """Every case judged afresh, and every build path resolved, in a process of their own."""
-    result = background.result("coverage", judge_every_case)
+    result = judge_every_case()
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -122,8 +108,8 @@ def test_the_switch_reaches_every_pipelines_stage_on_either_builder(measured) ->
 
 
 def test_the_summary_line_counts_the_table(measured) -> None:
-    from vllm_omni_prompt_cache.coverage.__main__ import BEGIN, summary
-    from vllm_omni_prompt_cache.coverage.harness import Verdict
+    from prompt_cache_coverage.__main__ import BEGIN, summary
+    from prompt_cache_coverage.harness import Verdict
 
     written = DOC.read_text().split(BEGIN, 1)[1].strip().splitlines()[0]
     assert written == summary([Verdict(**verdict) for verdict in measured["verdicts"]])

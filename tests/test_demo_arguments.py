@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import background
 import pytest
 import torch
 
@@ -102,7 +102,7 @@ def demo_where_vllm_omni_is_not_installed(*argv: str) -> subprocess.CompletedPro
     run = "from vllm_omni_prompt_cache.cli import main\nmain({argv!r})\n"
     code = blocked + run.format(argv=["demo", *argv])
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=background.environment()
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ)
     )
 
 
@@ -110,15 +110,9 @@ def bad_and_missing() -> tuple[subprocess.CompletedProcess, subprocess.Completed
     return demo_where_vllm_omni_is_not_installed("--group-size", "0"), demo_where_vllm_omni_is_not_installed()
 
 
-#: The two processes start in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {
-    "test_arguments_and_extras_are_checked_where_vllm_omni_is_not_installed": ("demo: core-only", bad_and_missing)
-}
-
-
 def test_arguments_and_extras_are_checked_where_vllm_omni_is_not_installed() -> None:
     """In a process where vllm, vllm_omni and diffusers cannot be imported, as after a core-only install."""
-    bad, missing = background.result("demo: core-only", bad_and_missing)
+    bad, missing = bad_and_missing()
     assert bad.returncode == 2 and "argument --group-size: expected an integer >= 1, got 0" in bad.stderr
     assert missing.returncode == 2, missing.stderr[-2000:]
     assert "the demo needs vllm, vllm_omni, diffusers (the 'vllm-omni' extra)" in missing.stderr

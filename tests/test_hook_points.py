@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
+import os
 import sys
 import textwrap
 
-import background
 import pytest
 
 from vllm_omni_prompt_cache.vllm_omni.hook_points import (
@@ -160,19 +159,10 @@ print(json.dumps(replaced))
 def record_hooks():
     import subprocess
 
-    environment = background.environment(VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM="1")
+    environment = dict(os.environ, VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM="1")
     return subprocess.run(
         [sys.executable, "-c", RECORD_HOOKS], capture_output=True, text=True, timeout=300, env=environment
     )
-
-
-def start_recording_hooks() -> None:
-    if importlib.util.find_spec("vllm_omni") is not None:
-        background.submit("record hooks", record_hooks)
-
-
-#: The recording process starts in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {"test_every_name_the_hooks_replace_is_a_listed_hook_point": start_recording_hooks}
 
 
 def test_every_name_the_hooks_replace_is_a_listed_hook_point() -> None:
@@ -180,7 +170,7 @@ def test_every_name_the_hooks_replace_is_a_listed_hook_point() -> None:
     import json
 
     pytest.importorskip("vllm_omni", reason="needs the vllm-omni extra")
-    result = background.result("record hooks", record_hooks)
+    result = record_hooks()
     assert result.returncode == 0, result.stderr[-3000:]
     replaced = {tuple(each) for each in json.loads(result.stdout.strip().splitlines()[-1])}
     listed = {(point.module, point.owner, point.name) for point in every_choice()}

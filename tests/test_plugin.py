@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
 from importlib.metadata import entry_points
+from pathlib import Path
 
-import background
 import pytest
 import torch
 
@@ -139,7 +140,7 @@ def test_the_vllm_omni_backend_installs_upstreams_untouched_cache() -> None:
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    environment = background.environment(VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM="1", **env)
+    environment = dict(os.environ, VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM="1", **env)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=environment
     )
@@ -220,17 +221,13 @@ def newer_version_hooked() -> subprocess.CompletedProcess:
     return run_python(HOOKED.format(prelude=FAKE_NEWER_VERSION))
 
 
-def lacking_a_cache_hook_point() -> subprocess.CompletedProcess:
-    root = sources_lacking(
-        background.scratch_dir("plugin"), "vllm_omni.diffusion.worker.diffusion_worker", "def sleep("
-    )
+def lacking_a_cache_hook_point(scratch: Path) -> subprocess.CompletedProcess:
+    root = sources_lacking(scratch, "vllm_omni.diffusion.worker.diffusion_worker", "def sleep(")
     return run_python(STOCK_KEPT.format(prelude=with_sources(root)))
 
 
-def lacking_a_feature_hook_point() -> subprocess.CompletedProcess:
-    root = sources_lacking(
-        background.scratch_dir("plugin"), "vllm_omni.engine.orchestrator", "def _absorb_diffusion_metrics("
-    )
+def lacking_a_feature_hook_point(scratch: Path) -> subprocess.CompletedProcess:
+    root = sources_lacking(scratch, "vllm_omni.engine.orchestrator", "def _absorb_diffusion_metrics(")
     return run_python(HOOKED.format(prelude=with_sources(root)))
 
 
@@ -239,13 +236,13 @@ def switched_off_by_environment() -> subprocess.CompletedProcess:
 
 
 def test_rebinds_a_runner_module_imported_before_the_plugin_loaded() -> None:
-    result = background.result("plugin: runner first", runner_imported_first)
+    result = runner_imported_first()
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rebound" in result.stdout
 
 
 def test_another_version_with_every_hook_point_is_hooked_and_says_so_once() -> None:
-    result = background.result("plugin: newer version", newer_version_hooked)
+    result = newer_version_hooked()
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hooked" in result.stdout and "metrics hooked" in result.stdout
     from vllm_omni_prompt_cache.vllm_omni.releases import tested_list
@@ -253,18 +250,16 @@ def test_another_version_with_every_hook_point_is_hooked_and_says_so_once() -> N
     assert result.stderr.count(f"(tested on vLLM-Omni {tested_list()}) found 0.31.0, which has all") == 1
 
 
-def test_a_version_lacking_a_cache_hook_point_stays_inert_and_names_it() -> None:
-    """The sources lacking the hook point are written to a directory of the background job's own."""
-    result = background.result("plugin: lacking a cache hook point", lacking_a_cache_hook_point)
+def test_a_version_lacking_a_cache_hook_point_stays_inert_and_names_it(tmp_path) -> None:
+    result = lacking_a_cache_hook_point(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stock kept" in result.stdout
     said = "found 0.31.0, which lacks hook points the cache needs: vllm_omni.diffusion.worker.diffusion_worker."
     assert result.stderr.count(said + "DiffusionWorker.sleep. Staying inert") == 1
 
 
-def test_a_version_lacking_a_feature_hook_point_turns_only_that_feature_off() -> None:
-    """The sources lacking the hook point are written to a directory of the background job's own."""
-    result = background.result("plugin: lacking a feature hook point", lacking_a_feature_hook_point)
+def test_a_version_lacking_a_feature_hook_point_turns_only_that_feature_off(tmp_path) -> None:
+    result = lacking_a_feature_hook_point(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hooked" in result.stdout and "metrics stock" in result.stdout
     said = "The cache is active; the /metrics families stay off, for want of: vllm_omni.engine.orchestrator."
@@ -272,7 +267,7 @@ def test_a_version_lacking_a_feature_hook_point_turns_only_that_feature_off() ->
 
 
 def test_switched_off_by_environment_keeps_stock_behaviour() -> None:
-    result = background.result("plugin: switched off", switched_off_by_environment)
+    result = switched_off_by_environment()
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stock kept" in result.stdout
     assert "VLLM_OMNI_PROMPT_CACHE_PLUGIN=0, vLLM-Omni keeps its own prompt-embed cache" in result.stderr
@@ -304,32 +299,9 @@ def served_process_logging() -> subprocess.CompletedProcess:
 
 
 def test_our_log_lines_show_with_vllms_handler_in_a_served_process() -> None:
-    result = background.result("plugin: served-process logging", served_process_logging)
+    result = served_process_logging()
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     (line,) = [each for each in output.splitlines() if "prompt-cache marker line" in each]
     assert line.startswith("INFO ") and "[<string>:" in line  # vLLM's format: level, time, [file:line]
     assert output.count("prompt-cache second marker") == 1
-
-
-#: The subprocesses above start in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {
-    "test_rebinds_a_runner_module_imported_before_the_plugin_loaded": ("plugin: runner first", runner_imported_first),
-    "test_another_version_with_every_hook_point_is_hooked_and_says_so_once": (
-        "plugin: newer version",
-        newer_version_hooked,
-    ),
-    "test_a_version_lacking_a_cache_hook_point_stays_inert_and_names_it": (
-        "plugin: lacking a cache hook point",
-        lacking_a_cache_hook_point,
-    ),
-    "test_a_version_lacking_a_feature_hook_point_turns_only_that_feature_off": (
-        "plugin: lacking a feature hook point",
-        lacking_a_feature_hook_point,
-    ),
-    "test_switched_off_by_environment_keeps_stock_behaviour": ("plugin: switched off", switched_off_by_environment),
-    "test_our_log_lines_show_with_vllms_handler_in_a_served_process": (
-        "plugin: served-process logging",
-        served_process_logging,
-    ),
-}

@@ -8,10 +8,9 @@ entry and byte budgets, and records every decision. The logs must match exactly.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-
-import background
 
 RANK = r"""
 import json, random, sys, torch
@@ -43,7 +42,7 @@ print(json.dumps(decisions))
 
 
 def run_rank(hash_seed: str) -> list:
-    env = background.environment(PYTHONHASHSEED=hash_seed)
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed)
     result = subprocess.run([sys.executable, "-c", RANK], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -53,12 +52,8 @@ def two_ranks() -> tuple[list, list]:
     return run_rank("0"), run_rank("12345")
 
 
-#: The two rank processes start in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {"test_ranks_take_identical_decisions_and_evictions": ("ranks", two_ranks)}
-
-
 def test_ranks_take_identical_decisions_and_evictions() -> None:
-    rank0, rank1 = background.result("ranks", two_ranks)
+    rank0, rank1 = two_ranks()
     assert rank0 == rank1
     kinds = {decision for decision, *_ in rank0}
     assert kinds == {"hit", "miss", "bypass"}  # the sequence exercises all three

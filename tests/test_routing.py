@@ -7,7 +7,6 @@ import subprocess
 import sys
 from fractions import Fraction
 
-import background
 import numpy as np
 import pytest
 import torch
@@ -113,12 +112,8 @@ def keys_in_two_processes() -> set[str]:
     }
 
 
-#: The two processes start in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {"test_key_is_the_same_in_every_process": ("routing: keys", keys_in_two_processes)}
-
-
 def test_key_is_the_same_in_every_process():
-    runs = background.result("routing: keys", keys_in_two_processes)
+    runs = keys_in_two_processes()
     here = (
         f"{prompt_affinity_key({'prompt_ids': IDS, 'negative_prompt': 'blurry'})} {prompt_affinity_key('a red fox')}\n"
     )

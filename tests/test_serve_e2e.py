@@ -10,10 +10,10 @@ command); and a bad flag, refused before anything starts.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 from collections.abc import Iterator
 
-import background
 import pytest
 from engine_support import tiny_spec
 
@@ -136,18 +136,12 @@ def serve_with_a_bad_flag() -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=180,
-        env=background.environment(),
+        env=dict(os.environ),
     )
 
 
-#: Refused before anything starts (no port): it runs in the background lane (see background.py).
-BACKGROUND_JOBS = {
-    "test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values": ("serve: bad flag", serve_with_a_bad_flag)
-}
-
-
 def test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values() -> None:
-    result = background.result("serve: bad flag", serve_with_a_bad_flag)
+    result = serve_with_a_bad_flag()
     assert result.returncode == 2, result.stderr[-3000:]  # argparse's usage error: nothing started
     assert "argument --prompt-embed-cache-size" in result.stderr
     assert "command-line flag --prompt-embed-cache-size" in result.stderr and "an integer >= 1" in result.stderr

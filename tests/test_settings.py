@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import background
 import pytest
 
 pytest.importorskip("vllm_omni", reason="the settings tests need the vllm-omni extra")
@@ -182,17 +181,13 @@ def serve_help() -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=300,
-        env=background.environment(),
+        env=dict(os.environ),
     )
-
-
-#: The help's process starts in the background lane when the suite starts (see background.py).
-BACKGROUND_JOBS = {"test_help_lists_the_flags_under_a_titled_group": ("serve help", serve_help)}
 
 
 def test_help_lists_the_flags_under_a_titled_group() -> None:
     """The real console script, as a user runs it: vllm serve --omni --help."""
-    result = background.result("serve help", serve_help)
+    result = serve_help()
     assert result.returncode == 0, result.stderr[-3000:]
     help_text = result.stdout  # vLLM prints one section when asked for it by its title
     assert "Default: 32." in " ".join(help_text.split())

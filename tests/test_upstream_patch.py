@@ -4,11 +4,11 @@ upstream's public contract, which the proposed module, the stock module and this
 from __future__ import annotations
 
 import ast
-import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import re
 import shutil
 import subprocess
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-import background
 import pytest
 import torch
 
@@ -55,7 +54,7 @@ CHECK_PLUGIN = _load(UPSTREAM / "check" / "check_plugin.py", "upstream_check_plu
 
 
 def _run_check(target: Path) -> subprocess.CompletedProcess:
-    env = background.environment(PYTHON=sys.executable)
+    env = dict(os.environ, PYTHON=sys.executable)
     return subprocess.run(["bash", str(CHECK), str(target)], capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -98,13 +97,12 @@ class CheckRuns:
     third: subprocess.CompletedProcess  # with one listed test passing and one failing on an import
 
 
-@functools.cache  # both background jobs use it; they run one after the other in the lane's one thread
-def check_three_times() -> CheckRuns:
+def check_three_times(scratch: Path) -> CheckRuns:
     """Copy the installed package and run check.sh on the copy three times (the test's steps, in order)."""
     installed = _installed_package()
     installed_module = installed / "diffusion" / "cache" / "prompt_embed_cache.py"
     before = _sha(installed_module)
-    copy = background.scratch_dir("upstream") / "vllm_omni"
+    copy = scratch / "vllm_omni"
     shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
     first = _run_check(copy)
     seen_after_first = (
@@ -126,13 +124,14 @@ def check_three_times() -> CheckRuns:
 
 
 @pytest.fixture(scope="module")
-def check_runs() -> CheckRuns:
-    return background.result("upstream: check.sh", check_three_times)
+def check_runs(tmp_path_factory: pytest.TempPathFactory) -> CheckRuns:
+    """The three runs of check.sh, once for the module: both tests below read them."""
+    return check_three_times(tmp_path_factory.mktemp("upstream"))
 
 
 def test_check_script_on_a_copy_of_the_installed_package(check_runs) -> None:
-    """The three runs of check.sh run in the background lane, in this order, before the assertions
-    (see ``check_three_times``); what the first left in the copy is read right after it."""
+    """The three runs of check.sh run in this order before the assertions (see ``check_three_times``);
+    what the first left in the copy is read right after it."""
     result, before = check_runs.first, check_runs.installed_before
 
     # A wheel's tree: no upstream test file, ours only.
@@ -164,10 +163,9 @@ def test_check_script_on_a_copy_of_the_installed_package(check_runs) -> None:
     assert "ModuleNotFoundError: No module named 'no_such_module'" in result.stdout
 
 
-def rollout_on_the_checked_copy() -> tuple[subprocess.CompletedProcess, str | None]:
+def rollout_on_the_checked_copy(copy: Path, scratch: Path) -> tuple[subprocess.CompletedProcess, str | None]:
     """Run ``benchmarks/upstream_rollout.py`` on the checked copy; return the run and its table (None if unwritten)."""
-    copy = check_three_times().copy
-    table = background.scratch_dir("upstream-rollout") / "rollout.md"
+    table = scratch / "rollout.md"
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "upstream_rollout.py"
     arguments = [str(copy), "--prompts", "2", "--group-size", "4", "--steps", "2", "--write", str(table)]
     run = subprocess.run(
@@ -175,18 +173,16 @@ def rollout_on_the_checked_copy() -> tuple[subprocess.CompletedProcess, str | No
         capture_output=True,
         text=True,
         timeout=600,
-        env=background.environment(),
+        env=dict(os.environ),
     )
     return run, table.read_text() if table.is_file() else None
 
 
 @pytest.mark.engine
-def test_the_proposed_module_serves_a_rollout_through_the_real_engine(check_runs) -> None:
-    """vLLM-Omni's own runner installs the proposed module (plugin off); the patched worker clears it on sleep.
-
-    The rollout's process runs in the background lane after the check runs (``rollout_on_the_checked_copy``)."""
+def test_the_proposed_module_serves_a_rollout_through_the_real_engine(check_runs, tmp_path) -> None:
+    """vLLM-Omni's own runner installs the proposed module (plugin off); the patched worker clears it on sleep."""
     assert check_runs.first.returncode == 0
-    run, report = background.result("upstream: rollout", rollout_on_the_checked_copy)
+    run, report = rollout_on_the_checked_copy(check_runs.copy, tmp_path)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     # 2 prompts x 4 siblings, each with the shared negative prompt: 16 calls, 3 distinct prompts.
     assert "| none | 16 | 16 | - | - | - |" in report
@@ -342,14 +338,3 @@ def test_token_id_tensors_hit_except_on_the_stock_module(implementation: ModuleT
     stock = request.node.callspec.params["implementation"] == "stock 0.30"
     assert TokenIdPipeline.calls == (8 if stock else 1)
     assert cache.stats()["bypassed"] == (8 if stock else 0)
-
-
-#: The three runs, then the rollout on the copy, start in the background lane when the suite starts
-#: (see background.py). Both jobs run there, one after the other: ``check_three_times`` runs once.
-BACKGROUND_JOBS = {
-    "test_check_script_on_a_copy_of_the_installed_package": ("upstream: check.sh", check_three_times),
-    "test_the_proposed_module_serves_a_rollout_through_the_real_engine": (
-        "upstream: rollout",
-        rollout_on_the_checked_copy,
-    ),
-}
