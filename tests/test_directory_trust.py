@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tiers import _key_of, encode, files, process, reference, same
+from test_tiers import _key_of, _write, encode, files, process, reference, same
 
 from vllm_omni_prompt_cache.config import (
     DIRECTORY,
@@ -30,7 +30,7 @@ from vllm_omni_prompt_cache.config import (
 )
 from vllm_omni_prompt_cache.directory_tier import NOT_A_FILE, SIGNATURE, SUFFIX, TOO_LARGE, UNSIGNED, identity_name
 from vllm_omni_prompt_cache.directory_trust import KEY_ENV, sign, signature_valid
-from vllm_omni_prompt_cache.keys import freeze_witness
+from vllm_omni_prompt_cache.keys import CallKey, freeze_witness
 from vllm_omni_prompt_cache.vllm_omni.cli_args import add_prompt_cache_arguments
 
 KEY = b"7f3a1c9e5b2d4f6a8c0e1b3d5f7a9c2e"
@@ -48,7 +48,7 @@ def plant(root: Path, index: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]
     planter, cache = process(root, **kwargs)
     identity, witness = _key_of(planter, index)
     wrong = tuple(torch.zeros_like(tensor) for tensor in reference(index))
-    cache.directory.save(identity, freeze_witness(witness), wrong)
+    _write(cache.directory, identity, freeze_witness(witness), wrong)
     return wrong
 
 
@@ -103,7 +103,7 @@ def test_a_link_planted_where_an_entry_would_be_is_never_followed(tmp_path) -> N
     assert outside.is_file()  # the target untouched
     fifo = link.with_name(identity_name("a pipe") + SUFFIX)  # a plain open() of a pipe blocks
     os.mkfifo(fifo)
-    assert cache.directory.load("a pipe", (), claim=False) == (False, None)
+    assert cache.directory.get(CallKey("a pipe", ()), claim=False) == (False, None)
     assert cache.snapshot().dir_rejections == {NOT_A_FILE: 2} and not fifo.exists()
 
 
@@ -112,7 +112,7 @@ def test_files_and_directories_are_not_writable_by_group_or_others(tmp_path) -> 
     try:
         writer, cache = process(tmp_path / "root")
         encode(writer, 0)
-        cache.directory.load(*_key_of(writer, 1))  # leaves a claim file
+        cache.directory.get(_key_of(writer, 1))  # leaves a claim file
     finally:
         os.umask(old)
     namespace = cache.directory.root / cache.directory.namespace
@@ -246,11 +246,12 @@ def test_a_pipe_or_link_planted_while_a_process_waits_for_a_claim_is_never_opene
     of the wait.
     """
     holder, holder_cache = process(tmp_path)
-    identity, witness = _key_of(holder, 0)
-    assert holder_cache.directory.load(identity, witness) == (False, None)  # claims prompt 0, encodes "later"
+    key = _key_of(holder, 0)
+    identity = key.identity
+    assert holder_cache.directory.get(key) == (False, None)  # claims prompt 0, encodes "later"
     waiter, cache = process(tmp_path, directory_key=None)
     tier = cache.directory
-    tier.claim_wait_s = 1.0
+    tier.claims.wait_s = 1.0
     path = tier.root / tier.namespace / (identity_name(identity) + SUFFIX)
     try_claim = tier.claims.try_claim
 

@@ -52,7 +52,7 @@ def test_a_writer_killed_between_its_temporary_file_and_the_rename(tmp_path) -> 
     began = time.monotonic()
     assert same(encode(reader, 0), reference(0)) and reader.encoder_runs == 1
     assert time.monotonic() - began < 5  # the dead writer's claim was not waited for
-    assert cache.directory.first_scan.wait(10)  # the first use's background removal of leftovers
+    assert cache.directory.budget.first_scan.wait(10)  # the first use's background removal of leftovers
     stats = cache.snapshot()
     # The claim is taken over by the miss or removed by the scan, whichever comes first; the temporary
     # file only by the scan.
@@ -70,11 +70,11 @@ def test_a_claimer_stopped_while_another_process_waits_delays_it_but_never_block
         day = 86_400
         os.utime(claim, (time.time() + day, time.time() + day))  # and a clock a day ahead where it was made
         waiter, cache = process(tmp_path)
-        cache.directory.claim_wait_s = 1.0
+        cache.directory.claims.wait_s = 1.0
         began = time.monotonic()
         assert same(encode(waiter, 0), reference(0)) and waiter.encoder_runs == 1
         waited = time.monotonic() - began
-        assert 0.9 <= waited < 6  # waited its claim_wait_s for a live claimer, however young the claim looked
+        assert 0.9 <= waited < 6  # waited its claims.wait_s for a live claimer, however young the claim looked
         stats = cache.snapshot()
         assert (stats.dir_wait_timeouts, stats.dir_stale_claims, stats.dir_hits) == (1, 0, 0)
         os.utime(claim, (time.time() - 60, time.time() - 60))  # a clock a minute behind: an old claim
@@ -82,7 +82,7 @@ def test_a_claimer_stopped_while_another_process_waits_delays_it_but_never_block
         (path,) = files(tmp_path)
         path.unlink()  # the waiter's file gone: the late process misses and meets the old claim
         began = time.monotonic()
-        assert cache.directory.load(*_key_of(late, 0)) == (False, None)  # a miss, the claim now its own
+        assert cache.directory.get(_key_of(late, 0)) == (False, None)  # a miss, the claim now its own
         assert time.monotonic() - began < 5 and cache.snapshot().dir_stale_claims == 1  # taken over at once
         (claim,) = tmp_path.glob("*/*.claim")
         late_claim = claim.read_text()

@@ -164,7 +164,7 @@ def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_pa
         )
         assert counted["dir_stale_claims_total"] >= len(PROMPTS) - 1 and time.monotonic() - began < 10
         next_process = DirectoryTier(root, None, lambda: "only scanning")  # its rescan, as any process's
-        next_process.enforce_budget()
+        next_process.budget.enforce()
         assert next_process.leftovers_removed >= len(PROMPTS) - 1
         assert leftovers(root) == [], [path.name for path in leftovers(root)]
 

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -31,8 +32,11 @@ from vllm_omni_prompt_cache.directory_tier import (
     WITNESS,
     DirectoryTier,
 )
-from vllm_omni_prompt_cache.keys import CallKeyBuilder
+from vllm_omni_prompt_cache.entries import Entry
+from vllm_omni_prompt_cache.flights import Ticket
+from vllm_omni_prompt_cache.keys import CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.layouts import TOKEN_IDS
+from vllm_omni_prompt_cache.tiers import Stamp
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import release_device_memory
 
@@ -263,8 +267,8 @@ def test_concurrent_writers_and_readers_of_one_key_never_see_a_partial_file(tmp_
 
     def hammer(tier: DirectoryTier) -> None:
         for _ in range(40):
-            tier.save(key.identity, witness, expected)
-            found, value = tier.load(key.identity, key.witness)
+            _write(tier, key.identity, witness, expected)
+            found, value = tier.get(key)
             if not found or not same(value, expected):
                 failures.append("a writer's own read missed or differed")
 
@@ -388,16 +392,16 @@ def test_two_processes_missing_one_prompt_at_once_encode_it_once(tmp_path, monke
 
 def test_a_claim_that_is_never_released_delays_a_miss_but_never_blocks_it(tmp_path) -> None:
     crashed, crashed_cache = process(tmp_path)
-    crashed_cache.directory.load(*_key_of(crashed, 0))  # claims prompt 0, then "crashes" before encoding
+    crashed_cache.directory.get(_key_of(crashed, 0))  # claims prompt 0, then "crashes" before encoding
     assert len(list(tmp_path.glob("*/*.claim"))) == 1
     waiter, cache = process(tmp_path)
-    cache.directory.claim_wait_s = 0.2
+    cache.directory.claims.wait_s = 0.2
     (claim,) = tmp_path.glob("*/*.claim")
     os.utime(claim)  # claimed just now: the waiter waits its 0.2 s
     began = time.monotonic()
     assert same(encode(waiter, 0), reference(0))
     assert 0.15 <= time.monotonic() - began < 5 and waiter.encoder_runs == 1
-    crashed_cache.directory.load(*_key_of(crashed, 1))  # another claim left behind, found old
+    crashed_cache.directory.get(_key_of(crashed, 1))  # another claim left behind, found old
     (claim,) = tmp_path.glob("*/*.claim")
     os.utime(claim, (time.time() - 60, time.time() - 60))
     later, _ = process(tmp_path)  # waits up to 10 s for a live claim
@@ -407,10 +411,16 @@ def test_a_claim_that_is_never_released_delays_a_miss_but_never_blocks_it(tmp_pa
     assert not list(tmp_path.glob("*/*.claim"))
 
 
-def _key_of(pipeline: TokenIdTextPipeline, index: int) -> tuple:
+def _key_of(pipeline: TokenIdTextPipeline, index: int) -> CallKey:
     builder = CallKeyBuilder(inspect.signature(pipeline._prompt_embed_cache_original_fn), "TokenIdTextPipeline")
-    key = builder.build((PROMPTS[index], torch.ones_like(PROMPTS[index])), {})
-    return key.identity, key.witness
+    return builder.build((PROMPTS[index], torch.ones_like(PROMPTS[index])), {})
+
+
+def _write(
+    tier: DirectoryTier, identity: tuple, witness: tuple[bytes, ...], value: Any, epoch: int | None = None
+) -> None:
+    """Write an entry's file as the write-through of an encode begun at ``epoch`` (None: now) does."""
+    tier.put(identity, Entry(value, witness, 0), Stamp(Ticket(), tier.epoch if epoch is None else epoch))
 
 
 def test_a_stage_of_several_ranks_keeps_the_directory_off_and_the_host_tier_on(tmp_path, caplog) -> None:
@@ -450,7 +460,7 @@ def test_sleep_level_one_keeps_entries_in_host_memory_and_level_two_clears_every
     encode(pipeline, 0)
     assert sleep(worker, level=2) == 2
     assert (len(cache), len(cache.host)) == (0, 0)
-    assert cache.directory.namespace_state.current is None  # fingerprinted again on next use
+    assert cache.directory.current_namespace is None  # fingerprinted again on next use
     assert cache.directory.namespace == namespace  # the same weights came back: the same files
 
 
@@ -489,16 +499,15 @@ def test_a_host_copy_that_fails_drops_the_entry_and_raises_nothing(monkeypatch) 
 def test_an_entry_leaving_device_memory_before_a_clear_never_arrives_after_it() -> None:
     """The host copy runs outside the store's lock; a clear() meanwhile makes the entry stale: the
     ticket it left under goes stale (as PromptEmbedCache.clear() does, before the host tier empties)."""
-    from vllm_omni_prompt_cache.flights import Ticket
     from vllm_omni_prompt_cache.host_tier import HostTier
 
     host = HostTier(2**20)
     ticket = Ticket()  # the store's ticket when the entry left device memory
     ticket.weights.stale = True  # new weights, while the copy was running
     host.clear()
-    host.put(("tag", "prompt"), torch.ones(2), None, 8, ticket)
+    host.put(("tag", "prompt"), Entry(torch.ones(2), None, 8), Stamp(ticket, 0))
     assert len(host) == 0 and host.demotions == 0
-    host.put(("tag", "prompt"), torch.ones(2), None, 8, Ticket())
+    host.put(("tag", "prompt"), Entry(torch.ones(2), None, 8), Stamp(Ticket(), 0))
     assert len(host) == 1
 
 
@@ -532,19 +541,19 @@ def test_a_result_encoded_before_new_weights_is_never_written_under_their_namesp
     tier = cache.directory
     identity, witness = _key_of(pipeline, 0)
     epoch = tier.epoch  # when the encode began
-    tier.invalidate()  # new weights arrive before the write
-    tier.save(identity, tuple(part.tobytes() for part in witness), reference(0), epoch)
+    tier.clear()  # new weights arrive before the write
+    _write(tier, identity, tuple(part.tobytes() for part in witness), reference(0), epoch)
     assert files(tmp_path) == []
-    tier.save(identity, tuple(part.tobytes() for part in witness), reference(0), tier.epoch)
+    _write(tier, identity, tuple(part.tobytes() for part in witness), reference(0), tier.epoch)
     assert len(files(tmp_path)) == 1
 
 
 def test_empty_key_bytes_are_stored_and_checked(tmp_path) -> None:
     _, cache = process(tmp_path)
     identity = ("tiny", ("tensor", torch.int64, torch.Size([1, 0]), b"digest"))
-    cache.directory.save(identity, (b"",), (torch.zeros(1, 0, 4),))
-    assert cache.directory.load(identity, (b"",), claim=False)[0]
-    assert not cache.directory.load(identity, (b"x",), claim=False)[0]  # other bytes: refused
+    _write(cache.directory, identity, (b"",), (torch.zeros(1, 0, 4),))
+    assert cache.directory.get(CallKey(identity, (b"",)), claim=False)[0]
+    assert not cache.directory.get(CallKey(identity, (b"x",)), claim=False)[0]  # other bytes: refused
     assert cache.snapshot().dir_write_errors == 0
 
 
@@ -671,13 +680,14 @@ def test_weights_offloaded_layer_by_layer_are_not_fingerprinted(tmp_path) -> Non
 def test_an_encode_voided_by_a_clear_keeps_its_hands_off_the_next_encodes_claim(tmp_path) -> None:
     pipeline, cache = process(tmp_path)
     tier = cache.directory
-    tier.claim_wait_s = 0.2
-    identity, witness = _key_of(pipeline, 0)
+    tier.claims.wait_s = 0.2
+    key = _key_of(pipeline, 0)
+    identity = key.identity
     old_epoch = tier.epoch
-    assert not tier.load(identity, witness, epoch=old_epoch)[0]  # claims it; then a clear voids the encode
+    assert not tier.get(key, epoch=old_epoch)[0]  # claims it; then a clear voids the encode
     cache.clear()  # same weights: the same namespace, the same claim file
     new_epoch = tier.epoch
-    assert not tier.load(identity, witness, epoch=new_epoch)[0]  # the next encode takes the claim over
+    assert not tier.get(key, epoch=new_epoch)[0]  # the next encode takes the claim over
     (claim,) = tmp_path.glob("*/*.claim")
     tier.release(identity, old_epoch)  # the voided encode ends
     assert claim.exists()  # the next encode's claim stays

@@ -55,9 +55,7 @@ def turn_off(cache: Any, kind: type, tag: str, why: str) -> str:
     with _lock:
         first = kind not in FAILED_CLASSES
         FAILED_CLASSES.setdefault(kind, reason)
-    cache.off_reason = reason
-    cache.enabled = False
-    cache.clear()
+    cache.turn_off(reason)
     if cache.directory is not None:
         cache.directory.disable("an audit found a wrong entry in this process")
     if first:

@@ -15,6 +15,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from vllm_omni_prompt_cache.directory_claims import abandoned_claim, remove_file
@@ -38,21 +39,23 @@ _CLAIM_NAME = re.compile(r"^[0-9a-f]{40}\.claim$")
 
 
 class DirectoryBudget:
-    """This package's files under ``root`` within ``max_bytes`` (None: no limit), as this process counts."""
+    """This package's files under ``root`` within ``max_bytes`` (None: no limit), as this process counts.
 
-    def __init__(self, root: Path, max_bytes: int | None) -> None:
+    ``count(name, amount)`` adds to the tier's counts: ``evictions`` (files removed to stay within
+    ``max_bytes``) and ``leftovers_removed`` (temporary and claim files of crashed processes).
+    """
+
+    def __init__(self, root: Path, max_bytes: int | None, count: Callable[[str, int], None]) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self._count = count
         self._lock = threading.Lock()
         self._scanned_bytes: int | None = None  # this package's files under root at the last rescan
         self._written_since_scan = 0
         self._writes_since_scan = 0
         self._scanned_once = False  # the first use removes crashed processes' leftovers, in the background
-        self.first_scan = threading.Event()
-        # Counts since the budget was made, read by the store's snapshot through the tier.
-        self.evictions = 0  # files removed to stay within max_bytes
+        self.first_scan = threading.Event()  # set once the first use's removal of leftovers ended
         self.files = 0  # this package's files under root at the last rescan
-        self.leftovers_removed = 0  # temporary and claim files of crashed processes removed
 
     @property
     def bytes(self) -> int:
@@ -110,8 +113,8 @@ class DirectoryBudget:
             self.files = len(files) - removed
             self._written_since_scan = 0
             self._writes_since_scan = 0
-            self.evictions += removed
-            self.leftovers_removed += leftovers
+        self._count("evictions", removed)
+        self._count("leftovers_removed", leftovers)
 
     def remove_leftovers_once(self, namespace: str) -> None:
         """On first use, remove in the background what crashed processes left in ``namespace`` (a claim of
@@ -134,8 +137,7 @@ class DirectoryBudget:
         except OSError:
             pass
         finally:
-            with self._lock:
-                self.leftovers_removed += removed
+            self._count("leftovers_removed", removed)
             self.first_scan.set()
 
 

@@ -36,20 +36,22 @@ class Claims:
     encode began in and the key identity), so an encode voided by a clear never releases the claim
     of the encode that replaced it. ``read_entry(path)`` returns an entry file's bytes, or None when
     there is none usable, as carefully as any read of the directory. ``modes``: how claim files are
-    created (see :mod:`.directory_trust`).
+    created (see :mod:`.directory_trust`). ``count(name, amount)`` adds to the tier's counts:
+    ``stale_claims`` (claims of a process that is gone, or silent for :attr:`wait_s`, taken over) and
+    ``wait_timeouts`` (waits for another process's encode that ended without its file).
     """
 
-    def __init__(self, modes: Modes, read_entry: Callable[[Path], bytes | None]) -> None:
+    def __init__(
+        self, modes: Modes, read_entry: Callable[[Path], bytes | None], count: Callable[[str, int], None]
+    ) -> None:
         self.modes = modes
         self._read_entry = read_entry
+        self._count = count
         self._lock = threading.Lock()
         # The claim files this process holds, by claim key, and what it wrote in each (a claim taken
         # over by another process is not this one's).
         self._held: dict[Hashable, tuple[Path, str]] = {}
-        self.wait_s = CLAIM_WAIT_S
-        # Counts since the claims were made, read by the store's snapshot through the tier.
-        self.stale_claims = 0  # claims of a process that is gone (or of one silent for wait_s), taken over
-        self.wait_timeouts = 0  # waits for another process's encode that ended without its file
+        self.wait_s = CLAIM_WAIT_S  # how long a miss waits for another process's encode of its entry
 
     def try_claim(self, claim_key: Hashable, entry: Path) -> bool | None:
         """Create the entry's claim file: True if this process now holds it, False if another does, None
@@ -58,8 +60,7 @@ class Claims:
         claim = entry.with_suffix(CLAIM_SUFFIX)
         abandoned = abandoned_claim(claim, self.wait_s)
         if abandoned is not None and _remove_claim(claim, abandoned):
-            with self._lock:
-                self.stale_claims += 1
+            self._count("stale_claims", 1)
         tag = f"{owner_tag()} {uuid.uuid4().hex}"  # whose claim, and which one of theirs
         try:
             fd = self.modes.create(claim)
@@ -98,8 +99,7 @@ class Claims:
             if data is not None:
                 return data, waited  # the other process finished
             if time.monotonic() >= deadline:
-                with self._lock:
-                    self.wait_timeouts += 1
+                self._count("wait_timeouts", 1)
                 return None, waited
             waited = True
             time.sleep(delay)

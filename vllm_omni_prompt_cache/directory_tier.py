@@ -29,7 +29,7 @@ Safety, since several replicas, restarted engines and other nodes may use one di
 The byte budget covers this package's files under the root, every namespace; a rescan removes
 the least recently used files (a hit refreshes a file's modification time) and crashed writers'
 leftovers, and touches nothing else (see :mod:`.directory_budget`). Which namespace is in use,
-and whether any, is :class:`NamespaceState`'s.
+and whether any, is :class:`Namespaced`'s.
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ from vllm_omni_prompt_cache.directory_trust import (
     signature_valid,
     writable_by_others,
 )
-from vllm_omni_prompt_cache.keys import witness_matches
+from vllm_omni_prompt_cache.entries import Entry
+from vllm_omni_prompt_cache.keys import CallKey, witness_matches
 from vllm_omni_prompt_cache.logs import warn_once
+from vllm_omni_prompt_cache.tiers import Keeps, Stamp
 
 logger = logging.getLogger(__name__)
 
@@ -262,41 +264,37 @@ def _warn_untrusted(how: str) -> None:
     )
 
 
-def _forwarded(part: str, name: str, doc: str) -> property:
-    """Return a property of the tier that reads and sets ``name`` of its ``part``: one place holds each."""
-    return property(
-        lambda tier: getattr(getattr(tier, part), name),
-        lambda tier, value: setattr(getattr(tier, part), name, value),
-        doc=doc,
-    )
+class Namespaced:
+    """Which namespace a tier's entries go under now, if any: ``fingerprint()`` digested once per epoch.
 
-
-class NamespaceState:
-    """Which namespace this process's entries go under now, if any: ``fingerprint()`` (see
-    :class:`DirectoryTier`) digested once per epoch. :attr:`epoch` counts what voids results being
-    encoded (new weights, a suspend or resume, the tier turned off), so a result computed before
-    one is never written under the namespace after it. ``describe(namespace, text)`` is called
-    with the text a new namespace digests, this state's lock held (a use of the namespace waits).
+    :attr:`epoch` counts what voids results being encoded (new weights, a suspend or resume, the tier
+    turned off), so a result computed before one is never written under the namespace after it.
+    :meth:`_describe` is called with the text a new namespace digests, the namespace lock held (a use
+    of the namespace waits).
     """
 
-    def __init__(self, fingerprint: Callable[[], dict[str, Any] | str], describe: Callable[[str, str], None]) -> None:
+    def __init__(self, fingerprint: Callable[[], dict[str, Any] | str]) -> None:
         self._fingerprint = fingerprint
-        self._describe = describe
-        self._lock = threading.Lock()
-        self.epoch = 0  # bumped by invalidate(), suspend(), resume() and disable()
-        self.current: str | None = None  # the namespace of this epoch, once computed
+        self._namespace_lock = threading.Lock()
+        self.epoch = 0  # bumped by clear(), suspend(), resume() and disable()
+        self.current_namespace: str | None = None  # the namespace of this epoch, once computed
         self._off_reason: str | None = None  # set by disable(): for the rest of this tier's life
-        self._unavailable: str | None = None  # the fingerprint's reason, until invalidate()
+        self._unavailable: str | None = None  # the fingerprint's reason, until clear()
         self._suspended = 0  # suspend() calls not yet resumed: weights are changing
 
-    def at(self, epoch: int | None) -> str | None:
-        """Return the namespace, or None when unusable or when ``epoch`` is not the current one."""
-        with self._lock:
+    @property
+    def namespace(self) -> str | None:
+        """Return this process's namespace (a hex digest), computing it if needed; None when unusable."""
+        return self.namespace_at(None)
+
+    def namespace_at(self, epoch: int | None) -> str | None:
+        """Return the namespace, or None when unusable or when ``epoch`` is not the current one (None: now)."""
+        with self._namespace_lock:
             if self._off_reason is not None or self._unavailable is not None or self._suspended:
                 return None
             if epoch is not None and epoch != self.epoch:
                 return None  # the weights changed since the caller's encode began
-            if self.current is None:
+            if self.current_namespace is None:
                 try:
                     described = self._fingerprint()
                     text = described if isinstance(described, str) else json.dumps(described, sort_keys=True)
@@ -306,35 +304,39 @@ class NamespaceState:
                     self._unavailable = described
                     logger.warning("Prompt-embed cache: directory tier unused: %s.", described)
                     return None
-                self.current = hashlib.sha256(text.encode()).hexdigest()[:32]
-                self._describe(self.current, text)
-            return self.current
+                self.current_namespace = hashlib.sha256(text.encode()).hexdigest()[:32]
+                self._describe(self.current_namespace, text)
+            return self.current_namespace
 
-    def invalidate(self) -> None:
-        """Forget the namespace: what produces entries changed (new text-encoder weights)."""
-        with self._lock:
+    def _describe(self, namespace: str, description: str) -> None:
+        """Record what produced a new namespace's entries (``description``, what it digests)."""
+
+    def clear(self) -> None:
+        """Forget the namespace: what produces entries changed (new text-encoder weights). The files of the
+        old one stay, for processes still on those weights; this one never reads them again."""
+        with self._namespace_lock:
             self.epoch += 1
-            self.current = None
+            self.current_namespace = None
             self._unavailable = None
 
     def suspend(self) -> None:
         """Neither read nor write until :meth:`resume`: text-encoder weights are changing, and what is
         encoded meanwhile belongs to no namespace."""
-        with self._lock:
+        with self._namespace_lock:
             self._suspended += 1
             self.epoch += 1
 
     def resume(self) -> None:
         """End a :meth:`suspend`; the next use fingerprints the weights again."""
-        with self._lock:
+        with self._namespace_lock:
             self._suspended = max(0, self._suspended - 1)
             self.epoch += 1
-            self.current = None
+            self.current_namespace = None
             self._unavailable = None
 
     def disable(self, reason: str) -> None:
         """Stop using the directory for the rest of this tier's life (say why, once)."""
-        with self._lock:
+        with self._namespace_lock:
             if self._off_reason is None:
                 logger.warning("Prompt-embed cache: directory tier off for this pipeline: %s.", reason)
                 self._off_reason = reason
@@ -346,17 +348,20 @@ class NamespaceState:
         return self._off_reason or self._unavailable
 
 
-class DirectoryTier:
-    """Entries as files under ``root``, within ``max_bytes`` (None: no limit).
+class DirectoryTier(Namespaced):
+    """Entries as files under ``root``, within ``max_bytes`` (None: no limit): a :class:`~.tiers.Tier`
+    that keeps every encoded entry.
 
     ``fingerprint()`` returns a JSON-able description of what produces this process's entries, or a
-    string saying why there is none (then the tier is unused until :meth:`invalidate`). It runs
-    on first use and again after each :meth:`invalidate` (new weights); :attr:`epoch` counts the
-    invalidations, so a result computed before one is never written under the namespace after it.
+    string saying why there is none (then the tier is unused until :meth:`clear`). It runs on first
+    use and again after each :meth:`clear` (new weights); see :class:`Namespaced`.
     ``local_device(recorded)`` maps the device a file's tensor was encoded on to this process's.
     ``key``: the signing key (None: files are neither signed nor required to be); ``modes``: how
-    directories and files are created (see :mod:`.directory_trust`).
+    directories and files are created (see :mod:`.directory_trust`). Its :attr:`budget` keeps the
+    files within ``max_bytes``; its :attr:`claims` are the entries this process is encoding.
     """
+
+    keeps = Keeps.ENCODES
 
     def __init__(
         self,
@@ -368,54 +373,34 @@ class DirectoryTier:
         key: bytes | None = None,
         modes: Modes = PRIVATE,
     ) -> None:
+        super().__init__(fingerprint)
         self.root = Path(root)
         self._key = key
         self.modes = modes
-        self.budget = DirectoryBudget(self.root, max_bytes)
-        self.claims = Claims(modes, self._read_if_there)
-        self.namespace_state = NamespaceState(fingerprint, self._describe)
+        self.budget = DirectoryBudget(self.root, max_bytes, self._count)
+        self.claims = Claims(modes, self._read_if_there, self._count)
         self._description = ""  # what produced the namespace's entries (its NAMESPACE.json)
         self.local_device = local_device
         self._lock = threading.Lock()
-        # Counts since the tier was made, read by the store's snapshot (with those forwarded below).
+        # Counts since the tier was made, read by the store's snapshot; its budget and claims count here too.
         self.hits = 0
         self.misses = 0
         self.waits = 0  # hits that waited for another process's encode of the same entry
         self.writes = 0
         self.write_errors = 0  # writes that failed or were refused (too large for the budget)
         self.rejections: Counter[str] = Counter()  # files removed on read, by reason
+        self.evictions = 0  # files removed to stay within max_bytes
+        self.leftovers_removed = 0  # crashed writers' temporary and claim files removed
+        self.stale_claims = 0  # claims of a gone (or silent) process, taken over
+        self.wait_timeouts = 0  # waits for another process's encode that ended without its file
 
-    # What the budget and the claims hold, as the tier's own: the store's snapshot reads them here.
-    max_bytes = _forwarded("budget", "max_bytes", "The byte budget of files under the root (None: no limit).")
-    bytes = _forwarded(
-        "budget", "bytes", "Bytes of files under the root: the last rescan, this process's writes since."
-    )
-    files = _forwarded("budget", "files", "This package's files under the root at the last rescan.")
-    evictions = _forwarded("budget", "evictions", "Files removed to stay within max_bytes.")
-    leftovers_removed = _forwarded("budget", "leftovers_removed", "Crashed writers' temporary and claim files removed.")
-    first_scan = _forwarded("budget", "first_scan", "Set once the first use's removal of leftovers ended.")
-    claim_wait_s = _forwarded("claims", "wait_s", "How long a miss waits for another process's encode of its entry.")
-    stale_claims = _forwarded("claims", "stale_claims", "Claims of a gone (or silent) process, taken over.")
-    wait_timeouts = _forwarded("claims", "wait_timeouts", "Waits for another process that ended without its file.")
-
-    @property
-    def namespace(self) -> str | None:
-        """Return this process's namespace (a hex digest), computing it if needed; None when unusable."""
-        return self.namespace_state.at(None)
-
-    @property
-    def epoch(self) -> int:
-        """Return the count of changes to what produces entries (see :class:`NamespaceState`)."""
-        return self.namespace_state.epoch
-
-    @property
-    def off_reason(self) -> str | None:
-        """Why the tier is off or unused now, or None while it is in use."""
-        return self.namespace_state.off_reason
+    def _count(self, name: str, amount: int = 1) -> None:
+        """Add ``amount`` to the count ``name``."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
 
     def _describe(self, namespace: str, description: str) -> None:
-        """Write ``NAMESPACE.json`` (what produced the namespace's files), for people; the namespace
-        state's lock held."""
+        """Write ``NAMESPACE.json`` (what produced the namespace's files), for people; the namespace lock held."""
         self._description = description
         directory = self.root / namespace
         try:
@@ -431,60 +416,39 @@ class DirectoryTier:
                     _warn_untrusted(how)
                     break
 
-    def invalidate(self) -> None:
-        """Forget the namespace: what produces entries changed (new text-encoder weights)."""
-        self.namespace_state.invalidate()
-
-    def suspend(self) -> None:
-        """Neither read nor write until :meth:`resume`: text-encoder weights are changing, and what is
-        encoded meanwhile belongs to no namespace."""
-        self.namespace_state.suspend()
-
-    def resume(self) -> None:
-        """End a :meth:`suspend`; the next use fingerprints the weights again."""
-        self.namespace_state.resume()
-
-    def disable(self, reason: str) -> None:
-        """Stop using the directory for the rest of this tier's life (say why, once)."""
-        self.namespace_state.disable(reason)
-
     def _path(self, namespace: str, identity: Hashable) -> Path:
         return self.root / namespace / (identity_name(identity) + SUFFIX)
 
-    def load(
-        self, identity: Hashable, witness: tuple, *, claim: bool = True, epoch: int | None = None
-    ) -> tuple[bool, Any]:
-        """Return ``(True, value)`` from the identity's file, or ``(False, None)``; never raises.
+    def get(self, key: CallKey, *, claim: bool = True, epoch: int | None = None) -> tuple[bool, Any]:
+        """Return ``(True, value)`` from the key's file, or ``(False, None)``; never raises.
 
         ``claim``: the caller encodes on a miss. It then holds the entry's claim when it got it:
-        until it saves or :meth:`release`-s with the same ``epoch`` (the tier's epoch when its encode
+        until it puts or :meth:`release`-s with the same ``epoch`` (the tier's epoch when its encode
         began; None: now), other processes missing the same entry wait for its file.
         """
         try:
-            return self._load(identity, witness, claim, self.epoch if epoch is None else epoch)
+            return self._get(key.identity, key.witness, claim, self.epoch if epoch is None else epoch)
         except Exception as error:  # a bug or an environment we did not foresee: a miss, said once
             warn_once(f"a directory read failed ({type(error).__qualname__}: {error}); encoding instead")
-            with self._lock:
-                self.misses += 1
+            self._count("misses")
             return False, None
 
-    def _load(self, identity: Hashable, witness: tuple, claim: bool, epoch: int) -> tuple[bool, Any]:
-        namespace = self.namespace_state.at(epoch)
+    def _get(self, identity: Hashable, witness: tuple, claim: bool, epoch: int) -> tuple[bool, Any]:
+        namespace = self.namespace_at(epoch)
         if namespace is None:
             return False, None
         self.budget.remove_leftovers_once(namespace)
         path = self._path(namespace, identity)
         waited = False
         try:
-            data = _read(path, self.max_bytes, self._key)
+            data = _read(path, self.budget.max_bytes, self._key)
         except _Rejected as rejected:
             self._reject((epoch, identity), path, str(rejected), claim)
             return False, None
         except OSError:  # absent, or removed by another process meanwhile
             data, waited = self.claims.claim_or_wait((epoch, identity), path) if claim else (None, False)
             if data is None:
-                with self._lock:
-                    self.misses += 1
+                self._count("misses")
                 return False, None
         try:
             tensors, metadata = _decode(data, namespace, identity, witness, self._key)
@@ -499,8 +463,7 @@ class DirectoryTier:
             placed = [tensor.to(self.local_device(device)) for tensor, device in zip(tensors, devices, strict=True)]
         except Exception as error:
             warn_once(f"a directory entry could not be placed ({type(error).__qualname__}: {error})")
-            with self._lock:
-                self.misses += 1
+            self._count("misses")
             return False, None
         with contextlib.suppress(OSError, NotImplementedError):
             os.utime(path, follow_symlinks=False)  # a hit keeps the file recent for the budget's LRU
@@ -509,20 +472,20 @@ class DirectoryTier:
             self.waits += waited
         return True, _rebuild(json.loads(metadata["structure"]), placed)
 
-    def save(self, identity: Hashable, witness: tuple[bytes, ...], value: Any, epoch: int | None = None) -> None:
-        """Write the entry's file (replacing any), unless the tier was invalidated since ``epoch`` (the
-        epoch when its encode began); release its claim. A failure is counted, never raised."""
+    def put(self, identity: Hashable, entry: Entry, stamp: Stamp) -> None:
+        """Write the entry's file (replacing any; ``entry.witness``: the key's bytes), unless the tier moved
+        on since ``stamp.epoch`` (the epoch when its encode began); release its claim. A failure is
+        counted, never raised."""
         try:
-            self._save(identity, witness, value, epoch)
+            self._write(identity, entry.witness, entry.value, stamp.epoch)
         except Exception as error:
-            with self._lock:
-                self.write_errors += 1
+            self._count("write_errors")
             warn_once(f"a directory write failed ({type(error).__qualname__}: {error}); it stays in memory")
         finally:
-            self.release(identity, epoch)
+            self.release(identity, stamp.epoch)
 
-    def _save(self, identity: Hashable, witness: tuple[bytes, ...], value: Any, epoch: int | None) -> None:
-        namespace = self.namespace_state.at(epoch)
+    def _write(self, identity: Hashable, witness: tuple[bytes, ...], value: Any, epoch: int) -> None:
+        namespace = self.namespace_at(epoch)
         if namespace is None:
             return
         try:
@@ -532,9 +495,8 @@ class DirectoryTier:
         except Unstorable as why:
             self.disable(f"encode_prompt returned {why}, which a file cannot hold")
             return
-        if self.max_bytes is not None and len(data) > LOW_WATER * self.max_bytes:
-            with self._lock:
-                self.write_errors += 1
+        if self.budget.max_bytes is not None and len(data) > LOW_WATER * self.budget.max_bytes:
+            self._count("write_errors")
             warn_once("an entry larger than what the directory's byte budget keeps was not written")
             return
         path = self._path(namespace, identity)
@@ -543,14 +505,12 @@ class DirectoryTier:
                 self._write_atomically(path.parent / "NAMESPACE.json", self._description.encode())
             self._write_atomically(path, data)
         except OSError as error:
-            with self._lock:
-                self.write_errors += 1
+            self._count("write_errors")
             warn_once(f"cannot write to the directory tier ({error}); entries stay in memory")
             return
-        with self._lock:
-            self.writes += 1
+        self._count("writes")
         if self.budget.count_write(len(data)):
-            self.enforce_budget()
+            self.budget.enforce()
 
     def _write_atomically(self, path: Path, data: bytes) -> None:
         """Write ``data`` to a new temporary file named after this process, then rename it over ``path``."""
@@ -565,8 +525,7 @@ class DirectoryTier:
 
     def _reject(self, claim_key: tuple[int, Hashable], path: Path, reason: str, claim: bool) -> None:
         self._discard(path, reason)
-        with self._lock:
-            self.misses += 1
+        self._count("misses")
         if claim:
             self.claims.try_claim(claim_key, path)  # the caller encodes it again: let others wait for that
 
@@ -579,7 +538,7 @@ class DirectoryTier:
     def _read_if_there(self, path: Path) -> bytes | None:
         """Return the file's bytes, or None when there is none; a link or pipe there is removed and counted."""
         try:
-            return _read(path, self.max_bytes, self._key)
+            return _read(path, self.budget.max_bytes, self._key)
         except OSError:
             return None
         except _Rejected as rejected:
@@ -588,9 +547,17 @@ class DirectoryTier:
 
     def release(self, identity: Hashable, epoch: int | None = None) -> None:
         """Give up the entry's claim for an encode that began at ``epoch`` (None: now), if this process
-        holds it (its encode ended, saved or not)."""
+        holds it (its encode ended, written or not)."""
         self.claims.release((self.epoch if epoch is None else epoch, identity))
 
-    def enforce_budget(self) -> None:
-        """Rescan the root now; over budget, remove the least recently used files (see :mod:`.directory_budget`)."""
-        self.budget.enforce()
+    def levels(self) -> dict[str, Any]:
+        """Return the files and bytes under the root (as last counted), the budget, the root and why the tier
+        is unused (None: in use), as :class:`~.stats.CacheStats` fields."""
+        budget = self.budget
+        return {
+            "dir_files": budget.files,
+            "dir_bytes": budget.bytes,
+            "dir_max_bytes": budget.max_bytes,
+            "directory": str(self.root),
+            "dir_off_reason": self.off_reason,
+        }

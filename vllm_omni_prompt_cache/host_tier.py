@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_omni_prompt_cache.entries import LRU
-from vllm_omni_prompt_cache.flights import Ticket
-from vllm_omni_prompt_cache.keys import witness_matches
+from vllm_omni_prompt_cache.entries import LRU, Entry
+from vllm_omni_prompt_cache.keys import CallKey, witness_matches
+from vllm_omni_prompt_cache.logs import warn_once
+from vllm_omni_prompt_cache.tiers import Keeps, Stamp
 from vllm_omni_prompt_cache.values import map_tensors
 
 
@@ -51,7 +52,11 @@ def to_devices(value: Any, devices: tuple[torch.device, ...]) -> Any:
 
 
 class HostTier:
-    """Thread-safe LRU of :class:`HostEntry` values within ``max_bytes``."""
+    """Thread-safe LRU of :class:`HostEntry` values within ``max_bytes``: a :class:`~.tiers.Tier` that keeps
+    the entries leaving device memory."""
+
+    keeps = Keeps.DEPARTURES
+    epoch = 0  # entries made under old weights are voided by the store's tickets (see put)
 
     def __init__(self, max_bytes: int) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
@@ -64,6 +69,58 @@ class HostTier:
         self.demotions = 0  # entries that arrived from the device tier
         self.evictions = 0  # entries dropped to stay within max_bytes (or larger than it)
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def held(self) -> list[HostEntry]:
+        """Return the entries in host memory now, least recently arrived first."""
+        with self._lock:
+            return self._entries.values()
+
+    def get(self, key: CallKey, *, claim: bool = False, epoch: int | None = None) -> tuple[bool, Any]:
+        """Take ``key``'s entry out of host memory, back on the devices it came from: ``(True, value)``, or
+        ``(False, None)`` when absent or of other key bytes. Nothing here is claimed, nor voided by an
+        epoch. Raises when the copy back fails (no device memory left): the entry is gone then."""
+        with self._lock:
+            entry = self._entries.get(key.identity)
+            if entry is None or (entry.witness is not None and not witness_matches(entry.witness, key.witness)):
+                self.misses += 1
+                return False, None
+            self._entries.pop(key.identity)
+            self.hits += 1
+        return True, to_devices(entry.value, entry.devices)
+
+    def put(self, identity: Hashable, entry: Entry, stamp: Stamp) -> None:
+        """Copy an entry leaving the device tier into host memory, then evict the oldest over budget.
+
+        ``stamp``: the store's ticket when the entry left the device tier; a clear() since then made
+        it stale (before emptying this tier), and the entry is dropped. An entry that cannot be copied
+        (no pinned memory left) is dropped too, as without this tier.
+        """
+        if entry.nbytes > self.max_bytes:
+            with self._lock:
+                self.evictions += 1
+            return
+        try:
+            host_value, devices = to_host(entry.value)  # outside the lock: a device-to-host copy
+        except Exception as error:
+            warn_once(f"an entry could not move to host memory ({type(error).__qualname__}); it was dropped")
+            return
+        with self._lock:
+            if stamp.ticket.stale:
+                return
+            self.demotions += 1
+            evicted, _ = self._entries.put(identity, HostEntry(host_value, devices, entry.witness, entry.nbytes))
+            self.evictions += len(evicted)
+
+    def release(self, identity: Hashable, epoch: int) -> None:
+        """Nothing to end: a lookup here claims nothing."""
+
+    def clear(self) -> None:
+        """Drop every entry (they are stale); counts are kept."""
+        with self._lock:
+            self._entries.drain()
+
     @property
     def max_bytes(self) -> int:
         """The byte budget."""
@@ -74,49 +131,6 @@ class HostTier:
         """Bytes held now."""
         return self._entries.bytes
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def held(self) -> list[HostEntry]:
-        """Return the entries in host memory now, least recently arrived first."""
-        with self._lock:
-            return self._entries.values()
-
-    def put(
-        self, identity: Hashable, value: Any, witness: tuple[bytes, ...] | None, nbytes: int, ticket: Ticket
-    ) -> None:
-        """Copy an entry leaving the device tier into host memory, then evict the oldest over budget.
-
-        ``ticket``: the store's ticket when the entry left the device tier; a clear() since then made
-        it stale (before emptying this tier), and the entry is dropped.
-        """
-        if nbytes > self.max_bytes:
-            with self._lock:
-                self.evictions += 1
-            return
-        host_value, devices = to_host(value)  # outside the lock: a device-to-host copy
-        with self._lock:
-            if ticket.stale:
-                return
-            self.demotions += 1
-            evicted, _ = self._entries.put(identity, HostEntry(host_value, devices, witness, nbytes))
-            self.evictions += len(evicted)
-
-    def take(self, identity: Hashable, witness: tuple) -> HostEntry | None:
-        """Remove and return the entry for ``identity`` if its witness matches ``witness`` (None: a miss).
-
-        The returned entry's value is still in host memory: :func:`to_devices` puts it back.
-        """
-        with self._lock:
-            entry = self._entries.get(identity)
-            if entry is None or (entry.witness is not None and not witness_matches(entry.witness, witness)):
-                self.misses += 1
-                return None
-            self._entries.pop(identity)
-            self.hits += 1
-            return entry
-
-    def clear(self) -> None:
-        """Drop every entry (they are stale); counts are kept."""
-        with self._lock:
-            self._entries.drain()
+    def levels(self) -> dict[str, Any]:
+        """Return the entries and bytes held now, and the budget, as :class:`~.stats.CacheStats` fields."""
+        return {"host_entries": len(self), "host_bytes": self.bytes, "host_max_bytes": self.max_bytes}

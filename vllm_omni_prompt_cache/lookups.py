@@ -3,7 +3,8 @@
 Follow a miss here: :meth:`Lookups.claim` finds no entry and begins a flight; :meth:`Lookups.complete`
 looks in the lower tiers (:mod:`.tiers`), encodes when they miss, keeps the entry (evicting what
 the budgets push out, down to host memory), writes it through to the directory, and wakes the
-callers that joined the flight. A hit is :meth:`Lookups.claim` finding a verified entry.
+callers that joined the flight. A hit is :meth:`Lookups.claim` finding a verified entry. Upstream's
+``get`` and ``put`` (:meth:`Lookups.get`, :meth:`Lookups.put`) take the same path without a flight.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from vllm_omni_prompt_cache.counters import Outcome
 from vllm_omni_prompt_cache.entries import LRU, Departures, Entry
 from vllm_omni_prompt_cache.flights import Claim, Flight, Flights, Ticket
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
-from vllm_omni_prompt_cache.tiers import LowerTiers
+from vllm_omni_prompt_cache.tiers import Stamp, Tiers
 from vllm_omni_prompt_cache.values import detach_value
 
 T = TypeVar("T")
@@ -39,7 +40,7 @@ class Lookups:
     counts what an insertion evicted, for the method whose entry it was.
     """
 
-    def __init__(self, entries: LRU[Entry], tiers: LowerTiers, *, verify: bool, record: Record) -> None:
+    def __init__(self, entries: LRU[Entry], tiers: Tiers, *, verify: bool, record: Record) -> None:
         self.entries = entries
         self.flights = Flights()
         self.tiers = tiers
@@ -50,6 +51,38 @@ class Lookups:
         #: encode read state the key does not hold; the caller keeps it under a key that does).
         self.withheld = threading.local()
         self._record = record
+
+    def get(self, key: CallKey | Hashable, method: str) -> tuple[bool, Any]:
+        """Return ``(True, value)`` from ``key``'s verified entry or a lower tier, else ``(False, None)``.
+
+        Upstream's ``get``: no flight, and no claim on the directory (a get need not be followed by a
+        put). A :class:`CallKey` whose entry holds other bytes (a collision) is a miss; lower tiers
+        hold only :class:`CallKey` entries. A value found there is kept again, under ``method``.
+        """
+        identity, witness = (key.identity, key.witness) if type(key) is CallKey else (key, None)
+        with self.lock:
+            entry = self.entries.get(identity)
+            if entry is not None and (
+                entry.witness is None or (witness is not None and witness_matches(entry.witness, witness))
+            ):
+                self.entries.refresh(identity)
+                return True, entry.value
+            stamp = self._stamp()
+        if entry is not None or witness is None:
+            return False, None
+        found, value = self.tiers.get(key, claim=False)
+        if found:
+            self._keep(identity, Entry.of(value, freeze_witness(witness) if self.verify else None), method, stamp)
+        return found, value
+
+    def put(self, key: CallKey | Hashable, value: Any, method: str) -> None:
+        """Keep ``value`` under ``key`` as given (insert or overwrite) and write it through (a :class:`CallKey`'s)."""
+        keyed = type(key) is CallKey
+        entry = Entry.of(value, freeze_witness(key.witness) if keyed and self.verify else None, keyed=keyed)
+        stamp = self._keep(key.identity if keyed else key, entry, method)
+        # A clear() or a sleep since voids the write, as it voids an encode's.
+        if keyed and stamp.ticket is self.ticket:
+            self.tiers.write(key, entry, stamp)
 
     def serve(self, key: CallKey, compute: Callable[[], T], count: CountCall, method: str) -> T:
         """Return the value for ``key``: its entry, another caller's encode of it, or ``compute()`` (once).
@@ -106,7 +139,7 @@ class Lookups:
         flight = self.flights.get(key.identity)
         if flight is None:
             witness = freeze_witness(key.witness) if self.verify else None
-            return Claim.OWN, self.flights.begin(key.identity, witness, self.ticket, self.tiers.directory_epoch())
+            return Claim.OWN, self.flights.begin(key.identity, witness, self.ticket, self.tiers.epoch())
         if flight.witness is not None and not witness_matches(flight.witness, key.witness):
             return Claim.DIRECT, COLLISION_REASON
         if flight.owner == threading.get_ident():
@@ -119,7 +152,7 @@ class Lookups:
         the value and wake the waiters in every case. Returns the value and whether it was encoded."""
         tiers = self.tiers
         try:
-            found, result = tiers.lookup(key, claim=True, epoch=flight.tiers_epoch) if tiers else (False, None)
+            found, result = tiers.get(key, claim=True, epoch=flight.tiers_epoch) if tiers else (False, None)
             if not found:
                 result = compute()
             value = result if found else detach_value(result)
@@ -129,18 +162,11 @@ class Lookups:
             self.abandon([(key, flight)])  # waiters try again; nothing is stored
             tiers.release(key, flight.tiers_epoch)  # other processes waiting for it encode it themselves
             raise
-        with self.lock:
-            self.flights.land(key.identity, flight, value)
-            # A clear() or a sleep meanwhile voids the result (weights may have changed): return it, keep nothing.
-            current = flight.ticket is self.ticket
-            departures = self.keep(key.identity, entry, method) if current else []
-        flight.finish()
-        tiers.demote(departures, flight.ticket)
+        stamp = self._keep(key.identity, entry, method, Stamp(flight.ticket, flight.tiers_epoch), flight)
         withheld = getattr(self.withheld, "active", False)
         self.withheld.active = False
-        if not found and flight.ticket is self.ticket and not withheld:  # files carry the key bytes whatever ``verify``
-            witness = flight.witness if flight.witness is not None else freeze_witness(key.witness)
-            tiers.write(key, witness, value, flight.tiers_epoch)
+        if not found and stamp.ticket is self.ticket and not withheld:
+            tiers.write(key, entry, stamp)
         elif not found:
             tiers.release(key, flight.tiers_epoch)
         return result, not found
@@ -153,9 +179,28 @@ class Lookups:
         for _, flight in flights:
             flight.finish()
 
-    def keep(self, identity: Hashable, entry: Entry, method: str) -> Departures:
-        """Store ``entry`` and count what its insertion pushed out, under ``method``; the lock is held.
-        Returns the entries that left device memory, for the caller to demote once the lock is released."""
+    def _stamp(self) -> Stamp:
+        """Return what entries are made under now; the lock is held."""
+        return Stamp(self.ticket, self.tiers.epoch())
+
+    def _keep(
+        self, identity: Hashable, entry: Entry, method: str, stamp: Stamp | None = None, flight: Flight | None = None
+    ) -> Stamp:
+        """Keep ``entry`` in device memory, made under ``stamp`` (None: now), unless a clear() or a sleep since
+        voided it; land ``flight`` with its value in any case. What the insertion pushed out is counted
+        under ``method`` and goes down to the tiers that keep departures. Returns the stamp."""
+        with self.lock:
+            if flight is not None:
+                self.flights.land(identity, flight, entry.value)
+            stamp = self._stamp() if stamp is None else stamp
+            departures = self._insert(identity, entry, method) if stamp.ticket is self.ticket else []
+        if flight is not None:
+            flight.finish()
+        self.tiers.demote(departures, stamp)
+        return stamp
+
+    def _insert(self, identity: Hashable, entry: Entry, method: str) -> Departures:
+        """Store ``entry`` and count what its insertion pushed out, under ``method``; the lock is held."""
         departures, too_large = self.entries.put(identity, entry)
         if too_large:
             self._record(method, {"oversize_rejections": 1})
@@ -163,19 +208,26 @@ class Lookups:
             self._record(method, {"evictions": len(departures)})
         return departures
 
-    def drop_all(self, *, stale: bool) -> tuple[Departures, Ticket]:
-        """Forget every entry and flight and take a new ticket; return the entries that were held and it.
+    def clear(self) -> None:
+        """Forget every entry and flight, and what the lower tiers hold: their values are wrong now (new weights).
 
-        ``stale``: their values are wrong now (new weights): the weights of the old tickets go stale,
-        so entries leaving under them are not kept in host memory either, and the lower tiers are cleared.
+        The weights of the old tickets go stale, so entries leaving under them are not kept in host
+        memory either; callers waiting on an encode still get its result.
         """
+        with self.lock:
+            self.entries.drain()
+            self.flights.clear()
+            self.ticket.weights.stale = True  # before the host tier empties: a copy still arriving is dropped
+            self.ticket = Ticket()
+            self.tiers.clear()
+
+    def release_device_memory(self) -> int:
+        """Forget every entry and flight in device memory, the entries still valid going down to the tiers that
+        keep departures (oldest first); return how many there were."""
         with self.lock:
             departures = self.entries.drain()
             self.flights.clear()
-            if stale:
-                self.ticket.weights.stale = True  # before the host tier empties: a copy still arriving is dropped
-                self.ticket = ticket = Ticket()
-                self.tiers.clear()
-            else:
-                self.ticket = ticket = Ticket(self.ticket.weights)
-        return departures, ticket
+            self.ticket = Ticket(self.ticket.weights)
+            stamp = self._stamp()
+        self.tiers.demote(departures, stamp)
+        return len(departures)

@@ -20,8 +20,9 @@ ranks that see the same calls take the same decisions.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from vllm_omni_prompt_cache.audit import Audit
@@ -33,15 +34,15 @@ from vllm_omni_prompt_cache.counters import (
     tally,
 )
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
-from vllm_omni_prompt_cache.entries import LRU, Entry
+from vllm_omni_prompt_cache.entries import LRU
 from vllm_omni_prompt_cache.flights import Flights
 from vllm_omni_prompt_cache.host_tier import HostTier
-from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
+from vllm_omni_prompt_cache.keys import CallKey
 from vllm_omni_prompt_cache.lookups import COLLISION_REASON, REENTRANT_REASON, CountCall, Lookups
 from vllm_omni_prompt_cache.residency import EncoderMoves
 from vllm_omni_prompt_cache.row_batches import RowTally, serve_rows
 from vllm_omni_prompt_cache.stats import CacheStats, tier_counts
-from vllm_omni_prompt_cache.tiers import LowerTiers
+from vllm_omni_prompt_cache.tiers import Tiers
 
 __all__ = [
     "COLLISION_REASON",
@@ -99,16 +100,20 @@ class PromptEmbedCache:
         self.enabled = enabled
         self.verify = verify
         self._counters = MethodCounters()
-        self.tiers = LowerTiers(None if host_bytes is None else HostTier(host_bytes), directory)
+        self.host = None if host_bytes is None else HostTier(host_bytes)
+        self.directory = directory
+        #: The tiers below device memory, fastest first.
+        self.tiers = Tiers([tier for tier in (self.host, self.directory) if tier is not None])
         self._lookups = Lookups(LRU(max_size, max_bytes), self.tiers, verify=verify, record=self.record)
         self._max_gap = 0.0
-        #: What moves the text encoders between host and device, counted (set by the worker; None: nothing).
+        # What others lend the store, through attach(); read on every call, hence plain attributes.
+        #: What moves the text encoders between host and device, counted (None: nothing).
         self.moves: EncoderMoves | None = None
         #: What the wrapper says of each encode method: how it was found, what it is keyed on (stats()).
         self.encode_methods: Callable[[], dict[str, Any]] | None = None
         #: Which hits are encoded again and compared (see audit.py; None: none).
         self.audit: Audit | None = None
-        #: Why ``enabled`` was turned off for good (an audit's mismatch), for the bypass counts.
+        #: Why ``enabled`` was turned off for good (see :meth:`turn_off`), for the bypass counts.
         self.off_reason: str | None = None
 
     @property
@@ -121,14 +126,6 @@ class PromptEmbedCache:
     def flights(self) -> Flights:
         """The misses being encoded now."""
         return self._lookups.flights
-
-    @property
-    def host(self) -> HostTier | None:
-        return self.tiers.host
-
-    @property
-    def directory(self) -> DirectoryTier | None:
-        return self.tiers.directory
 
     # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
     # under ``cache._lock``): readable and assignable here too. They are every method's sums.
@@ -169,45 +166,16 @@ class PromptEmbedCache:
         its witness; a collision is a miss (a later ``put`` replaces the entry). A device miss
         looks in the lower tiers, which hold only :class:`CallKey` entries.
         """
-        identity, witness = (key.identity, key.witness) if type(key) is CallKey else (key, None)
-        lookups = self._lookups
-        with lookups.lock:
-            entry = lookups.entries.get(identity)
-            if entry is not None and (
-                entry.witness is None or (witness is not None and witness_matches(entry.witness, witness))
-            ):
-                lookups.entries.refresh(identity)
-                self.record(ENCODE_PROMPT, WHOLE_HIT)
-                return entry.value
-            ticket = lookups.ticket
-        # No claim on the directory: a get() need not be followed by a put().
-        found, value = (False, None) if entry is not None or witness is None else self.tiers.lookup(key, claim=False)
-        self.record(ENCODE_PROMPT, tally(Outcome.HIT if found else Outcome.MISS))
-        if not found:
-            return MISS
-        entry = Entry.of(value, freeze_witness(key.witness) if self.verify else None)
-        with lookups.lock:
-            departures = [] if ticket is not lookups.ticket else lookups.keep(identity, entry, ENCODE_PROMPT)
-        self.tiers.demote(departures, ticket)
-        return value
+        found, value = self._lookups.get(key, ENCODE_PROMPT)
+        self.record(ENCODE_PROMPT, WHOLE_HIT if found else tally(Outcome.MISS))
+        return value if found else MISS
 
     def put(self, key: CallKey | Hashable, value: Any) -> None:
         """Cache ``value`` under ``key`` as given (insert or overwrite), then evict over budget.
 
         Upstream's contract; a value larger than ``max_bytes`` is not kept.
         """
-        keyed = type(key) is CallKey
-        witness = freeze_witness(key.witness) if keyed and self.verify else None
-        entry = Entry.of(value, witness, keyed=keyed)
-        lookups = self._lookups
-        with lookups.lock:
-            ticket, epoch = lookups.ticket, self.tiers.directory_epoch()
-            departures = lookups.keep(key.identity if keyed else key, entry, ENCODE_PROMPT)
-        self.tiers.demote(departures, ticket)
-        # Files carry the key bytes whatever ``verify`` (a process reading them may verify); a clear()
-        # or a sleep since voids the write, as it voids an encode's.
-        if keyed and ticket is lookups.ticket:
-            self.tiers.write(key, witness if witness is not None else freeze_witness(key.witness), value, epoch)
+        self._lookups.put(key, value, ENCODE_PROMPT)
 
     def withhold_write_through(self) -> None:
         """Keep the result being computed on this thread out of the lower tiers under the key it was looked up
@@ -294,7 +262,7 @@ class PromptEmbedCache:
         weights are never read. Callers already waiting on an encode get its result; callers
         arriving after the clear encode again.
         """
-        self._lookups.drop_all(stale=True)
+        self._lookups.clear()
 
     def release_device_memory(self) -> int:
         """Drop every entry from device memory (the worker goes to sleep); return how many there were.
@@ -303,9 +271,39 @@ class PromptEmbedCache:
         survive its budget); the directory tier already holds every encoded entry. Results still
         being computed are returned to their callers but not stored.
         """
-        departures, ticket = self._lookups.drop_all(stale=False)
-        self.tiers.demote(departures, ticket)
-        return len(departures)
+        return self._lookups.release_device_memory()
+
+    def turn_off(self, reason: str) -> None:
+        """Bypass every later call, counted under ``reason``, for good (an audit found a wrong entry), and
+        drop every entry."""
+        self.off_reason = reason
+        self.enabled = False
+        self.clear()
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Bypass calls while the block runs (counted as the cache disabled), then switch back as it was."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
+    def attach(
+        self,
+        *,
+        moves: EncoderMoves | None = None,
+        audit: Audit | None = None,
+        encode_methods: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """Lend the store what others keep: the counted moves of the text encoders (the worker's), the audit
+        of hits, and what the wrapper says of each encode method for ``stats()``. None keeps what it has."""
+        if moves is not None:
+            self.moves = moves
+        if audit is not None:
+            self.audit = audit
+        if encode_methods is not None:
+            self.encode_methods = encode_methods
 
     def snapshot(self) -> CacheStats:
         """Return the counters, sizes and settings now, as one :class:`CacheStats`."""

@@ -1,99 +1,134 @@
-"""The tiers below device memory, behind one interface: host memory first, then a shared directory.
+"""The tiers below device memory: an ordered list of backends behind one small interface.
 
-A device miss walks them in order and the first hit wins; the store then keeps the value in device
-memory again (a host entry leaves host memory, each entry living in one in-memory tier at a time;
-a file stays). Entries leaving device memory go down to host memory; every encoded entry is
-written to the directory. A lookup made for an encode takes the directory's claim on the entry,
-so other processes wait for its file instead of encoding it too; :meth:`LowerTiers.write` or
-:meth:`LowerTiers.release` ends it. Nothing here raises into the store: a tier that fails is a miss.
+The shape is LMCache's storage manager: a device miss walks the tiers, fastest first, and the first
+hit wins; the store then keeps the value in device memory again (the write-back to the faster tier).
+Each tier implements :class:`Tier` and says which entries it keeps (:class:`Keeps`): host memory
+keeps the entries that leave device memory (and gives one up when a miss takes it back: each entry
+lives in one in-memory tier at a time); a shared directory keeps every encoded entry, written
+through. A lookup made for an encode may take a tier's claim on the entry (the directory's makes
+other processes wait for its file instead of encoding it too); :meth:`Tiers.write` or
+:meth:`Tiers.release` ends it. Nothing here raises into the store: a tier that fails is a miss.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple, Protocol
 
-from vllm_omni_prompt_cache.directory_tier import DirectoryTier
-from vllm_omni_prompt_cache.entries import Departures
+from vllm_omni_prompt_cache.entries import Departures, Entry
 from vllm_omni_prompt_cache.flights import Ticket
-from vllm_omni_prompt_cache.host_tier import HostTier, to_devices
-from vllm_omni_prompt_cache.keys import CallKey
+from vllm_omni_prompt_cache.keys import CallKey, freeze_witness
 from vllm_omni_prompt_cache.logs import warn_once
 
 
-class LowerTiers:
-    """The host-memory tier and the directory tier (each None when not configured), in that order."""
+class Keeps(enum.Enum):
+    """Which entries a tier keeps."""
 
-    def __init__(self, host: HostTier | None, directory: DirectoryTier | None) -> None:
-        self.host = host
-        self.directory = directory
+    DEPARTURES = "entries leaving device memory (evicted by its budgets, or dropped at sleep)"
+    ENCODES = "every encoded entry, written through"
+
+
+class Stamp(NamedTuple):
+    """When an entry was made: the store's ticket then (a ``clear()`` since makes it stale) and the
+    epoch of the tier that keeps encodes (a change of weights since moves it)."""
+
+    ticket: Ticket
+    epoch: int
+
+
+class Tier(Protocol):
+    """What every tier below device memory implements. Only :meth:`get` may raise (the lookup is then a
+    miss); an entry a tier cannot keep is dropped. Counts stay on the tier (``hits``, ``misses``...),
+    for the store's snapshot."""
+
+    keeps: Keeps
+    #: What voids a result being encoded: only the tier that keeps encodes moves it, when weights change.
+    epoch: int
+
+    def get(self, key: CallKey, *, claim: bool = False, epoch: int | None = None) -> tuple[bool, Any]:
+        """Return ``(True, value)`` for ``key``, the value on the devices it was encoded on, else
+        ``(False, None)``. ``claim``: the caller encodes on a miss, under the tiers' ``epoch`` then."""
+        ...
+
+    def put(self, identity: Hashable, entry: Entry, stamp: Stamp) -> None:
+        """Keep ``entry`` under ``identity`` unless ``stamp`` is stale; end any claim on it."""
+        ...
+
+    def release(self, identity: Hashable, epoch: int) -> None:
+        """End the claim a :meth:`get` took for an encode, begun at ``epoch``, that is not :meth:`put`."""
+        ...
+
+    def clear(self) -> None:
+        """Forget every entry: they are stale (new text-encoder weights)."""
+        ...
+
+    def levels(self) -> dict[str, Any]:
+        """Return the tier's sizes and budgets now, as :class:`~.stats.CacheStats` fields."""
+        ...
+
+
+class Tiers:
+    """The tiers below device memory, fastest first (none: every method does nothing)."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self.tiers = tuple(tiers)
+        self._victims = tuple(tier for tier in self.tiers if tier.keeps is Keeps.DEPARTURES)
+        self._write_through = tuple(tier for tier in self.tiers if tier.keeps is Keeps.ENCODES)
+        if len(self._write_through) > 1:  # the one whose epoch a flight carries
+            raise ValueError("at most one tier keeps every encoded entry")
 
     def __bool__(self) -> bool:
-        return self.host is not None or self.directory is not None
+        return bool(self.tiers)
 
-    def directory_epoch(self) -> int:
-        """Return the directory's epoch now (it moves when the weights change): what a flight writes for."""
-        return 0 if self.directory is None else self.directory.epoch
+    def epoch(self) -> int:
+        """Return the epoch now of the tier that keeps encodes (it moves when the weights change): what a
+        flight writes for (0 without such a tier)."""
+        return self._write_through[0].epoch if self._write_through else 0
 
-    def lookup(self, key: CallKey, *, claim: bool, epoch: int | None = None) -> tuple[bool, Any]:
+    def get(self, key: CallKey, *, claim: bool, epoch: int | None = None) -> tuple[bool, Any]:
         """Return ``(True, value)`` from the first tier holding ``key``, else ``(False, None)``.
 
-        The value is on the devices the encoder's output was on. ``claim``: the caller encodes on a
-        miss, under the directory ``epoch`` it began at; until it writes or releases, other
-        processes missing the entry wait for its file.
+        ``claim``: the caller encodes on a miss, under the ``epoch`` it began at; until it writes or
+        releases, other processes missing the entry wait for its file.
         """
         try:
-            if self.host is not None:
-                entry = self.host.take(key.identity, key.witness)
-                if entry is not None:
-                    return True, to_devices(entry.value, entry.devices)
-            if self.directory is not None:
-                return self.directory.load(key.identity, key.witness, claim=claim, epoch=epoch)
+            for tier in self.tiers:
+                found, value = tier.get(key, claim=claim, epoch=epoch)
+                if found:
+                    return True, value
         except Exception as error:  # e.g. no device memory left to copy into: encode instead
             warn_once(f"a lower tier failed a lookup ({type(error).__qualname__}: {error}); encoding instead")
         return False, None
 
-    def write(self, key: CallKey, witness: tuple[bytes, ...], value: Any, epoch: int) -> None:
-        """Write an encoded entry to the directory (for ``epoch``), ending its claim."""
-        if self.directory is not None:
-            self.directory.save(key.identity, witness, value, epoch)
+    def write(self, key: CallKey, entry: Entry, stamp: Stamp) -> None:
+        """Write an encoded entry through (ending its claim). Files carry the key's bytes whatever
+        ``verify``: a process reading them may verify."""
+        if entry.witness is None:
+            entry = entry._replace(witness=freeze_witness(key.witness))
+        for tier in self._write_through:
+            tier.put(key.identity, entry, stamp)
 
     def release(self, key: CallKey, epoch: int) -> None:
         """End the claim a lookup took for an encode that is not written (it raised, or a clear() voided it)."""
-        if self.directory is not None:
-            self.directory.release(key.identity, epoch)
+        for tier in self.tiers:
+            tier.release(key.identity, epoch)
 
-    def demote(self, departures: Departures, ticket: Ticket) -> None:
-        """Move entries that left device memory under ``ticket`` to host memory (when there is a host tier).
-        Never raises: an entry the host cannot take (no pinned memory left) is dropped, as without it."""
-        if self.host is None:
-            return
-        for identity, entry in departures:
-            if not entry.keyed:  # lower tiers are looked up by CallKey only
-                continue
-            try:
-                self.host.put(identity, entry.value, entry.witness, entry.nbytes, ticket)
-            except Exception as error:
-                warn_once(f"an entry could not move to host memory ({type(error).__qualname__}); it was dropped")
+    def demote(self, departures: Departures, stamp: Stamp) -> None:
+        """Move entries that left device memory, under ``stamp``, to the tier that keeps them (if any)."""
+        for tier in self._victims:
+            for identity, entry in departures:
+                if entry.keyed:  # lower tiers are looked up by CallKey only
+                    tier.put(identity, entry, stamp)
 
     def clear(self) -> None:
-        """Drop host memory's entries and make the directory fingerprint the weights again before its next use."""
-        if self.host is not None:
-            self.host.clear()
-        if self.directory is not None:
-            self.directory.invalidate()
+        """Forget every tier's entries: host memory empties, the directory fingerprints the weights again."""
+        for tier in self.tiers:
+            tier.clear()
 
     def levels(self) -> dict[str, Any]:
         """Return the tiers' sizes and budgets now, as :class:`~.stats.CacheStats` fields."""
         levels: dict[str, Any] = {}
-        host, directory = self.host, self.directory
-        if host is not None:
-            levels.update(host_entries=len(host), host_bytes=host.bytes, host_max_bytes=host.max_bytes)
-        if directory is not None:
-            levels.update(
-                dir_files=directory.files,
-                dir_bytes=directory.bytes,
-                dir_max_bytes=directory.max_bytes,
-                directory=str(directory.root),
-                dir_off_reason=directory.off_reason,
-            )
+        for tier in self.tiers:
+            levels.update(tier.levels())
         return levels

@@ -105,11 +105,8 @@ def _profiling_as_misses(profile_run: Any) -> Any:
         cache = getattr(pipeline, "_prompt_embed_cache", None)
         if getattr(pipeline, PLACEMENT_ATTRIBUTE, None) is None or cache is None:
             return profile_run(self, *args, **kwargs)
-        enabled, cache.enabled = cache.enabled, False
-        try:
+        with cache.disabled():
             return profile_run(self, *args, **kwargs)
-        finally:
-            cache.enabled = enabled
 
     return profile_run_as_misses
 
@@ -221,7 +218,7 @@ def _count_encoder_moves(pipeline: Any, cache: Any, settings: PromptEmbedCacheSe
         if placement is not None:
             object.__setattr__(pipeline, PLACEMENT_ATTRIBUTE, placement)
     if observed is not None or placement is not None:
-        cache.moves = moves
+        cache.attach(moves=moves)
 
 
 def _encoder_placement(pipeline: Any, moves: EncoderMoves) -> EncoderPlacement | None:
