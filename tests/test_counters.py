@@ -154,6 +154,8 @@ def test_the_metrics_families_are_the_tables_and_built_by_one_loop() -> None:
         assert families[metrics.METRIC_PREFIX + name].documentation == documentation
         assert built.counters[name]._labelnames == (*metrics.LABELS, *labels)
     assert set(families) - counted == {metrics.METRIC_PREFIX + name for name, _ in metrics.GAUGES.values()}
+    levels = (*metrics.LEVELS, *metrics.HOST_LEVELS, *metrics.DIRECTORY_LEVELS, *metrics.MOVE_LEVELS)
+    assert sorted(metrics.GAUGES) == sorted(levels) and set(levels) <= LEVELS  # a gauge for each level sent
     # No family is written out by hand: metrics.py makes every family in one of two calls, a Counter and a Gauge.
     made = [
         node.func.id

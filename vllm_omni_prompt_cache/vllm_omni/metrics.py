@@ -188,7 +188,7 @@ def pop_snapshot(metrics: dict[str, Any]) -> Snapshot | None:
         name, _, reason = key[len(KEY_PREFIX) :].partition(":")
         if reason:
             counts.setdefault(name, {})[reason] = int(value)
-        elif name in (*LEVELS, *HOST_LEVELS, *DIRECTORY_LEVELS, *MOVE_LEVELS):
+        elif name in GAUGES:  # a level
             levels[name] = float(value)
         else:
             counts[name] = int(value)
