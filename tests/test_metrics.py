@@ -16,6 +16,8 @@ import torch
 prometheus_client = pytest.importorskip("prometheus_client", reason="the metrics need prometheus_client (vLLM's)")
 CollectorRegistry = prometheus_client.CollectorRegistry
 
+from store_calls import get_or_compute_rows, record_bypass, record_whole_call  # noqa: E402
+
 from vllm_omni_prompt_cache.keys import CallKeyBuilder  # noqa: E402
 from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache  # noqa: E402
 from vllm_omni_prompt_cache.vllm_omni.metrics import (  # noqa: E402  (after the skip)
@@ -53,9 +55,9 @@ def busy_cache() -> PromptEmbedCache:
     cache.get_or_compute(key(1), lambda: embedding(1))
     cache.get_or_compute(key(1), lambda: pytest.fail("cached"))
     cache.get_or_compute(key(1), lambda: pytest.fail("cached"))
-    cache.record_bypass("argument 'prompt_embeds': precomputed")
-    cache.get_or_compute_rows([key(2), key(3), key(2)], lambda row: embedding(row))  # evicts key(1)
-    cache.record_whole_call("no row layout inferred: one row")
+    record_bypass(cache, "argument 'prompt_embeds': precomputed")
+    get_or_compute_rows(cache, [key(2), key(3), key(2)], lambda row: embedding(row))  # evicts key(1)
+    record_whole_call(cache, "no row layout inferred: one row")
     return cache
 
 
@@ -287,7 +289,7 @@ def test_each_cached_method_has_its_own_series() -> None:
     cache.get_or_compute(key(1), lambda: embedding(1))
     cache.get_or_compute(key(2), lambda: embedding(2), method="encode_prompt_from_token_ids")
     cache.get_or_compute(key(2), lambda: pytest.fail("cached"), method="encode_prompt_from_token_ids")
-    cache.record_bypass(REASON_WITH_COLON, method="encode_prompt_from_token_ids")  # a reason with ':'
+    record_bypass(cache, REASON_WITH_COLON, method="encode_prompt_from_token_ids")  # a reason with ':'
     assert ":" in REASON_WITH_COLON
     families.record(labels, pop_snapshot(cache_snapshot(cache)))
     token_path = {"method": "encode_prompt_from_token_ids"}

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from store_calls import record_bypass
 
 from vllm_omni_prompt_cache.keys import CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.store import (
@@ -328,7 +329,7 @@ def test_upstreams_counting_under_the_lock_loses_no_count_made_meanwhile() -> No
 
     def ours() -> None:
         for _ in range(rounds):
-            cache.record_bypass("cache disabled")
+            record_bypass(cache, "cache disabled")
 
     threads = [threading.Thread(target=upstream_style), threading.Thread(target=ours)]
     for thread in threads:
@@ -344,7 +345,7 @@ def test_stats_snapshot_deltas_and_summary() -> None:
     before = cache.snapshot()
     cache.get_or_compute(key(1), lambda: embedding(1))
     cache.get_or_compute(key(1), lambda: embedding(1))
-    cache.record_bypass("cache disabled")
+    record_bypass(cache, "cache disabled")
     after = cache.snapshot()
     delta = after.since(before)
     assert (delta.hits, delta.misses, delta.bypassed, delta.calls) == (1, 1, 1, 3)

@@ -200,21 +200,6 @@ class PromptEmbedCache:
         counts the call through ``count(outcome, reason)`` (see :meth:`.lookups.Lookups.serve`)."""
         return self._lookups.serve(key, compute, count, method)
 
-    def get_or_compute_rows(
-        self, keys: Sequence[CallKey], compute: Callable[[int], T], *, method: str = ENCODE_PROMPT
-    ) -> tuple[list[T], int]:
-        """Return a value for each of ``keys`` (the rows of one call), running ``compute(i)`` per row to
-        encode, and how many rows this call encoded; the call is a hit when it encoded none (see
-        :func:`~.row_batches.serve_rows`)."""
-        rows = RowTally()
-        try:
-            values = self.serve_rows(keys, compute, rows, method)
-        except BaseException:
-            self.record(method, rows.counts(Outcome.MISS))
-            raise
-        self.record(method, rows.counts(Outcome.MISS if rows.encoded else Outcome.HIT))
-        return values, rows.encoded
-
     def serve_rows(
         self, keys: Sequence[CallKey], compute: Callable[[int], T], rows: RowTally, method: str = ENCODE_PROMPT
     ) -> list[T]:
@@ -234,14 +219,6 @@ class PromptEmbedCache:
     def record(self, method: str, counts: Mapping[str, Any]) -> None:
         """Add one call's :func:`~.counters.tally` to ``method``'s counters."""
         self._counters.add(method, counts)
-
-    def record_bypass(self, reason: str, *, method: str = ENCODE_PROMPT) -> None:
-        """Count one call that did not use the cache, under ``reason``."""
-        self.record(method, tally(Outcome.BYPASS, reason=reason))
-
-    def record_whole_call(self, reason: str, *, method: str = ENCODE_PROMPT) -> None:
-        """Count one call of a pipeline with a row layout that was keyed as a whole, under ``reason``."""
-        self.record(method, tally(whole_call=reason))
 
     def record_audit(self, *, mismatch: bool, method: str = ENCODE_PROMPT) -> None:
         """Count a hit encoded again and compared with what was served (``mismatch``: they differed)."""
