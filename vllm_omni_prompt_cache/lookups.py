@@ -84,6 +84,15 @@ class Lookups:
         if keyed and stamp.ticket is self.ticket:
             self.tiers.write(key, entry, stamp)
 
+    def forget(self, identity: Hashable) -> None:
+        """Drop ``identity``'s entry from device memory, if any (the lower tiers keep theirs)."""
+        with self.lock:
+            self.entries.pop(identity)
+
+    def withhold_write_through(self) -> None:
+        """Keep the result being computed on this thread out of the lower tiers (see :meth:`complete`)."""
+        self.withheld.active = True
+
     def serve(self, key: CallKey, compute: Callable[[], T], count: CountCall, method: str) -> T:
         """Return the value for ``key``: its entry, another caller's encode of it, or ``compute()`` (once).
 

@@ -180,13 +180,12 @@ class PromptEmbedCache:
     def withhold_write_through(self) -> None:
         """Keep the result being computed on this thread out of the lower tiers under the key it was looked up
         with: its encode read state that key does not hold (the caller keeps it under one that does)."""
-        self._lookups.withheld.active = True
+        self._lookups.withhold_write_through()
 
     def rekey(self, old: CallKey, new: CallKey, value: Any) -> None:
         """Keep ``value`` under ``new`` instead of ``old`` (a key that came to hold more than it was built with)."""
-        self.put(new, value)
-        with self._lookups.lock:
-            self._lookups.entries.pop(old.identity)
+        self._lookups.put(new, value, ENCODE_PROMPT)
+        self._lookups.forget(old.identity)
 
     def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, method: str = ENCODE_PROMPT) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result; count the
