@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_prompt_cache.coverage.verl_omni import ADAPTERS, VERL_OMNI_COMMIT
+from prompt_cache_coverage.verl_omni import ADAPTERS, VERL_OMNI_COMMIT
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "verl-omni-adapters.md"
 #: A git clone of verl-omni to enumerate its adapters from (the search tool's mirror where there is one).

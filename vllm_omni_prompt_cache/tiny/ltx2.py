@@ -6,8 +6,8 @@ vLLM-Omni 0.30 detects version 2.3 (from the vocoder class) and loads it as its 
 one-stage 2.3 recipe (CFG, STG and modality guidance on) and the 2.3 component profile. Every part
 the pipeline loads is here:
 
-* the Gemma 3 text stack and its tokenizer, taken from the coverage builders
-  (:mod:`vllm_omni_prompt_cache.coverage.builders_clip_t5`: hidden 32, two layers, a byte-fallback
+* the Gemma 3 text stack and its tokenizer of :mod:`.text_stacks` (the coverage matrix's LTX-2
+  ones: hidden 32, two layers, a byte-fallback
   ``GemmaTokenizer`` with 128 positions), so the packed text features are 32 x 3 wide; the tokenizer
   is saved adding ``<bos>`` as Gemma 3's does, which verl-omni's LTX agent loop relies on;
 * ``LTX2TextConnectors`` as 2.3 has them (per-modality projections, gated attention, learnable
@@ -40,7 +40,7 @@ from vllm_omni_prompt_cache.tiny.qwen_image import (
     write_model_index,
 )
 
-BUILD_FORMAT = 1  # bump when the layout written below, or the coverage builders' Gemma 3, changes
+BUILD_FORMAT = 1  # bump when the layout written below, or text_stacks' Gemma 3, changes
 
 #: The video VAE's compression (4x4 patchify, then one spatio-temporal 2x level).
 VAE_SCALE_FACTOR_SPATIAL = 8
@@ -95,14 +95,14 @@ def _build(spec: TinyLTX2Spec, out: Path) -> None:
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
 
-    from vllm_omni_prompt_cache.coverage.builders_clip_t5 import _gemma3, _gemma_tokenizer
+    from vllm_omni_prompt_cache.tiny.text_stacks import gemma3_encoder, gemma_tokenizer
 
     dtype = getattr(torch, spec.dtype)
     # Gemma 3's own tokenizer puts <bos> first; verl-omni's LTX agent loop relies on it (add_special_tokens).
-    tokenizer = copy.deepcopy(_gemma_tokenizer())
+    tokenizer = copy.deepcopy(gemma_tokenizer())
     tokenizer.add_bos_token = True
     tokenizer.save_pretrained(out / "tokenizer")
-    text_encoder = _gemma3()
+    text_encoder = gemma3_encoder()
     _save(text_encoder, dtype, out / "text_encoder")
     text_config = text_encoder.config.text_config
     video_width = spec.heads * spec.head_dim
@@ -234,7 +234,7 @@ def _build(spec: TinyLTX2Spec, out: Path) -> None:
 
 
 def _save(module, dtype, target: Path) -> None:
-    """Write a module's weights in ``dtype``; a copy is cast, as the coverage builders share their encoder."""
+    """Write a module's weights in ``dtype``; a copy is cast, as text_stacks shares its encoders."""
     import torch
 
     (module if dtype == torch.float32 else copy.deepcopy(module).to(dtype)).save_pretrained(target)

@@ -8,8 +8,8 @@ towers (CLIP-L, CLIP-G) with their ``CLIPTokenizer`` s, a ``T5EncoderModel`` wit
 first block, RMS q/k norm), a 16-channel ``AutoencoderKL`` with SD3's scaling and shift, and a
 ``FlowMatchEulerDiscreteScheduler`` with SD3's shift of 3.
 
-The three text stacks and their tokenizers are the coverage matrix's SD3 ones
-(:mod:`vllm_omni_prompt_cache.coverage.builders_clip_t5`: CLIP-L hidden 16, CLIP-G hidden 32, so the
+The three text stacks and their tokenizers are :mod:`.text_stacks`' (the ones the coverage matrix
+builds SD3 on: CLIP-L hidden 16, CLIP-G hidden 32, so the
 pooled projection is 48 wide; T5 d_model 64, which the transformer's joint attention takes). The
 CLIP tokenizers give one token per character over 77 positions; CLIP-G's pads with ``!`` as SD3's
 second tokenizer does. Everything is fp32: on CPUs without bf16 units bf16 is emulated, ~100x
@@ -68,15 +68,15 @@ def _build(spec: TinySD3Spec, out: Path) -> None:
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
-    from vllm_omni_prompt_cache.coverage import builders_clip_t5 as text_stacks
+    from vllm_omni_prompt_cache.tiny.text_stacks import clip_encoder, clip_tokenizer, t5_encoder, t5_tokenizer
 
     # The text stacks: the tokenizers carry the lengths the pipeline pads to (CLIP's 77, T5's 512).
-    text_stacks._clip_tokenizer().save_pretrained(out / "tokenizer")
-    text_stacks._clip_tokenizer("!").save_pretrained(out / "tokenizer_2")
-    text_stacks._t5_tokenizer().save_pretrained(out / "tokenizer_3")
-    clip_l = text_stacks._clip("L", projection=True)
-    clip_g = text_stacks._clip("G", projection=True)
-    t5 = text_stacks._t5()
+    clip_tokenizer().save_pretrained(out / "tokenizer")
+    clip_tokenizer("!").save_pretrained(out / "tokenizer_2")
+    t5_tokenizer().save_pretrained(out / "tokenizer_3")
+    clip_l = clip_encoder("L", projection=True)
+    clip_g = clip_encoder("G", projection=True)
+    t5 = t5_encoder()
     for name, encoder in (("text_encoder", clip_l), ("text_encoder_2", clip_g), ("text_encoder_3", t5)):
         encoder.save_pretrained(out / name, safe_serialization=True)
 

@@ -1,4 +1,4 @@
-"""``python -m vllm_omni_prompt_cache.coverage [--write docs/coverage.md | --json]``: run every case, print the table.
+"""``python -m prompt_cache_coverage [--write docs/coverage.md | --json]``: run every case, print the table.
 
 Run it in a process of its own: some text stacks (vLLM's tensor-parallel layers) set up a one-rank
 process group that stays for the life of the process. The classes the table must list are
@@ -16,17 +16,17 @@ import pkgutil
 import sys
 from pathlib import Path
 
-from vllm_omni_prompt_cache.coverage.classes import PACKAGE, Enumeration, enumerate_classes
-from vllm_omni_prompt_cache.coverage.harness import NOT_BUILT, VERDICTS, Case, NotBuilt, Verdict, judge
-from vllm_omni_prompt_cache.coverage.paths import build_path
+from prompt_cache_coverage.classes import PACKAGE, Enumeration, enumerate_classes
+from prompt_cache_coverage.harness import NOT_BUILT, VERDICTS, Case, NotBuilt, Verdict, judge
+from prompt_cache_coverage.paths import build_path
 from vllm_omni_prompt_cache.methods import ENCODE_PROMPT
 
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
-COMMAND = "python -m vllm_omni_prompt_cache.coverage --write docs/coverage.md"
+COMMAND = "python -m prompt_cache_coverage --write docs/coverage.md"
 
 
 def all_cases() -> list[Case | NotBuilt]:
-    package = importlib.import_module("vllm_omni_prompt_cache.coverage")
+    package = importlib.import_module("prompt_cache_coverage")
     cases: list[Case | NotBuilt] = []
     for module in sorted(pkgutil.iter_modules(package.__path__), key=lambda found: found.name):
         if module.name.startswith("builders_"):
@@ -67,7 +67,7 @@ def enumerated(classes: Enumeration) -> str:
 
     said = (
         f"The {len(classes.classes)} classes are enumerated from the installed vLLM-Omni {vllm_omni.__version__} "
-        f"(every module under `{PACKAGE}`, `vllm_omni_prompt_cache/coverage/classes.py`); "
+        f"(every module under `{PACKAGE}`, `prompt_cache_coverage/classes.py`); "
         "`tests/test_coverage.py` fails when one has no row or a row names no such class."
     )
     if classes.bases:
@@ -83,7 +83,7 @@ def _names(classes: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_omni_prompt_cache.coverage")
+    parser = argparse.ArgumentParser(prog="python -m prompt_cache_coverage")
     parser.add_argument("--write", type=Path, help="replace the table between the coverage marks of this file")
     parser.add_argument("--json", action="store_true", help="print the verdicts and build paths as JSON instead")
     args = parser.parse_args(argv)

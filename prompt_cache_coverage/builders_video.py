@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, finish_vllm_loading, one_rank_process_group, seeded
+from prompt_cache_coverage.harness import Case, NotBuilt, finish_vllm_loading, one_rank_process_group, seeded
 
 PROMPTS = ("a red fox runs through the snow at dawn", "a lighthouse stands above a stormy sea")
 #: HunyuanVideo-1.5 sends quoted text through its ByT5 glyph encoder: the first prompt quotes, the second does not.

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt, finish_vllm_loading, one_rank_process_group, seeded
+from prompt_cache_coverage.harness import Case, NotBuilt, finish_vllm_loading, one_rank_process_group, seeded
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 #: GLM-Image encodes only the quoted text of a prompt (the glyphs to render).

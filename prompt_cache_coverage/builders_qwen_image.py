@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.coverage.harness import Case, NotBuilt
+from prompt_cache_coverage.harness import Case, NotBuilt
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 
