@@ -100,7 +100,7 @@ def _judge(case: Case) -> Verdict:
         return verdict(NOT_COVERED, reason=_failure("building or the uncached calls", error))
     if cache is None:
         return verdict(NOT_COVERED, reason="install_prompt_embed_cache installed nothing")
-    if case.method not in pipeline._prompt_embed_cache_layouts:
+    if case.method not in pipeline._prompt_embed_cache_installation.proofs:
         return verdict(NOT_COVERED, reason=f"the cache does not wrap {case.method}", note=case.note)
     try:
         served = [case.encode(pipeline, [first]), case.encode(pipeline, [first])]
@@ -148,7 +148,7 @@ def _method_counts(cache: Any, method: str) -> dict[str, Any]:
 
 
 def _why_no_rows(pipeline: Any, method: str, counts: dict[str, Any]) -> str:
-    proof = pipeline._prompt_embed_cache_layouts[method]
+    proof = pipeline._prompt_embed_cache_installation.proofs[method]
     refuted = refuted_layouts(proof.owner)
     if refuted:
         return "layout refuted: " + "; ".join(refuted.values())

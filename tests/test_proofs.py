@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache
+from vllm_omni_prompt_cache.method_calls import RowCalls, WholeCalls
 from vllm_omni_prompt_cache.proofs import GAP_TOLERANCE, compare_outputs, infer_layout
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, build_qwen2_encoder
 
@@ -177,6 +178,24 @@ def test_an_undeclared_adapter_gets_rows_after_its_first_batched_miss_proves_the
     expected = reference.encode_prompt(*collate([b, c, a]))
     torch.testing.assert_close(second, expected, rtol=0, atol=1e-5)
     assert cache.snapshot().layout_checks == 1  # the same kind: no second check
+
+
+def test_the_strategy_is_chosen_at_install_and_changes_only_when_a_layout_is_adopted_or_refuted(encoder) -> None:
+    undeclared = TeamPipeline(encoder)
+    install_prompt_embed_cache(undeclared, max_size=16)
+    calls = undeclared._prompt_embed_cache_installation.methods["encode_prompt"]
+    assert type(calls.strategy) is WholeCalls and calls.strategy.infer  # no layout: keyed whole, one inferred
+    a, b = token_rows(2, seed=4)
+    undeclared.encode_prompt(*collate([a, b]))  # the inferred layout passed its check: adopted
+    assert type(calls.strategy) is RowCalls and calls.strategy.layout is calls.proof.layout is not None
+
+    wrong = TilingPipeline(encoder)
+    interleaving = copies_layout("interleave", "interleaved copies")
+    install_prompt_embed_cache(wrong, max_size=16, row_layouts={path(TilingPipeline): interleaving})
+    calls = wrong._prompt_embed_cache_installation.methods["encode_prompt"]
+    assert type(calls.strategy) is RowCalls and calls.strategy.layout is interleaving
+    wrong.encode_prompt(*collate([a, b]), copies=2)  # the check refutes it: whole calls from now on
+    assert type(calls.strategy) is WholeCalls and not calls.strategy.infer and calls.proof.layout is None
 
 
 def test_a_new_kind_of_call_is_checked_again(encoder) -> None:

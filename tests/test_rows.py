@@ -17,10 +17,10 @@ import torch
 
 from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache
 from vllm_omni_prompt_cache.layouts import QWEN_IMAGE_TEXT, TOKEN_IDS
+from vllm_omni_prompt_cache.method_calls import LAYOUT_DROPPED_REASON, UNSTACKABLE_REASON
 from vllm_omni_prompt_cache.rows import LayoutMismatch
 from vllm_omni_prompt_cache.store import COLLISION_REASON
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
-from vllm_omni_prompt_cache.wrapper import LAYOUT_DROPPED_REASON, UNSTACKABLE_REASON
 
 WIDTH = 24
 
@@ -335,7 +335,7 @@ def test_a_layout_that_does_not_match_the_outputs_is_dropped_once(encoder, caplo
 def test_a_layout_naming_a_missing_parameter_is_refused_at_install(encoder, caplog) -> None:
     pipeline = TokenIdTextPipeline(encoder)
     layout = RowLayout(rows=("input_ids",), outputs=(RowOutput(),))
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.wrapper"):
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.layouts"):
         install_prompt_embed_cache(pipeline, max_size=4, row_layout=layout)
     assert "has no parameter 'input_ids'" in caplog.text
 

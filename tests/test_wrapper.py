@@ -15,10 +15,10 @@ from vllm_omni_prompt_cache import (
     install_prompt_embed_cache,
     uninstall_prompt_embed_cache,
 )
+from vllm_omni_prompt_cache.method_calls import DISABLED_REASON
 from vllm_omni_prompt_cache.store import COLLISION_REASON
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
-from vllm_omni_prompt_cache.wrapper import DISABLED_REASON
 
 PROMPTS = 8
 GROUP_SIZE = 16
@@ -57,6 +57,18 @@ def test_install_is_idempotent_and_uninstall_restores(pipeline) -> None:
     assert pipeline.encode_prompt.__func__ is TokenIdTextPipeline.encode_prompt
     assert not hasattr(pipeline, "_prompt_embed_cache")
     uninstall_prompt_embed_cache(pipeline)  # a second uninstall is harmless
+
+
+def test_the_cache_keeps_one_state_object_on_the_pipeline_beside_upstreams_two_attributes(pipeline) -> None:
+    before = set(vars(pipeline))
+    cache = install_prompt_embed_cache(pipeline, max_size=4)
+    added = set(vars(pipeline)) - before - {"encode_prompt"}
+    assert added == {"_prompt_embed_cache", "_prompt_embed_cache_original_fn", "_prompt_embed_cache_installation"}
+    installation = pipeline._prompt_embed_cache_installation
+    assert installation.cache is cache and list(installation.methods) == ["encode_prompt"]
+    assert installation.originals["encode_prompt"] is pipeline._prompt_embed_cache_original_fn
+    uninstall_prompt_embed_cache(pipeline)
+    assert set(vars(pipeline)) == before
 
 
 def test_install_returns_none_without_a_callable_encode_prompt() -> None:

@@ -2,10 +2,10 @@
 
 A method's first call (for a method found by watching, or wherever several ranks run) is served
 uncached and observed (:meth:`FirstUse._learn`); every encode after is traced
-(:meth:`FirstUse._run`), and what it read beyond the method's key grows the key. A call whose key
-grew is kept under the grown key, never under the one it was looked up with. The first hit of an
-inferred key is encoded again and compared (:meth:`FirstUse._first_hit_check`). ``FirstUse`` is
-mixed into the wrapper's per-method server, whose attributes it uses.
+(:meth:`FirstUse.encode_traced`), and what it read beyond the method's key grows the key. A call whose
+key grew is kept under the grown key, never under the one it was looked up with. The first hit of an
+inferred key is encoded again and compared (:meth:`FirstUse.first_hit_check`). ``FirstUse`` is
+mixed into :class:`~.method_calls.MethodCalls`, whose attributes it uses.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def collectives_refusal(collectives: Sequence[str]) -> str:
 class FirstUse:
     """First use, learning and refusal of one wrapped method (mixed into the wrapper's method server)."""
 
-    def _keep_rows(
+    def keep_rows(
         self,
         arguments: list[Mapping[str, Any]],
         served_under: list[CallKey],
@@ -71,7 +71,7 @@ class FirstUse:
             if type(new) is not Bypass:
                 self.store.rekey(old, new, value)
 
-    def _run(self, args: tuple, kwargs: dict, *, rows: bool = False) -> tuple[Any, Trace]:
+    def encode_traced(self, args: tuple, kwargs: dict, *, rows: bool = False) -> tuple[Any, Trace]:
         """Encode, seeing what the call reads from and writes to the pipeline; raise :class:`Learned` when
         that is more than earlier calls showed (the call's key lacked it) or cannot be cached."""
         state = self.state
@@ -90,13 +90,15 @@ class FirstUse:
             grew, refusal = state.learn(trace, result)
         if refusal is not None:
             self._refuse(refusal)
+        if len(state.writes) > writes_before:  # its calls write state: rows are off from the next call
+            self.choose_strategy()
         if refusal is not None or (grew and not rows) or len(state.writes) > writes_before:
             raise Learned(result, trace, refusal)
-        if grew:  # a row: kept, and moved to a key holding what it read (_keep_rows), but no file under this one
+        if grew:  # a row: kept, and moved to a key holding what it read (keep_rows), but no file under this one
             self.store.withhold_write_through()
         return result, trace
 
-    def _keep_learned(self, args: tuple, kwargs: dict, arguments: dict[str, Any], learned: Learned) -> Any:
+    def keep_learned(self, args: tuple, kwargs: dict, arguments: dict[str, Any], learned: Learned) -> Any:
         """Keep a whole call's result under the key its grown state gives it (the values before it ran)."""
         state = self.state
         if state.refusal is None and self.key_builder.precomputed(arguments) is None:
@@ -118,8 +120,7 @@ class FirstUse:
             may_infer=False,
             method=self.method,
         )
-        if self.installation is not None:
-            self.installation.proofs[self.method] = self.proof
+        self.choose_strategy()
 
     def _learn(self, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> Any:
         """Serve a method's first call uncached and watch it: what it reads and writes, which modules and
@@ -127,23 +128,23 @@ class FirstUse:
         state, pipeline = self.state, self.pipeline
         precomputed = self.key_builder.precomputed(arguments)
         if precomputed is not None:  # a pass-through teaches nothing
-            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=precomputed.reason))
+            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=precomputed.reason))
         before = self.key_builder.build_from_arguments(arguments)
         if type(before) is Bypass:
             if state.inferred:
                 return self._not_an_encode(args, kwargs, f"its arguments cannot be keyed ({before.reason})")
-            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=before.reason))
+            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=before.reason))
         try:
             with observed(pipeline) as observation, traced(self.instance) as trace:
                 result = self.encode_fn(*args, **kwargs)
         except CannotTrace as error:
             self._refuse(str(error))
-            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=str(error)))
+            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=str(error)))
         if state.inferred:
             others = observation.other_modules()
             why = "it returns nothing" if result is None else f"it also runs {', '.join(others)}" if others else None
             if why is not None:
-                self.installation.reject(self.method, why)
+                self.host.reject(self.method, why)
                 return result
             if not observation.encoders:  # this call encoded nothing: learn from a later one
                 return result
@@ -157,25 +158,24 @@ class FirstUse:
             refusal = refusal or state.learn(trace, result)[1]
         if refusal is not None:
             self._refuse(refusal)
-            self._count(tally(Outcome.BYPASS, reason=refusal))
+            self.count(tally(Outcome.BYPASS, reason=refusal))
             return result
         state.learning, state.observed = False, True
         state.check_pending = state.inferred or bool(state.data) or bool(state.writes)
         self._rows_off()
-        if self.installation is not None:
-            self.installation.confirmed(state)
+        self.host.confirmed(state)
         held = state.state_argument_before(trace, self.instance)
         key = self.key_builder.build_from_arguments(with_state(arguments, held))
         if type(key) is Bypass:
-            self._count(tally(Outcome.BYPASS, reason=key.reason))
+            self.count(tally(Outcome.BYPASS, reason=key.reason))
             return result
         value = pack(unaliased(result, (args, kwargs)), trace.changed())
         self.store.serve(
-            key, lambda: value, lambda outcome, reason: self._count(tally(outcome, reason=reason)), self.method
+            key, lambda: value, lambda outcome, reason: self.count(tally(outcome, reason=reason)), self.method
         )
         return result
 
-    def _first_hit_check(self, args: tuple, kwargs: dict, served: Any) -> Any:
+    def first_hit_check(self, args: tuple, kwargs: dict, served: Any) -> Any:
         """Encode the first hit of a method whose key was inferred again, and compare output and writes;
         a difference serves the fresh encode and stops caching the method. Counted as an audit."""
         state = self.state
@@ -185,7 +185,7 @@ class FirstUse:
             state.check_pending = False
         replayed = {name: current_attribute(self.instance, name) for name in state.writes}
         try:
-            fresh, trace = self._run(args, kwargs)
+            fresh, trace = self.encode_traced(args, kwargs)
         except Learned as learned:
             fresh, trace = learned.result, learned.trace
         why = compare_outputs(served, fresh)[0]
@@ -203,16 +203,13 @@ class FirstUse:
 
     def _not_an_encode(self, args: tuple, kwargs: dict, why: str) -> Any:
         """Unwrap a candidate found by watching that is not an encode; run it so the methods it calls are seen."""
-        installation = self.installation
-        installation.reject(self.method, why)
-        installation.inside.active = False
+        host = self.host
+        host.reject(self.method, why)
+        host.inside.active = False
         try:
             return self.encode_fn(*args, **kwargs)
         finally:
-            installation.inside.active = True
+            host.inside.active = True
 
     def _refuse(self, why: str) -> None:
-        if self.installation is not None:
-            self.installation.refused(self.state, why)
-        else:
-            self.state.refusal = why
+        self.host.refused(self.state, why)

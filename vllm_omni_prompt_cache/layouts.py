@@ -12,8 +12,10 @@ In order (the first that applies wins):
 4. none: the wrapper infers one from the first batched call (see :mod:`.proofs`).
 
 Names never decide alone: every layout from 1, 3 and 4 is checked against the uncached call on
-the first call of each kind before a row is served. Nothing here imports vLLM-Omni; a pipeline of
-a vLLM-Omni class means its module is already imported.
+the first call of each kind before a row is served. :func:`layout_proof` and
+:func:`method_layout_proof` turn what is found into the :class:`~.proofs.LayoutProof` a wrapped
+method starts with. Nothing here imports vLLM-Omni; a pipeline of a vLLM-Omni class means its
+module is already imported.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import logging
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from vllm_omni_prompt_cache.config import ROW_LAYOUTS, PromptEmbedCacheConfigError
-from vllm_omni_prompt_cache.proofs import DECLARED_BY_CLASS
+from vllm_omni_prompt_cache.proofs import DECLARED_BY_CLASS, DECLARED_IN_CODE, LayoutProof
 from vllm_omni_prompt_cache.rows import ROW_LAYOUT_ATTRIBUTE, RowLayout, RowOutput
+
+logger = logging.getLogger(__name__)
 
 QWEN_IMAGE_MODULE = "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image"
 
@@ -200,6 +205,59 @@ def find_row_layout(pipeline: Any, declared: Mapping[str, RowLayout]) -> tuple[R
         if proven.matches(kind):
             return proven.layout, f"proven layout {name!r}"
     return None, "no layout known"
+
+
+def layout_proof(
+    pipeline: Any,
+    signature: inspect.Signature,
+    tag: str,
+    row_layout: RowLayout | None,
+    row_layouts: Mapping[str, RowLayout] | None,
+) -> LayoutProof:
+    """Return where ``pipeline``'s ``encode_prompt`` row layout comes from, checked for use with ``signature``:
+    ``row_layout`` (given in code), else :func:`find_row_layout` with the user's ``row_layouts``."""
+    kind = type(pipeline)
+    if row_layout is not None:
+        layout, source = row_layout, DECLARED_IN_CODE
+    else:
+        layout, source = find_row_layout(pipeline, row_layouts or {})
+    trusted = source in (DECLARED_BY_CLASS, DECLARED_IN_CODE)
+    if layout is not None and not isinstance(layout, RowLayout):
+        logger.warning(
+            "Prompt-embed cache: %s's row layout (%s) is a %s, not a RowLayout; calls are keyed whole.",
+            tag,
+            source,
+            type(layout).__qualname__,
+        )
+        return LayoutProof(kind, None, source, may_infer=False)
+    if layout is not None:
+        why = layout.unusable_with(signature)
+        if why is not None:
+            logger.warning(
+                "Prompt-embed cache: row layout %r (%s) does not fit %s (%s); calls are keyed whole.",
+                layout.name,
+                source,
+                tag,
+                why,
+            )
+            return LayoutProof(kind, None, source, may_infer=False)
+    return LayoutProof(kind, layout, source, may_infer=layout is None, trusted=trusted)
+
+
+def method_layout_proof(pipeline: Any, method: str, signature: inspect.Signature, tag: str) -> LayoutProof:
+    """Return where the row layout of ``pipeline``'s encode method ``method`` (not ``encode_prompt``) comes from."""
+    layout, source = find_method_layout(type(pipeline), method)
+    if layout is not None and (why := layout.unusable_with(signature)) is not None:
+        logger.warning(
+            "Prompt-embed cache: row layout %r (%s) does not fit %s.%s (%s); its rows are inferred, then checked.",
+            layout.name,
+            source,
+            tag,
+            method,
+            why,
+        )
+        layout = None
+    return LayoutProof(type(pipeline), layout, source, may_infer=layout is None, method=method)
 
 
 def row_layout_for(pipeline: Any) -> RowLayout | None:

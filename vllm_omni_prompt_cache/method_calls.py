@@ -1,0 +1,415 @@
+"""How one wrapped method's calls are served: bypassed with a reason, learned on first use, or by the
+method's strategy, whole or row by row.
+
+:class:`MethodCalls` is the front. It says why a call bypasses (the cache is off, the method is refused,
+its arguments do not bind), hands a method's first use to :class:`~.first_use.FirstUse`, and every later
+call to the method's strategy: :class:`WholeCalls` keys a call whole (and on a miss may infer a row layout
+from it, see :mod:`.proofs`); :class:`RowCalls` serves each row of a batched call from an entry of its own
+under a row layout (see :mod:`.rows`), checked against the uncached call on first use.
+
+The strategy is chosen when the method is wrapped, from its layout proof, and chosen again
+(:meth:`MethodCalls.choose_strategy`) only when what it rests on changes: a layout refuted, a layout
+inferred and adopted, or calls seen to write pipeline state (a hit replays one call's writes, not a row's).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from vllm_omni_prompt_cache.audit import turn_off as turn_off_for_class
+from vllm_omni_prompt_cache.counters import ROW_HIT, WHOLE_HIT, Outcome, tally
+from vllm_omni_prompt_cache.discovery import MethodState
+from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, with_state
+from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.logs import warn_once
+from vllm_omni_prompt_cache.proofs import ONE_ROW, LayoutProof, compare_outputs, infer_layout, row_strength
+from vllm_omni_prompt_cache.reads import is_packed, pack, unpack
+from vllm_omni_prompt_cache.row_batches import RowTally
+from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, SingleRow, UnstackableRows
+from vllm_omni_prompt_cache.store import PromptEmbedCache
+from vllm_omni_prompt_cache.values import unaliased
+
+DISABLED_REASON = "cache disabled"
+#: Whole-call reason for the call that found its row layout not to match the function's outputs
+#: (the calls after it have no layout: they are keyed whole like any pipeline's).
+LAYOUT_DROPPED_REASON = "row layout dropped: it did not match encode_prompt's outputs"
+#: Whole-call reason for a call whose rows differ in dtype, device or shape: served uncached.
+UNSTACKABLE_REASON = "rows could not be stacked into one output (dtype, device or shape differed)"
+
+
+class MethodHost(Protocol):
+    """What a method's calls tell the pipeline's state (see :class:`~.installation.Installation`)."""
+
+    inside: threading.local  # .active: a wrapped method of the pipeline runs on this thread
+
+    def reject(self, name: str, why: str) -> None:
+        """Unwrap a candidate found by watching that is not an encode."""
+
+    def confirmed(self, state: MethodState) -> None:
+        """Note that the method of ``state`` is cached from now on."""
+
+    def refused(self, state: MethodState, why: str) -> None:
+        """Stop caching the method of ``state``."""
+
+
+class MethodCalls(FirstUse):
+    """Serves one pipeline method's calls: whole, row by row, or bypassed with a reason; counts each call once."""
+
+    def __init__(
+        self,
+        store: PromptEmbedCache,
+        encode_fn: Callable[..., Any],
+        signature: inspect.Signature,
+        key_builder: CallKeyBuilder,
+        proof: LayoutProof,
+        *,
+        method: str,
+        pipeline: Any,
+        state: MethodState,
+        host: MethodHost,
+        instance: Any,
+    ) -> None:
+        self.store = store
+        #: Whose attributes a call reads and writes: the object the method is bound to (the pipeline's own
+        #: methods are bound to it; an encode_prompt given to an instance may be bound to another object).
+        self.instance = instance
+        self.method = method  # whose counters every count made here goes to
+        self.count = store.recorder(method)  # adds one tally to them
+        self.pipeline = pipeline
+        self.pipeline_class = type(pipeline)  # what an audit's mismatch turns the cache off for
+        self.encode_fn = encode_fn
+        self.signature = signature
+        self.key_builder = key_builder
+        self.proof = proof
+        self.state = state
+        self.host = host
+        self.whole = WholeCalls(self)  # precomputed calls, and calls the row layout cannot read
+        self.strategy: WholeCalls | RowCalls = self.whole
+        self._choosing = threading.Lock()
+        self.choose_strategy()
+
+    def choose_strategy(self) -> None:
+        """Choose how calls past first use are served, from the method's state and layout proof as they are now."""
+        with self._choosing:
+            layout = self.proof.layout
+            if not self.state.rows_allowed:  # its calls write pipeline state: a hit replays a call's, not a row's
+                self.strategy = self.whole
+            elif layout is None:
+                self.strategy = WholeCalls(self, infer=True) if self.proof.may_infer else self.whole
+            else:
+                self.strategy = RowCalls(self, layout)
+
+    def refute(self, layout: RowLayout, why: str, *, inferred: bool = False) -> None:
+        """Refute ``layout`` (see :meth:`LayoutProof.refute`); the calls after are keyed whole."""
+        self.proof.refute(layout, why, inferred=inferred)
+        self.choose_strategy()
+
+    def end_inference(self, layout: RowLayout | None) -> None:
+        """Adopt an inferred ``layout`` whose first check passed, or None (see :meth:`LayoutProof.end_inference`)."""
+        self.proof.end_inference(layout)
+        self.choose_strategy()
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        try:
+            return self._serve(args, kwargs)
+        except Learned as learned:  # a row's encode read or wrote what earlier calls had not: served whole
+            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=learned.reason or LEARNED_REASON))
+
+    def _serve(self, args: tuple, kwargs: dict) -> Any:
+        store, state = self.store, self.state
+        if not store.enabled:
+            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=store.off_reason or DISABLED_REASON))
+        if state.refusal is not None:
+            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=state.refusal))
+        arguments = self.key_builder.bind(args, kwargs)
+        if type(arguments) is Bypass:
+            if state.inferred and state.learning:
+                return self._not_an_encode(args, kwargs, "its calls do not bind to its signature")
+            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=arguments.reason))
+        if state.learning:
+            return self._learn(args, kwargs, arguments)
+        if self.key_builder.precomputed(arguments) is not None:
+            return self.whole.call(args, kwargs, arguments)
+        held = state.state_argument(self.instance)
+        if type(held) is Bypass:  # a component was replaced: learn the method again
+            state.learning = True
+            return self._learn(args, kwargs, arguments)
+        return self.strategy.serve(args, kwargs, arguments, held)
+
+    def uncached(self, args: tuple, kwargs: dict, counts: dict[str, Any]) -> Any:
+        """Serve the call from the original function, not cached, counted as ``counts`` (a :func:`tally`)."""
+        self.count(counts)
+        return self.encode_fn(*args, **kwargs)
+
+    def audited(self, args: tuple, kwargs: dict, served: Any) -> Any:
+        """Encode a call that was served from the cache again and compare; return what the call gets:
+        ``served`` when they agree, else the fresh encode (and the cache is off from now on)."""
+        try:
+            fresh = self.encode_fn(*args, **kwargs)
+            why = compare_outputs(served, fresh)[0]
+        except Exception as error:  # out of memory, say: the call was served; the audit is what failed
+            warn_once(f"an audit's encode failed ({type(error).__qualname__}: {error}); the hit was served")
+            return served
+        self.store.record_audit(mismatch=why is not None, method=self.method)
+        if why is None:
+            return served
+        served_why = why.replace("assembled", "served").replace("uncached", "encoded again")
+        turn_off_for_class(self.store, self.pipeline_class, self.key_builder.model_tag, served_why)
+        return fresh
+
+
+class WholeCalls:
+    """Strategy: each call keyed whole, one entry per call. ``infer``: a miss may suggest a row layout, which
+    its rows, encoded alone, then have to match before it is adopted."""
+
+    def __init__(self, calls: MethodCalls, *, infer: bool = False) -> None:
+        self.calls = calls
+        self.infer = infer
+
+    def serve(self, args: tuple, kwargs: dict, arguments: dict[str, Any], held: tuple | None) -> Any:
+        """Serve a call past its method's first use; ``held``: the pipeline state its key also holds."""
+        return self.call(args, kwargs, arguments, infer=self.infer, held=held)
+
+    def call(
+        self,
+        args: tuple,
+        kwargs: dict,
+        arguments: dict[str, Any],
+        *,
+        rows: int | None = None,
+        why: str | None = None,
+        infer: bool = False,
+        held: tuple | None = None,
+    ) -> Any:
+        """Serve the call under one key; ``rows``: how many rows it encodes, when a layout says; ``why``:
+        why a call with a row layout is keyed whole; ``held``: the pipeline state the key also holds.
+
+        ``infer``: on a miss, try to infer a row layout from the call and its output (then check it).
+        """
+        calls = self.calls
+        encoded: list[Any] = []
+        outcomes: list[Outcome] = []
+
+        def encode() -> Any:
+            result, trace = calls.encode_traced(args, kwargs)
+            encoded.append(result)
+            return pack(unaliased(result, (args, kwargs)), trace.changed())
+
+        def count(outcome: Outcome, reason: str | None) -> None:
+            outcomes.append(outcome)
+            if outcome is Outcome.HIT and why is None:
+                calls.count(WHOLE_HIT)
+                return
+            calls.count(
+                tally(outcome, reason=reason, whole_call=why, rows_encoded=0 if outcome is Outcome.HIT else rows or 0)
+            )
+
+        key = calls.key_builder.build_from_arguments(with_state(arguments, held))
+        if type(key) is Bypass:
+            count(Outcome.BYPASS, key.reason)
+            result = calls.encode_fn(*args, **kwargs)
+            encoded.append(result)
+            return result
+        try:
+            value = calls.store.serve(key, encode, count, calls.method)
+        except Learned as learned:  # the key grew while encoding: kept under the key it has now
+            return calls.keep_learned(args, kwargs, arguments, learned)
+        if encoded:  # this call encoded: the pipeline holds what it wrote already
+            result = value[1] if is_packed(value) else value
+        else:
+            result = unpack(value, calls.instance)
+            if calls.state.check_pending and outcomes and outcomes[-1] is Outcome.HIT:
+                return calls.first_hit_check(args, kwargs, result)
+        if infer and encoded and calls.proof.claim_inference():
+            adopted = None
+            try:
+                adopted = self._infer(arguments, encoded[0], held)
+            finally:
+                calls.end_inference(adopted)
+        return result
+
+    def _infer(self, arguments: dict[str, Any], output: Any, held: tuple | None) -> RowLayout | None:
+        """Return the layout a missed call suggests if its rows, encoded alone, assemble to ``output``."""
+        layout = infer_layout(self.calls.signature, arguments, output)
+        if type(layout) is str:
+            if layout != ONE_ROW:  # a one-row call says nothing: not worth a reason
+                self.calls.count(tally(whole_call=f"no row layout inferred: {layout}"))
+            return None
+        return layout if RowCalls(self.calls, layout).check_inferred(arguments, output, held) else None
+
+
+class RowCalls:
+    """Strategy: each distinct row of a call served from the cache or one encode of it alone under ``layout``,
+    the call's output assembled from them. A call that goes beyond what checks have proven the layout for
+    is served from the uncached call and compared with its assembled rows (:meth:`check`)."""
+
+    def __init__(self, calls: MethodCalls, layout: RowLayout) -> None:
+        self.calls = calls
+        self.layout = layout
+
+    def serve(self, args: tuple, kwargs: dict, arguments: dict[str, Any], held: tuple | None) -> Any:
+        """Serve a call past its method's first use; ``held``: the pipeline state its keys also hold."""
+        calls, layout = self.calls, self.layout
+        try:
+            single = layout.single_row_key(arguments)
+            split = None
+            if single is None or (single.text and not calls.proof.trusted):
+                split = layout.split(arguments)
+        except Exception as error:  # hostile arguments: reading them as rows must not fail the call
+            why = f"rows could not be read: {type(error).__qualname__} raised"
+            return calls.whole.call(args, kwargs, arguments, why=why, held=held)
+        # A prompt's row is shared by its forms ("a" and ["a"]), which a layout the class does not vouch
+        # for must have passed a check on before one is served for the other.
+        if single is not None and (
+            split is None or (type(split) is RowSplit and calls.proof.has_checked(layout, split))
+        ):
+            return self._single_row(args, kwargs, single, held)
+        if type(split) is not RowSplit:
+            rows = layout.batch_size(arguments)
+            return calls.whole.call(args, kwargs, arguments, rows=rows, why=split, held=held)
+        keys = self._row_keys(split, held)
+        if type(keys) is Bypass:  # a shared argument no key can hold: no row can be keyed
+            return calls.uncached(args, kwargs, tally(Outcome.BYPASS, reason=keys.reason, rows_encoded=split.batch))
+        return self._by_rows(split, keys, args, kwargs)
+
+    def _single_row(self, args: tuple, kwargs: dict, single: SingleRow, held: tuple | None) -> Any:
+        """Serve a call that is its own only row, keyed as :meth:`RowLayout.single_row_key` reads it."""
+        calls = self.calls
+        keyed = with_state(single.arguments, held)
+        key = calls.key_builder.build_from_arguments(keyed, row=True, host_views=single.host_views)
+        if type(key) is Bypass:
+            return calls.uncached(args, kwargs, tally(Outcome.BYPASS, reason=key.reason, rows_encoded=1))
+        known = len(calls.state.data)
+        try:
+            value = calls.store.serve(
+                key, lambda: self.layout.check_row(self._encode_to_keep(args, kwargs)), self._count_row, calls.method
+            )
+            if len(calls.state.data) > known:  # its encode read more state: keep it under the key that holds it
+                calls.keep_rows([single.arguments], [key], [value], single.host_views)
+            return value
+        except LayoutMismatch as error:  # the row was not stored; serve the call whole and uncached
+            calls.refute(self.layout, str(error))
+            return calls.uncached(args, kwargs, tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=1))
+
+    def _count_row(self, outcome: Outcome, reason: str | None) -> None:
+        """Count a call that is one row, as a call and as a row."""
+        if outcome is Outcome.HIT:
+            self.calls.count(ROW_HIT)
+            return
+        self.calls.count(
+            tally(
+                outcome,
+                reason=reason,
+                rows_missed=int(outcome is Outcome.MISS),
+                row_reasons=None if reason is None else {reason: 1},
+                rows_encoded=1,
+            )
+        )
+
+    def _by_rows(self, split: RowSplit, keys: list[CallKey], args: tuple, kwargs: dict) -> Any:
+        """Serve each distinct row from the cache or one encode of it alone; assemble the call's output."""
+        calls, layout = self.calls, self.layout
+        rows = RowTally()
+        call = Outcome.MISS  # unless every row was served without encoding and the output assembles
+        dropped = tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=split.batch)  # then served uncached
+        known = len(calls.state.data)
+        try:
+            try:
+                values = calls.store.serve_rows(keys, self._row_encoder(split), rows, calls.method)
+                if len(calls.state.data) > known:  # a row's encode read more state: keep them under keys holding it
+                    calls.keep_rows([split.key_arguments(index) for index in range(split.batch)], keys, values)
+            except LayoutMismatch as error:
+                calls.refute(layout, str(error))
+                return calls.uncached(args, kwargs, dropped)
+            except Exception as error:
+                if calls.proof.trusted or calls.proof.has_checked(layout, split) or _transient(error):
+                    raise  # the encoder itself failed, as it would uncached
+                # Rows cut by a layout no check has passed yet for such calls: the cut is the suspect.
+                calls.refute(layout, f"its row calls raised {type(error).__qualname__}: {error}")
+                return calls.uncached(args, kwargs, dropped)
+            if not calls.proof.settled(layout, split):  # measuring what the rows exercise costs comparisons
+                strength = row_strength(split, values)
+                if calls.proof.needs_check(layout, split, strength):  # the check encodes the whole call
+                    return self.check(split, values, strength, calls.encode_fn(*args, **kwargs))
+            try:
+                assembled = split.assemble(values)
+            except UnstackableRows:
+                return calls.uncached(args, kwargs, tally(whole_call=UNSTACKABLE_REASON, rows_encoded=split.batch))
+            call = Outcome.MISS if rows.encoded else Outcome.HIT
+            return assembled
+        finally:  # the rows and the call, counted whatever happened (an encode or an assembly that raised too)
+            calls.count(rows.counts(call))
+
+    def check_inferred(self, arguments: dict[str, Any], output: Any, held: tuple | None) -> bool:
+        """Return True when the rows of a missed call, encoded alone under this (inferred) layout, assemble to
+        ``output``, the call's uncached output; the rows are kept and counted."""
+        calls, layout = self.calls, self.layout
+        split = layout.split(arguments)
+        keys = None if type(split) is not RowSplit else self._row_keys(split, held)
+        if keys is None or type(keys) is Bypass:
+            calls.count(tally(whole_call="no row layout inferred: the call could not be split into rows"))
+            return False
+        rows = RowTally()
+        try:
+            values = calls.store.serve_rows(keys, self._row_encoder(split), rows, calls.method)
+        except LayoutMismatch as error:
+            calls.refute(layout, str(error), inferred=True)
+            return False
+        finally:
+            calls.count(rows.counts(None))
+        strength = row_strength(split, values)
+        return self.check(split, values, strength, output, inferred=True) is not None
+
+    def check(
+        self, split: RowSplit, values: list[Any], strength: tuple, expected: Any, *, inferred: bool = False
+    ) -> Any:
+        """Compare ``expected`` (the uncached call) with the call's rows assembled; return ``expected``.
+
+        A match proves the layout for calls like this one; a mismatch turns rows off for the class.
+        For an inferred layout, returns None on a mismatch (the caller already holds ``expected``).
+        """
+        calls = self.calls
+        try:
+            why, gap = compare_outputs(split.assemble(values), expected)
+        except UnstackableRows as error:
+            why, gap = str(error), 0.0
+        calls.store.record_layout_check(split.batch, None if why else gap, method=calls.method)
+        if why is None:
+            calls.proof.prove(self.layout, split, strength)
+            return expected
+        calls.refute(self.layout, why, inferred=inferred)
+        return None if inferred else expected
+
+    def _row_keys(self, split: RowSplit, held: tuple | None) -> list[CallKey] | Bypass:
+        keys = []
+        for index in range(split.batch):
+            key = self.calls.key_builder.build_from_arguments(with_state(split.key_arguments(index), held), row=True)
+            if type(key) is Bypass:
+                return key
+            keys.append(key)
+        return keys
+
+    def _row_encoder(self, split: RowSplit) -> Callable[[int], Any]:
+        def encode_row(index: int) -> Any:
+            bound = inspect.BoundArguments(self.calls.signature, split.call_arguments(index))  # type: ignore[arg-type]
+            return split.check_row(self._encode_to_keep(bound.args, bound.kwargs))
+
+        return encode_row
+
+    def _encode_to_keep(self, args: tuple, kwargs: dict) -> Any:
+        """Run the encoder for a result the cache keeps (keyed arguments only: bounded, acyclic); outputs
+        that are the call's own input tensors are copied."""
+        # A row's encode that reads more state than the rows' keys hold is kept under those keys, which no
+        # later lookup builds (the state's names are in every key); one that writes state raises Learned.
+        result, _ = self.calls.encode_traced(args, kwargs, rows=True)
+        return unaliased(result, (args, kwargs))
+
+
+def _transient(error: Exception) -> bool:
+    """Return True for failures that say nothing about a layout (memory): they are raised, not held against it."""
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError))
