@@ -13,14 +13,12 @@ import dataclasses
 import functools
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from vllm_omni_prompt_cache.counters import Outcome, tally
 from vllm_omni_prompt_cache.flights import Claim
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
-
-if TYPE_CHECKING:
-    from vllm_omni_prompt_cache.lookups import Lookups
+from vllm_omni_prompt_cache.lookups import Lookups
 
 T = TypeVar("T")
 
