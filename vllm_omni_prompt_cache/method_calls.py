@@ -77,7 +77,7 @@ class MethodCalls(FirstUse):
         self.store = store
         #: Whose attributes a call reads and writes: the object the method is bound to (the pipeline's own
         #: methods are bound to it; an encode_prompt given to an instance may be bound to another object).
-        self.instance = instance
+        self.instance = pipeline if instance is None else instance
         self.method = method  # whose counters every count made here goes to
         self.count = store.recorder(method)  # adds one tally to them
         self.pipeline = pipeline
