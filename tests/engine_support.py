@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -16,7 +18,7 @@ from vllm_omni_prompt_cache.demo.rollout import RolloutSpec
 from vllm_omni_prompt_cache.store import CacheStats
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION, TextEncoderCountersExtension
-from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, worker_value
+from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, open_engine, worker_value
 
 PROMPTS = ("a red fox in the snow", "a lighthouse above a stormy sea")
 GROUP_SIZE = 4
@@ -65,6 +67,7 @@ class Counted:
     encoder_runs: int
     encoder_rows: int
     stats: CacheStats | None
+    stats_at_start: CacheStats | None  # the cache's counts before the work (the warm-up's)
 
 
 async def counted(engine: Any, work: Callable[[], Awaitable[T]]) -> tuple[T, Counted]:
@@ -83,6 +86,57 @@ async def counted(engine: Any, work: Callable[[], Awaitable[T]]) -> tuple[T, Cou
         encoder_runs=after["encoder_runs"] - before["encoder_runs"],
         encoder_rows=after["encoder_rows"] - before["encoder_rows"],
         stats=None if stats_after is None else stats_after.since(stats_before or CacheStats()),
+        stats_at_start=stats_before,
+    )
+
+
+@dataclass
+class Rollout(Counted):
+    """What one engine returned and counted for a rollout of token-ID requests (its warm-up excluded)."""
+
+    outputs: dict[int, Any]  # each request's final output, by the request's index
+    later: dict[int, Any]  # the outputs of requests sent after the counting, by index
+    init_seconds: float
+    seconds: float
+
+    @property
+    def latents(self) -> dict[int, Any]:
+        return {index: output.trajectory_latents for index, output in self.outputs.items()}
+
+    @property
+    def errors(self) -> dict[int, Any]:
+        return {index: output.error for index, output in self.outputs.items() if output.error}
+
+
+async def send_rollout(
+    engine_kwargs: dict[str, Any],
+    requests: Sequence[tuple[int, Any, int]],
+    sampling: Mapping[str, Any],
+    label: str,
+    *,
+    later: Sequence[tuple[int, Any, int]] = (),
+) -> Rollout:
+    """Start an engine from ``engine_kwargs``, send ``requests`` (``(index, request, seed)``) at once with
+    ``sampling`` (``OmniDiffusionSamplingParams`` fields, each request its own copy) and count what the
+    encoder and the cache did; then send ``later``, uncounted. Every model's end-to-end test rolls out here."""
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    started = time.perf_counter()
+    async with open_engine(engine_kwargs) as engine:
+        init_seconds = time.perf_counter() - started
+
+        async def one(index: int, request: Any, seed: int, request_label: str) -> tuple[int, Any]:
+            params = OmniDiffusionSamplingParams(**copy.deepcopy(dict(sampling)), seed=seed)
+            return index, await final_output(engine, request, params, f"{request_label}-{index}")
+
+        finished, counts = await counted(engine, lambda: asyncio.gather(*(one(*each, label) for each in requests)))
+        sent_later = await asyncio.gather(*(one(*each, f"{label}-later") for each in later))
+    return Rollout(
+        **vars(counts),
+        outputs=dict(finished),
+        later=dict(sent_later),
+        init_seconds=init_seconds,
+        seconds=time.perf_counter() - started,
     )
 
 

@@ -16,14 +16,11 @@ finds ``_encode_token_ids`` by watching Gemma in the rollout's first request.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from engine_support import GROUP_SIZE, PROMPTS, Counted, adapter_engine_kwargs, counted, final_output, run
+from engine_support import GROUP_SIZE, PROMPTS, Rollout, adapter_engine_kwargs, run, send_rollout
 from renamed import renamed_module
 
 from vllm_omni_prompt_cache.tiny import ltx2_adapter
@@ -57,18 +54,6 @@ DISTINCT_ROWS = len(PROMPTS) + 1  # each prompt, and the shared empty negative
 DISCOVERY_ROWS = 2
 
 
-@dataclass
-class LtxRollout(Counted):
-    """What one engine returned and counted for the rollout."""
-
-    videos: dict[int, torch.Tensor]
-    audios: dict[int, torch.Tensor]
-    latents: dict[int, torch.Tensor]
-    errors: dict[int, Any]
-    init_seconds: float
-    seconds: float
-
-
 def engine_kwargs(cache: bool, max_num_seqs: int = 1, pipeline: str = LTX2_FLOW_GRPO_PIPELINE) -> dict[str, Any]:
     """Return the ``AsyncOmni`` kwargs: the tiny LTX-2.3, the adapter, our counters, fp32, cache on or off."""
     return adapter_engine_kwargs(
@@ -97,58 +82,50 @@ def requests() -> list[tuple[int, dict[str, Any], int]]:
     ]
 
 
-async def send_rollout(cache: bool, pipeline: str = LTX2_FLOW_GRPO_PIPELINE) -> LtxRollout:
-    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+#: The sampling every request carries, as verl-omni's LTX-2.3 script sets it.
+SAMPLING = {
+    "height": TINY_HEIGHT,
+    "width": TINY_WIDTH,
+    "num_frames": TINY_FRAMES,
+    "frame_rate": TINY_FRAME_RATE,
+    "num_inference_steps": STEPS,
+    "guidance_scale": GUIDANCE_SCALE,
+    "max_sequence_length": MAX_SEQUENCE_LENGTH,
+    "output_type": "pt",  # as verl-omni's LTX-2.3 script asks for it
+    "extra_args": ALGO_ARGS,
+    "return_trajectory_latents": True,
+}
 
-    started = time.perf_counter()
-    async with open_engine(engine_kwargs(cache, pipeline=pipeline)) as engine:
-        init_seconds = time.perf_counter() - started
 
-        async def one(index: int, request: dict[str, Any], seed: int) -> tuple[int, Any]:
-            params = OmniDiffusionSamplingParams(
-                height=TINY_HEIGHT,
-                width=TINY_WIDTH,
-                num_frames=TINY_FRAMES,
-                frame_rate=TINY_FRAME_RATE,
-                num_inference_steps=STEPS,
-                guidance_scale=GUIDANCE_SCALE,
-                max_sequence_length=MAX_SEQUENCE_LENGTH,
-                output_type="pt",  # as verl-omni's LTX-2.3 script asks for it
-                seed=seed,
-                extra_args=dict(ALGO_ARGS),
-                return_trajectory_latents=True,
-            )
-            return index, await final_output(engine, request, params, f"ltx2-{index}")
+async def ltx2_rollout(cache: bool, pipeline: str = LTX2_FLOW_GRPO_PIPELINE) -> Rollout:
+    return await send_rollout(engine_kwargs(cache, pipeline=pipeline), requests(), SAMPLING, "ltx2")
 
-        finished, counts = await counted(engine, lambda: asyncio.gather(*(one(*request) for request in requests())))
-    return LtxRollout(
-        **vars(counts),
-        videos={index: output.images[0] for index, output in finished if output.images},
-        audios={index: output.multimodal_output.get("audio") for index, output in finished},
-        latents={index: output.trajectory_latents for index, output in finished},
-        errors={index: output.error for index, output in finished if output.error},
-        init_seconds=init_seconds,
-        seconds=time.perf_counter() - started,
-    )
+
+def videos(rollout: Rollout) -> dict[int, torch.Tensor]:
+    return {index: output.images[0] for index, output in rollout.outputs.items() if output.images}
+
+
+def audios(rollout: Rollout) -> dict[int, torch.Tensor]:
+    return {index: output.multimodal_output.get("audio") for index, output in rollout.outputs.items()}
 
 
 @pytest.fixture(scope="module")
-def uncached() -> LtxRollout:
-    return run(send_rollout(cache=False))
+def uncached() -> Rollout:
+    return run(ltx2_rollout(cache=False))
 
 
 @pytest.fixture(scope="module")
-def cached() -> LtxRollout:
-    return run(send_rollout(cache=True))
+def cached() -> Rollout:
+    return run(ltx2_rollout(cache=True))
 
 
 def test_every_request_returns_a_video_and_its_audio(uncached, cached) -> None:
     for rollout in (uncached, cached):
         assert rollout.errors == {}
-        assert rollout.videos.keys() == rollout.audios.keys() == rollout.latents.keys() == set(range(REQUESTS))
+        assert videos(rollout).keys() == audios(rollout).keys() == rollout.latents.keys() == set(range(REQUESTS))
         for index in range(REQUESTS):
-            assert rollout.videos[index].shape == (1, TINY_FRAMES, 3, TINY_HEIGHT, TINY_WIDTH), index
-            audio = rollout.audios[index]  # [1, channels, samples] at the vocoder's 48 kHz
+            assert videos(rollout)[index].shape == (1, TINY_FRAMES, 3, TINY_HEIGHT, TINY_WIDTH), index
+            audio = audios(rollout)[index]  # [1, channels, samples] at the vocoder's 48 kHz
             assert audio is not None and audio.ndim == 3 and audio.shape[0] == 1 and audio.shape[-1] > 0, index
 
 
@@ -178,8 +155,8 @@ def test_with_the_cache_each_distinct_row_is_encoded_once(cached) -> None:
 def test_cached_outputs_are_bit_identical_to_uncached(uncached, cached) -> None:
     for index in range(REQUESTS):
         assert torch.equal(cached.latents[index], uncached.latents[index]), index
-        assert torch.equal(cached.videos[index], uncached.videos[index]), index
-        assert torch.equal(cached.audios[index], uncached.audios[index]), index
+        assert torch.equal(videos(cached)[index], videos(uncached)[index]), index
+        assert torch.equal(audios(cached)[index], audios(uncached)[index]), index
     # Siblings of one prompt differ (their own seeds), so the equalities above compare real outputs.
     assert not torch.equal(uncached.latents[0], uncached.latents[len(PROMPTS)])
 
@@ -195,14 +172,14 @@ def test_the_engine_refuses_request_batching_for_the_adapter() -> None:
 
 
 @pytest.fixture(scope="module")
-def renamed() -> LtxRollout:
+def renamed() -> Rollout:
     """The adapter copied into a fresh module, its class and its encode method under names nobody listed."""
     module = renamed_module(
         ltx2_adapter,
         {"LTX23PipelineWithLogProb": "Qv8VideoAdapter", "_encode_token_ids": "_embed_request_ids"},
         "qv8_video_adapter",
     )
-    return run(send_rollout(cache=True, pipeline=f"{module.__name__}.Qv8VideoAdapter"))
+    return run(ltx2_rollout(cache=True, pipeline=f"{module.__name__}.Qv8VideoAdapter"))
 
 
 def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached, cached, renamed) -> None:
@@ -214,4 +191,4 @@ def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached, ca
     assert renamed.encoder_rows == cached.encoder_rows == DISCOVERY_ROWS + DISTINCT_ROWS + found["audits"]
     for index in range(REQUESTS):
         assert torch.equal(renamed.latents[index], uncached.latents[index]), index
-        assert torch.equal(renamed.videos[index], uncached.videos[index]), index
+        assert torch.equal(videos(renamed)[index], videos(uncached)[index]), index

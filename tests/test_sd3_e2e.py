@@ -13,20 +13,16 @@ guidance 0, text path) is counted before the rollout and left out.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from engine_support import GROUP_SIZE, PROMPTS, Counted, adapter_engine_kwargs, counted, final_output, found_method, run
+from engine_support import GROUP_SIZE, PROMPTS, Rollout, adapter_engine_kwargs, found_method, run, send_rollout
 from renamed import renamed_module
 
 from vllm_omni_prompt_cache.tiny import sd3_adapter
 from vllm_omni_prompt_cache.tiny.sd3 import ensure_tiny_sd3, load_tokenizers, rollout_request
 from vllm_omni_prompt_cache.tiny.sd3_adapter import SD3_FLOW_GRPO_PIPELINE
-from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine
 
 pytestmark = pytest.mark.engine
 
@@ -43,19 +39,6 @@ DISTINCT_ROWS = len(PROMPTS) + 1  # each prompt, and the empty negative
 DISCOVERY_ROWS = 1
 #: Rows encoded again because the method's first (observed) call is kept whole and its later calls by rows.
 LEARNED_WHOLE = 1
-
-
-@dataclass
-class Sd3Rollout(Counted):
-    """What one engine returned and counted for the rollout (the engine's warm-up excluded)."""
-
-    image_sizes: dict[int, list[tuple[int, int]]]
-    latents: dict[int, torch.Tensor]
-    errors: dict[int, Any]
-    #: Latents of each prompt's first request sent again as text (``{"prompt": ...}``, same seed), after counting.
-    text_latents: dict[int, torch.Tensor]
-    init_seconds: float
-    seconds: float
 
 
 def engine_kwargs(cache: bool, max_num_seqs: int, pipeline: str = SD3_FLOW_GRPO_PIPELINE) -> dict[str, Any]:
@@ -77,68 +60,57 @@ def requests() -> list[tuple[int, dict[str, Any], int]]:
     ]
 
 
-async def send_rollout(
+#: The sampling every request carries, as verl-omni's SD3 rollout sets it.
+SAMPLING = {
+    "height": SIZE,
+    "width": SIZE,
+    "num_inference_steps": STEPS,
+    "guidance_scale": GUIDANCE_SCALE,
+    "max_sequence_length": 256,
+    "output_type": "image",
+    "extra_args": ALGO_ARGS,
+    "return_trajectory_latents": True,
+}
+
+
+async def sd3_rollout(
     cache: bool, max_num_seqs: int, text_twins: bool = False, pipeline: str = SD3_FLOW_GRPO_PIPELINE
-) -> Sd3Rollout:
-    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+) -> Rollout:
+    """The rollout through one engine; ``text_twins``: then each prompt's first request again as text
+    (``{"prompt": ...}``, same seed), uncounted, in ``later``."""
+    twins = [(i, {"prompt": PROMPTS[i]}, BASE_SEED + i) for i in range(len(PROMPTS))] if text_twins else []
+    return await send_rollout(engine_kwargs(cache, max_num_seqs, pipeline), requests(), SAMPLING, "sd3", later=twins)
 
-    started = time.perf_counter()
-    async with open_engine(engine_kwargs(cache, max_num_seqs, pipeline)) as engine:
-        init_seconds = time.perf_counter() - started
 
-        async def one(index: int, request: dict[str, Any], seed: int, label: str = "sd3") -> tuple[int, Any]:
-            params = OmniDiffusionSamplingParams(
-                height=SIZE,
-                width=SIZE,
-                num_inference_steps=STEPS,
-                guidance_scale=GUIDANCE_SCALE,
-                max_sequence_length=256,
-                output_type="image",
-                seed=seed,
-                extra_args=dict(ALGO_ARGS),
-                return_trajectory_latents=True,
-            )
-            return index, await final_output(engine, request, params, f"{label}-{index}")
-
-        finished, counts = await counted(engine, lambda: asyncio.gather(*(one(*request) for request in requests())))
-        twins = [one(i, {"prompt": PROMPTS[i]}, BASE_SEED + i, "text") for i in range(len(PROMPTS)) if text_twins]
-        text_latents = {index: output.trajectory_latents for index, output in await asyncio.gather(*twins)}
-    return Sd3Rollout(
-        **vars(counts),
-        image_sizes={index: [image.size for image in output.images] for index, output in finished},
-        latents={index: output.trajectory_latents for index, output in finished},
-        errors={index: output.error for index, output in finished if output.error},
-        text_latents=text_latents,
-        init_seconds=init_seconds,
-        seconds=time.perf_counter() - started,
-    )
+def image_sizes(rollout: Rollout) -> dict[int, list[tuple[int, int]]]:
+    return {index: [image.size for image in output.images] for index, output in rollout.outputs.items()}
 
 
 @pytest.fixture(scope="module")
-def uncached() -> Sd3Rollout:
-    return run(send_rollout(cache=False, max_num_seqs=1, text_twins=True))
+def uncached() -> Rollout:
+    return run(sd3_rollout(cache=False, max_num_seqs=1, text_twins=True))
 
 
 @pytest.fixture(scope="module")
-def cached() -> Sd3Rollout:
-    return run(send_rollout(cache=True, max_num_seqs=1))
+def cached() -> Rollout:
+    return run(sd3_rollout(cache=True, max_num_seqs=1))
 
 
 @pytest.fixture(scope="module")
-def uncached_batched() -> Sd3Rollout:
-    return run(send_rollout(cache=False, max_num_seqs=4))
+def uncached_batched() -> Rollout:
+    return run(sd3_rollout(cache=False, max_num_seqs=4))
 
 
 @pytest.fixture(scope="module")
-def cached_batched() -> Sd3Rollout:
-    return run(send_rollout(cache=True, max_num_seqs=4))
+def cached_batched() -> Rollout:
+    return run(sd3_rollout(cache=True, max_num_seqs=4))
 
 
 def test_every_request_returns_an_image(uncached, cached, uncached_batched, cached_batched) -> None:
     for rollout in (uncached, cached, uncached_batched, cached_batched):
         assert rollout.errors == {}
-        assert rollout.image_sizes == {index: [(SIZE, SIZE)] for index in range(REQUESTS)}
-        assert rollout.latents.keys() == rollout.image_sizes.keys()
+        assert image_sizes(rollout) == {index: [(SIZE, SIZE)] for index in range(REQUESTS)}
+        assert rollout.latents.keys() == image_sizes(rollout).keys()
 
 
 def test_without_a_cache_every_prompt_and_negative_row_reaches_the_encoder(uncached, uncached_batched) -> None:
@@ -176,9 +148,9 @@ def test_with_the_cache_each_distinct_row_is_encoded_once(cached, cached_batched
 def test_token_ids_give_the_text_paths_latents(uncached) -> None:
     # The ids path pads as the stock text path tokenizes, so each prompt's embeddings, and the
     # latents denoised from them with the same seed, are bit for bit the text request's.
-    assert uncached.text_latents.keys() == set(range(len(PROMPTS)))
-    for index, latents in uncached.text_latents.items():
-        assert torch.equal(latents, uncached.latents[index]), index
+    assert uncached.later.keys() == set(range(len(PROMPTS)))
+    for index, output in uncached.later.items():
+        assert torch.equal(output.trajectory_latents, uncached.latents[index]), index
 
 
 def test_cached_latents_match_uncached(uncached, cached, uncached_batched, cached_batched) -> None:
@@ -194,7 +166,7 @@ def test_cached_latents_match_uncached(uncached, cached, uncached_batched, cache
 
 
 @pytest.fixture(scope="module")
-def renamed() -> Sd3Rollout:
+def renamed() -> Rollout:
     """The adapter copied into a fresh module, its classes and its token-ID encode method under names nobody listed."""
     module = renamed_module(
         sd3_adapter,
@@ -205,7 +177,7 @@ def renamed() -> Sd3Rollout:
         },
         "tz5_image_adapter",
     )
-    return run(send_rollout(cache=True, max_num_seqs=1, pipeline=f"{module.__name__}.Tz5ImageAdapter"))
+    return run(sd3_rollout(cache=True, max_num_seqs=1, pipeline=f"{module.__name__}.Tz5ImageAdapter"))
 
 
 def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached, cached, renamed) -> None:

@@ -10,15 +10,12 @@ Two engines, cache on and cache off, same seeds.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from engine_support import GROUP_SIZE, found_method, run
+from engine_support import GROUP_SIZE, Rollout, found_method, run, send_rollout
 from renamed import renamed_module
 
 from vllm_omni_prompt_cache.tiny import wan22_adapter
@@ -26,7 +23,6 @@ from vllm_omni_prompt_cache.tiny.qwen_image import SAMPLE_PROMPTS
 from vllm_omni_prompt_cache.tiny.wan22 import TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, ensure_tiny_wan22
 from vllm_omni_prompt_cache.tiny.wan22_adapter import WAN22_DANCE_GRPO_PIPELINE
 from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
-from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_value
 
 pytestmark = pytest.mark.engine
 
@@ -36,20 +32,6 @@ CACHE_SIZE = 64
 STEPS = 2
 GUIDANCE_SCALE = 5.0  # > 1: CFG on, so every request encodes its negative too
 BASE_SEED = 1234
-
-
-@dataclass
-class WanRollout:
-    """What one engine returned and counted for the rollout (the engine's warm-up excluded)."""
-
-    videos: dict[int, np.ndarray]
-    latents: dict[int, torch.Tensor]
-    errors: dict[int, Any]
-    encoder_runs_at_start: int
-    stats_at_start: dict[str, Any] | None
-    encoder_runs: int
-    stats: dict[str, Any] | None
-    seconds: float
 
 
 def engine_kwargs(cache: bool, pipeline: str = WAN22_DANCE_GRPO_PIPELINE) -> dict[str, Any]:
@@ -85,60 +67,41 @@ def token_ids() -> list[list[int]]:
     return [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
 
 
-async def send_rollout(cache: bool, pipeline: str = WAN22_DANCE_GRPO_PIPELINE) -> WanRollout:
-    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+#: The sampling every request carries, as verl-omni's DanceGRPO rollout sets it.
+SAMPLING = {
+    "height": TINY_HEIGHT,
+    "width": TINY_WIDTH,
+    "num_frames": TINY_FRAMES,
+    "num_inference_steps": STEPS,
+    "guidance_scale": GUIDANCE_SCALE,
+    "output_type": "np",  # as verl-omni's rollout; "image" breaks vLLM-Omni's Wan post-processing
+    "return_trajectory_latents": True,
+}
 
-    started = time.perf_counter()
-    async with open_engine(engine_kwargs(cache, pipeline)) as engine:
-        runs_at_start = (await worker_value(engine, "text_encoder_counters"))["encoder_runs"]
-        stats_at_start = await worker_value(engine, "get_prompt_embed_cache_stats")
 
-        async def one(index: int, request: dict[str, Any], seed: int) -> tuple[int, Any]:
-            params = OmniDiffusionSamplingParams(
-                height=TINY_HEIGHT,
-                width=TINY_WIDTH,
-                num_frames=TINY_FRAMES,
-                num_inference_steps=STEPS,
-                guidance_scale=GUIDANCE_SCALE,
-                seed=seed,
-                output_type="np",  # as verl-omni's rollout; "image" breaks vLLM-Omni's Wan post-processing
-                return_trajectory_latents=True,
-            )
-            final = None
-            async for output in engine.generate(request, params, request_id=f"wan-{index}"):
-                final = output
-            return index, final
+async def wan22_rollout(cache: bool, pipeline: str = WAN22_DANCE_GRPO_PIPELINE) -> Rollout:
+    return await send_rollout(engine_kwargs(cache, pipeline), requests(token_ids()), SAMPLING, "wan")
 
-        finished = await asyncio.gather(*(one(*request) for request in requests(token_ids())))
-        runs = (await worker_value(engine, "text_encoder_counters"))["encoder_runs"]
-        stats = await worker_value(engine, "get_prompt_embed_cache_stats")
-    return WanRollout(
-        videos={index: np.asarray(output.images[0]) for index, output in finished if output.images},
-        latents={index: output.trajectory_latents for index, output in finished},
-        errors={index: output.error for index, output in finished if output.error},
-        encoder_runs_at_start=runs_at_start,
-        stats_at_start=stats_at_start,
-        encoder_runs=runs - runs_at_start,
-        stats=stats,
-        seconds=time.perf_counter() - started,
-    )
+
+def videos(rollout: Rollout) -> dict[int, np.ndarray]:
+    return {index: np.asarray(output.images[0]) for index, output in rollout.outputs.items() if output.images}
 
 
 @pytest.fixture(scope="module")
-def cached() -> WanRollout:
-    return run(send_rollout(cache=True))
+def cached() -> Rollout:
+    return run(wan22_rollout(cache=True))
 
 
 @pytest.fixture(scope="module")
-def uncached() -> WanRollout:
-    return run(send_rollout(cache=False))
+def uncached() -> Rollout:
+    return run(wan22_rollout(cache=False))
 
 
 def test_every_request_returns_a_video_of_the_requested_size(cached, uncached) -> None:
     for rollout in (cached, uncached):
         assert rollout.errors == {}
-        assert len(rollout.videos) == len(PROMPTS) * GROUP_SIZE
-        for index, video in rollout.videos.items():
+        assert len(videos(rollout)) == len(PROMPTS) * GROUP_SIZE
+        for index, video in videos(rollout).items():
             assert video.shape == (1, TINY_FRAMES, TINY_HEIGHT, TINY_WIDTH, 3), index
 
 
@@ -148,27 +111,27 @@ def test_each_distinct_prompt_and_zero_id_negative_is_encoded_once(cached, uncac
     distinct = len(PROMPTS) + len(lengths)  # each prompt, and one zero-id negative per prompt length
     calls = 2 * len(PROMPTS) * GROUP_SIZE
     # The engine's warm-up request ("dummy run") returns before encoding: nothing to subtract.
-    assert cached.encoder_runs_at_start == 0 and uncached.encoder_runs_at_start == 0
+    assert cached.rows_at_start == 0 and uncached.rows_at_start == 0
     stats = cached.stats
     assert cached.encoder_runs == distinct, f"{cached.encoder_runs} encoder runs for {distinct} distinct calls: {stats}"
-    assert stats is not None and stats["enabled"] and cached.stats_at_start["misses"] == 0, stats
-    assert (stats["misses"], stats["hits"], stats["bypassed"]) == (distinct, calls - distinct, 0), stats
+    assert stats is not None and stats.enabled and cached.stats_at_start.misses == 0, stats
+    assert (stats.misses, stats.hits, stats.bypassed) == (distinct, calls - distinct, 0), stats
     # Cache off: no cache installed, and every call reaches the text encoder.
     assert uncached.stats is None
     assert uncached.encoder_runs == calls
 
 
 def test_cached_outputs_are_bit_identical_to_uncached(cached, uncached) -> None:
-    assert cached.latents.keys() == uncached.latents.keys() == cached.videos.keys()
+    assert cached.latents.keys() == uncached.latents.keys() == videos(cached).keys()
     for index in cached.latents:
         assert torch.equal(cached.latents[index], uncached.latents[index]), index
-        assert np.array_equal(cached.videos[index], uncached.videos[index]), index
+        assert np.array_equal(videos(cached)[index], videos(uncached)[index]), index
     # Siblings of one prompt differ (their own seeds), so the equalities above compare real outputs.
     assert not torch.equal(cached.latents[0], cached.latents[len(PROMPTS)])
 
 
 @pytest.fixture(scope="module")
-def renamed() -> WanRollout:
+def renamed() -> Rollout:
     """The adapter copied into a fresh module, its class and its token-ID encode under names nobody listed
     (the stock text ``encode_prompt`` it inherits stays, unused by its forward)."""
     module = renamed_module(
@@ -176,7 +139,7 @@ def renamed() -> WanRollout:
         {"DanceGrpoWan22Pipeline": "Wy2VideoAdapter", "encode_prompt": "embed_dance_ids"},
         "wy2_video_adapter",
     )
-    return run(send_rollout(cache=True, pipeline=f"{module.__name__}.Wy2VideoAdapter"))
+    return run(wan22_rollout(cache=True, pipeline=f"{module.__name__}.Wy2VideoAdapter"))
 
 
 def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached, cached, renamed) -> None:
@@ -184,13 +147,11 @@ def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached, ca
     watching the encoder: the warm-up request takes the stock text path, so the rollout's first encode
     reveals it. Each distinct call is a miss once either way; the found method's first hit is encoded
     again to check the inference (an audit)."""
-    name = found_method(renamed.stats["methods"])
-    found = renamed.stats["methods"][name]
-    named = cached.stats["methods"]["encode_prompt"]
-    before = renamed.stats_at_start["methods"].get(name, {})
-    named_before = cached.stats_at_start["methods"]["encode_prompt"]
-    assert found["misses"] - before.get("misses", 0) == named["misses"] - named_before["misses"]
-    audits = found["audits"] - before.get("audits", 0)
+    name = found_method(renamed.stats.methods)  # counts since the rollout began, as named's
+    found = renamed.stats.methods[name]
+    named = cached.stats.methods["encode_prompt"]
+    assert found["misses"] == named["misses"]
+    audits = found["audits"]
     assert audits == 1 and found["audit_mismatches"] == 0
     # What ran before the method was wrapped: the encode that revealed it and, requests arriving
     # concurrently, at most the one beside it in the same first forwards.
