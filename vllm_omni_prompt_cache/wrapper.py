@@ -123,7 +123,7 @@ def install_prompt_embed_cache(
     if find_encodes:
         installation.watch()
     installation.attach()
-    cache.encode_methods = installation.describe
+    cache.attach(encode_methods=installation.describe)
     logger.info(
         "Prompt-embed cache (content-keyed) installed on %s: max_size=%d, max_bytes=%s, verify=%s, enabled=%s, "
         "host tier: %s, directory tier: %s, rows: %s, methods: %s; finding encodes: %s.",
@@ -189,9 +189,9 @@ def _readable_methods(pipeline: Any, methods: Sequence[EncodeMethod]) -> list[tu
 def _set_audit(cache: PromptEmbedCache, share: float, kind: type) -> None:
     """Audit ``share`` of ``cache``'s hits; turn it off if an audit caught the pipeline class ``kind`` before."""
     if share:
-        cache.audit = Audit(share)
+        cache.attach(audit=Audit(share))
     if (failed := audit_off_reason(kind)) is not None:
-        cache.enabled, cache.off_reason = False, failed
+        cache.turn_off(failed)  # a new cache: nothing to drop yet
 
 
 def _directory_tier(
