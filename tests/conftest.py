@@ -7,26 +7,58 @@ test module imports vLLM. On a machine with CUDA it stays off and the engine tes
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # Several workers share the cores: one thread each (and in each process they start), or the
+    # OpenMP pools of two workers spin against each other. Set before torch is first imported.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from vllm_omni_prompt_cache.cpu_platform.entry_points import opt_in_where_no_gpu
 
 opt_in_where_no_gpu()
+ROOT = Path(__file__).resolve().parent.parent
 # Keep the engine's own logs readable in failures: no colour codes, no usage stats.
 os.environ.setdefault("VLLM_LOGGING_COLOR", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put the modules with the most engine tests first, keeping each module's own order.
+#: A fixture of one of these scopes, defined in a test module, is shared by several of its tests.
+SHARED_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope=\"(module|class|package)\"")
 
-    pytest-xdist (``-n 2 --dist loadfile --no-loadscope-reorder``) hands out whole modules in this
-    order, so the longest ones start first and the short ones fill in at the end on both cores.
-    """
+
+@functools.cache
+def shares_fixtures(module: str) -> bool:
+    """Return whether the test module at ``module`` (a path from the root) defines a shared fixture."""
+    return bool(SHARED_FIXTURE.search((ROOT / module).read_text()))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Hand out a module that defines a shared fixture (an engine, a server) whole, to one worker, and every
+    other test on its own, in collection order: a shared fixture is then made once, and single tests fill
+    both cores to the end. (pytest-xdist's ``loadgroup`` would do it from markers, but its marker handling
+    does not reach the scheduler under pytest 9.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesWithSharedFixtures(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if shares_fixtures(module) else nodeid
+
+    return ModulesWithSharedFixtures(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the modules with the most engine tests first, keeping each module's own order: the
+    scheduler above hands work out in this order, so the long engine modules start first."""
     engine_tests: dict[str, int] = {}  # by module, in collection order
     for item in items:
         module = item.nodeid.split("::")[0]
