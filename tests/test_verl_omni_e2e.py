@@ -42,8 +42,7 @@ def rollout(pipeline: str, *, max_num_seqs: int = 1, step_execution: bool = Fals
     # The engine starts a batch once no request has arrived for a fifth of this wait: at 10 ms, 2 ms, under
     # the GIL's 5 ms switch interval, so a loaded machine could split the rollout's first batch and the
     # counts below would follow the split. 250 ms (a 50 ms window) keeps the batches the rollout sends.
-    wait = {"request_batch_max_wait_ms": 250}
-    engine = {"custom_pipeline_args": {"pipeline_class": pipeline}, **wait, **overrides}
+    engine = {"custom_pipeline_args": {"pipeline_class": pipeline}, "request_batch_max_wait_ms": 250, **overrides}
     return run(run_mode(spec, "ours", cache_size=32, engine_overrides=engine))
 
 
