@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -41,6 +42,21 @@ def test_selected_when_asked_for_on_a_machine_without_accelerators(monkeypatch) 
     assert platform_plugins.omni_cpu_platform() == "vllm_omni_prompt_cache.cpu_platform.platform.CpuOmniPlatform"
     assert platform_plugins.vllm_cpu_platform() == "vllm.platforms.cpu.CpuPlatform"
     assert type(omni_platforms.current_omni_platform) is CpuOmniPlatform  # this test session runs on it
+
+
+def test_where_it_is_on_the_background_cuda_builds_are_off_unless_set(monkeypatch) -> None:
+    """humming's two background interpreters per vLLM import can only fail here (no CUDA)."""
+    (name,) = platform_plugins.NO_CUDA_BUILDS
+    monkeypatch.setenv(CPU_PLATFORM_ENV, "0")
+    monkeypatch.delenv(name, raising=False)
+    assert platform_plugins.opt_in_where_no_gpu() is False
+    assert name not in os.environ  # no platform of ours, no say in the environment
+    monkeypatch.setenv(CPU_PLATFORM_ENV, "1")
+    assert platform_plugins.opt_in_where_no_gpu() is True
+    assert os.environ[name] == "1"
+    monkeypatch.setenv(name, "0")  # the user's own setting wins
+    assert platform_plugins.opt_in_where_no_gpu() is True
+    assert os.environ[name] == "0"
 
 
 def test_refuses_to_start_where_an_accelerator_is_present(monkeypatch) -> None:

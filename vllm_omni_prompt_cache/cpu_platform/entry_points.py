@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 #: Set to 1 to run vLLM-Omni's diffusion engine on the CPU (tests, demos, laptops without a GPU).
 CPU_PLATFORM_ENV = "VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM"
 OMNI_PLATFORM_CLASS = "vllm_omni_prompt_cache.cpu_platform.platform.CpuOmniPlatform"
+#: humming (a vLLM dependency) starts two interpreters at each import of vLLM's kernel config, to
+#: build CUDA helpers in the background; with no GPU they fail, after about 10 s of CPU per import.
+NO_CUDA_BUILDS = {"HUMMING_DISABLE_PARALLEL_BUILD": "1"}
 
 
 def cpu_platform_requested() -> bool:
@@ -27,16 +30,21 @@ def cpu_platform_requested() -> bool:
 def opt_in_where_no_gpu() -> bool:
     """Ask for the CPU platform unless a CUDA device is visible or the user decided; return whether it is on.
 
-    Must run before vLLM is imported (the platform is resolved at import).
+    Where it is on, CUDA builds vLLM's dependencies start in the background are turned off (an explicit
+    setting wins). Must run before vLLM is imported (the platform is resolved at import).
     """
     if CPU_PLATFORM_ENV in os.environ:
-        return cpu_platform_requested()
-    import torch
+        on = cpu_platform_requested()
+    else:
+        import torch
 
-    if torch.cuda.is_available():
-        return False
-    os.environ[CPU_PLATFORM_ENV] = "1"
-    return True
+        on = not torch.cuda.is_available()
+        if on:
+            os.environ[CPU_PLATFORM_ENV] = "1"
+    if on:  # in this process and the ones it starts, which inherit the environment
+        for name, value in NO_CUDA_BUILDS.items():
+            os.environ.setdefault(name, value)
+    return on
 
 
 def active_accelerators(framework: str) -> list[str]:
