@@ -4,21 +4,19 @@ Real servers on loopback, on the CPU platform, serving the stock Qwen-Image pipe
 vLLM-Omni's image API. The cache's counts are read where an operator reads them: the Prometheus
 text on ``GET /metrics`` (no dev-mode route). One server with one replica; one with two replicas
 behind ``--omni-lb-policy prompt-affinity`` (vLLM-Omni's distributed runtime, started by the same
-command); and a bad flag, refused before anything starts.
+command). A bad flag, refused before anything starts, is in ``test_settings.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 from collections.abc import Iterator
 
 import pytest
 from engine_support import tiny_spec
 
 from vllm_omni_prompt_cache.demo import serving
-from vllm_omni_prompt_cache.demo.serving import IMAGE_PARAMETERS, METRIC_PREFIX, VLLM, post, scrape, series, total
+from vllm_omni_prompt_cache.demo.serving import IMAGE_PARAMETERS, METRIC_PREFIX, post, scrape, series, total
 from vllm_omni_prompt_cache.vllm_omni import hook_points
 
 pytestmark = pytest.mark.engine
@@ -128,20 +126,3 @@ def test_two_replicas_behind_prompt_affinity_encode_each_prompt_once(tmp_path) -
     for misses, hits, entries in per_replica.values():
         assert hits >= 1 and misses == hits and entries == misses
     assert sum(hits for _, hits, _ in per_replica.values()) == len(PROMPTS)
-
-
-def serve_with_a_bad_flag() -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [VLLM, "serve", str(tiny_spec().model_dir), "--omni", "--prompt-embed-cache-size", "0"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=dict(os.environ),
-    )
-
-
-def test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values() -> None:
-    result = serve_with_a_bad_flag()
-    assert result.returncode == 2, result.stderr[-3000:]  # argparse's usage error: nothing started
-    assert "argument --prompt-embed-cache-size" in result.stderr
-    assert "command-line flag --prompt-embed-cache-size" in result.stderr and "an integer >= 1" in result.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -174,25 +176,66 @@ def test_bad_flag_values_are_argparse_errors(model, capsys, flag, value) -> None
     assert f"from command-line flag {flag}" in error
 
 
-def serve_help() -> subprocess.CompletedProcess:
-    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
-    return subprocess.run(
-        [vllm, "serve", "--omni", f"--help={GROUP_TITLE}"],
+#: ``vllm``'s console script runs ``main()`` of this module; here it runs once for each command line,
+#: in one fresh interpreter (its entry points loaded as a user's are), each run's output apart.
+CONSOLE_SCRIPT = """
+import contextlib, io, json, sys
+from vllm.entrypoints.cli.main import main
+runs = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["vllm", *argv]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main()
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+    runs.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(runs))
+"""
+
+
+@dataclasses.dataclass
+class Command:
+    code: int | str | None  # the exit status
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def commands(model) -> dict[str, Command]:
+    """``vllm serve --omni --help=TITLE`` and ``vllm serve TINY --omni`` with a bad flag, as a user runs them."""
+    command_lines = {
+        "help": ["serve", "--omni", f"--help={GROUP_TITLE}"],
+        "bad flag": ["serve", model, "--omni", "--prompt-embed-cache-size", "0"],
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", CONSOLE_SCRIPT, json.dumps(list(command_lines.values()))],
         capture_output=True,
         text=True,
         timeout=300,
         env=dict(os.environ),
     )
-
-
-def test_help_lists_the_flags_under_a_titled_group() -> None:
-    """The real console script, as a user runs it: vllm serve --omni --help."""
-    result = serve_help()
     assert result.returncode == 0, result.stderr[-3000:]
-    help_text = result.stdout  # vLLM prints one section when asked for it by its title
+    runs = json.loads(result.stdout.strip().splitlines()[-1])
+    return {name: Command(**run) for name, run in zip(command_lines, runs, strict=True)}
+
+
+def test_help_lists_the_flags_under_a_titled_group(commands) -> None:
+    help_run = commands["help"]
+    assert help_run.code == 0, help_run.stderr[-3000:]
+    help_text = help_run.stdout  # vLLM prints one section when asked for it by its title
     assert "Default: 32." in " ".join(help_text.split())
     for flag in ("--enable-prompt-embed-cache", "--prompt-embed-cache-size", MAX_BYTES.flag, VERIFY.flag, BACKEND.flag):
         assert flag in help_text
+
+
+def test_a_bad_flag_is_refused_with_its_name_and_the_allowed_values(commands) -> None:
+    refused = commands["bad flag"]
+    assert refused.code == 2, refused.stderr[-3000:]  # argparse's usage error: nothing started
+    assert "argument --prompt-embed-cache-size" in refused.stderr
+    assert "command-line flag --prompt-embed-cache-size" in refused.stderr and "an integer >= 1" in refused.stderr
 
 
 def test_upstreams_refusal_of_dp_with_text_encoder_allgather_is_kept(model) -> None:
