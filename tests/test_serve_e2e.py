@@ -2,15 +2,20 @@
 
 Real servers on loopback, on the CPU platform, serving the stock Qwen-Image pipeline through
 vLLM-Omni's image API. The cache's counts are read where an operator reads them: the Prometheus
-text on ``GET /metrics`` (no dev-mode route). One server with one replica; one with two replicas
-behind ``--omni-lb-policy prompt-affinity`` (vLLM-Omni's distributed runtime, started by the same
-command). A bad flag, refused before anything starts, is in ``test_settings.py``.
+text on ``GET /metrics`` (no dev-mode route). One server with one replica and small budgets, for the
+metrics and then for load through vLLM-Omni's own benchmark client; one with two replicas behind
+``--omni-lb-policy prompt-affinity`` (vLLM-Omni's distributed runtime, started by the same command).
+A bad flag, refused before anything starts, is in ``test_settings.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from engine_support import tiny_spec
@@ -44,9 +49,27 @@ def served(log_path, *flags: str, kill: bool = False) -> Iterator[serving.Server
                 server.kill()
 
 
-CACHE_FLAGS = (
-    "--enable-prompt-embed-cache", "--prompt-embed-cache-size", "8", "--prompt-embed-cache-max-bytes", "64MiB",
-)  # fmt: skip
+def _import_benchmark() -> ModuleType:
+    """Import ``benchmarks/load.py`` by path: ``benchmarks/`` is not a package (dataclasses need sys.modules)."""
+    spec = importlib.util.spec_from_file_location("load_benchmark", Path(__file__).parents[1] / "benchmarks/load.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+load = _import_benchmark()
+#: An entry of the load test's prompts is about 11 KiB, so each budget holds about 4 entries.
+BUDGET = load.Budget(max_entries=4, max_bytes=48 * 1024)
+
+
+@pytest.fixture(scope="module")
+def budgeted(tmp_path_factory) -> Iterator[serving.Server]:
+    """One server with one replica and the budgets above, started once for the tests that use it, in
+    this file's order: the metrics test first, while the cache has room (it asserts one entry more),
+    then the load test, which fills it past the budgets and measures from where it starts."""
+    with served(tmp_path_factory.mktemp("budgeted") / "server.log", *BUDGET.flags()) as server:
+        yield server
 
 
 #: Whether the installed vLLM-Omni has what the /metrics families need (0.30 and later; see docs/support.md).
@@ -54,18 +77,18 @@ METRICS_ON = not hook_points.missing_by_feature()[hook_points.METRICS]
 
 
 @pytest.mark.release
-def test_metrics_show_the_hits_and_budgets_of_repeated_prompts(tmp_path) -> None:
-    with served(tmp_path / "server.log", *CACHE_FLAGS) as server:
-        base = server.base
-        # The first output brings counts from before serving too: vLLM-Omni's start-up warm-up
-        # encodes a dummy prompt. Measure from the group's first request on.
-        generate(base, "a red fox in the snow", seed=7)
-        before = scrape(base)
-        for seed in (8, 9):  # the group's siblings
-            generate(base, "a red fox in the snow", seed)
-        siblings = scrape(base)
-        generate(base, "a lighthouse at dusk", seed=7)  # the next group
-        after = scrape(base)
+def test_metrics_show_the_hits_and_budgets_of_repeated_prompts(budgeted) -> None:
+    server = budgeted
+    base = server.base
+    # The first output brings counts from before serving too: vLLM-Omni's start-up warm-up
+    # encodes a dummy prompt. Measure from the group's first request on.
+    generate(base, "a red fox in the snow", seed=7)
+    before = scrape(base)
+    for seed in (8, 9):  # the group's siblings
+        generate(base, "a red fox in the snow", seed)
+    siblings = scrape(base)
+    generate(base, "a lighthouse at dusk", seed=7)  # the next group
+    after = scrape(base)
     print(
         "\n".join(
             f"{name}{{{','.join(f'{k}={v!r}' for k, v in labels)}}} {value:g}"
@@ -89,7 +112,10 @@ def test_metrics_show_the_hits_and_budgets_of_repeated_prompts(tmp_path) -> None
     assert [grew(name, siblings, after) for name in ("hits_total", "misses_total", "rows_encoded_total")] == [0, 1, 1]
     assert grew("entries", before, after) == 1 and total(after, CACHE + "bytes") > total(before, CACHE + "bytes")
     assert total(after, CACHE + "bypassed_total") == 0 and total(after, CACHE + "verification_failures_total") == 0
-    assert (total(after, CACHE + "max_entries"), total(after, CACHE + "max_bytes")) == (8, 64 * 2**20)
+    assert (total(after, CACHE + "max_entries"), total(after, CACHE + "max_bytes")) == (
+        BUDGET.max_entries,
+        BUDGET.max_bytes,
+    )
     model_dir = str(tiny_spec().model_dir)
     assert series(after, CACHE + "hits_total") == [{"model_name": model_dir, "stage": "0", "replica": "0"}]
     # Labelled as vLLM-Omni's own diffusion families are.
@@ -126,3 +152,35 @@ def test_two_replicas_behind_prompt_affinity_encode_each_prompt_once(tmp_path) -
     for misses, hits, entries in per_replica.values():
         assert hits >= 1 and misses == hits and entries == misses
     assert sum(hits for _, hits, _ in per_replica.values()) == len(PROMPTS)
+
+
+def test_bench_serve_under_load_fails_nothing_keeps_the_budgets_and_counts_every_call(budgeted, tmp_path) -> None:
+    """The short version of ``benchmarks/load.py``: vLLM-Omni's own client (``vllm bench serve --omni``) at
+    concurrency 8 sends a repeated set (RL siblings), then an all-new set several times larger than the
+    budgets, in one client run (each start of the client costs ~20 s here)."""
+    repeated = load.repeated("test", prompts=3, siblings=4)
+    new = load.all_new("test", prompts=16)  # 4 times the entry budget
+    sent = load.Pattern("repeated, then all new", repeated.prompts + new.prompts)
+    serving.warm_up(budgeted, replicas=1)
+    run = load.measure(budgeted, 1, sent, concurrency=8, work_dir=tmp_path)
+    print(load.table([run]))  # for the record (pytest -s)
+    assert (run.bench.completed, run.bench.failed) == (len(sent.prompts), 0), run.bench.errors
+
+    counts = run.counts
+    # queries_total advances by hits + misses + bypasses of the same snapshot (metrics.py: COUNTED
+    # "queries" is CacheStats.calls), so the identity is exact. A first-use layout check would count
+    # as a miss, not a query of its own; single-row calls (max_num_seqs 1) need none, so each miss
+    # encoded exactly its one row.
+    assert counts["queries"] == counts["hits"] + counts["misses"] + counts["bypassed"]
+    # One encode_prompt call per request: max_num_seqs is 1 and no request has a negative prompt.
+    assert counts["queries"] == len(sent.prompts) and counts["bypassed"] == 0
+    # Each prompt encoded once: a group's siblings hit while its entry is among the last 4 used.
+    assert counts["misses"] == counts["rows_encoded"] == sent.distinct
+    assert counts["hits"] == len(repeated.prompts) - repeated.distinct
+
+    # The budgets held, and were needed: every entry the run added beyond them was evicted.
+    entries, stored = run.entries["0"], run.bytes["0"]
+    assert (run.max_entries["0"], run.max_bytes["0"]) == (BUDGET.max_entries, BUDGET.max_bytes)
+    assert 0 < entries <= BUDGET.max_entries and stored <= BUDGET.max_bytes
+    assert counts["evictions"] == run.entries_start["0"] + counts["misses"] - entries
+    assert new.distinct * stored / entries >= 3 * BUDGET.max_bytes  # the new set is 3x what the bytes hold
