@@ -46,7 +46,7 @@ def test_selected_when_asked_for_on_a_machine_without_accelerators(monkeypatch) 
 
 def test_where_it_is_on_the_background_cuda_builds_are_off_unless_set(monkeypatch) -> None:
     """humming's two background interpreters per vLLM import can only fail here (no CUDA)."""
-    (name,) = platform_plugins.NO_CUDA_BUILDS
+    name = platform_plugins.NO_CUDA_BUILDS_ENV
     monkeypatch.setenv(CPU_PLATFORM_ENV, "0")
     monkeypatch.delenv(name, raising=False)
     assert platform_plugins.opt_in_where_no_gpu() is False

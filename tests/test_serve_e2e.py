@@ -112,10 +112,8 @@ def test_metrics_show_the_hits_and_budgets_of_repeated_prompts(budgeted) -> None
     assert [grew(name, siblings, after) for name in ("hits_total", "misses_total", "rows_encoded_total")] == [0, 1, 1]
     assert grew("entries", before, after) == 1 and total(after, CACHE + "bytes") > total(before, CACHE + "bytes")
     assert total(after, CACHE + "bypassed_total") == 0 and total(after, CACHE + "verification_failures_total") == 0
-    assert (total(after, CACHE + "max_entries"), total(after, CACHE + "max_bytes")) == (
-        BUDGET.max_entries,
-        BUDGET.max_bytes,
-    )
+    budgets = (total(after, CACHE + "max_entries"), total(after, CACHE + "max_bytes"))
+    assert budgets == (BUDGET.max_entries, BUDGET.max_bytes)
     model_dir = str(tiny_spec().model_dir)
     assert series(after, CACHE + "hits_total") == [{"model_name": model_dir, "stage": "0", "replica": "0"}]
     # Labelled as vLLM-Omni's own diffusion families are.

@@ -198,6 +198,8 @@ print(json.dumps(runs))
 
 @dataclasses.dataclass
 class Command:
+    """One run of the console script's ``main()``: how it exited and what it printed."""
+
     code: int | str | None  # the exit status
     stdout: str
     stderr: str

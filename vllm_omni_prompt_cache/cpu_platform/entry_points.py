@@ -19,7 +19,7 @@ CPU_PLATFORM_ENV = "VLLM_OMNI_PROMPT_CACHE_CPU_PLATFORM"
 OMNI_PLATFORM_CLASS = "vllm_omni_prompt_cache.cpu_platform.platform.CpuOmniPlatform"
 #: humming (a vLLM dependency) starts two interpreters at each import of vLLM's kernel config, to
 #: build CUDA helpers in the background; with no GPU they fail, after about 10 s of CPU per import.
-NO_CUDA_BUILDS = {"HUMMING_DISABLE_PARALLEL_BUILD": "1"}
+NO_CUDA_BUILDS_ENV = "HUMMING_DISABLE_PARALLEL_BUILD"
 
 
 def cpu_platform_requested() -> bool:
@@ -42,8 +42,7 @@ def opt_in_where_no_gpu() -> bool:
         if on:
             os.environ[CPU_PLATFORM_ENV] = "1"
     if on:  # in this process and the ones it starts, which inherit the environment
-        for name, value in NO_CUDA_BUILDS.items():
-            os.environ.setdefault(name, value)
+        os.environ.setdefault(NO_CUDA_BUILDS_ENV, "1")
     return on
 
 
