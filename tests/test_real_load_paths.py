@@ -8,7 +8,6 @@ an engine uses, without starting one.
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -163,17 +162,11 @@ def load_with_real_runner(od_config: OmniDiffusionConfig, pipeline_cls: type) ->
     """Build a ``DiffusionModelRunner``; run its real ``load_model`` as ``DiffusionWorker.load_model`` does."""
     vllm_config = create_diffusion_vllm_config(CPU, od_config)  # what DiffusionWorker.init_device builds
     runner = DiffusionModelRunner(vllm_config, od_config, device=CPU)
-    # load_model's memory profiler runs gc.collect() three times (~1 s each over vLLM's imported heap);
-    # the objects that exist already are frozen out of those passes, and unfrozen after.
-    gc.freeze()
-    try:
-        with (
-            set_forward_context(vllm_config=vllm_config, omni_diffusion_config=od_config),
-            set_current_vllm_config(vllm_config),
-        ):
-            runner.load_model(load_format="custom_pipeline", custom_pipeline_name=qualified_name(pipeline_cls))
-    finally:
-        gc.unfreeze()
+    with (
+        set_forward_context(vllm_config=vllm_config, omni_diffusion_config=od_config),
+        set_current_vllm_config(vllm_config),
+    ):
+        runner.load_model(load_format="custom_pipeline", custom_pipeline_name=qualified_name(pipeline_cls))
     return runner
 
 
