@@ -165,7 +165,7 @@ def accept_device_reporting_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection imported (vLLM, torch, transformers: about a million objects) out of the
     garbage collector's passes. vLLM-Omni runs ``gc.collect()`` at every model load (three times, in
-    vLLM's memory profiler), every engine shutdown and every sleep; over that heap each pass took
-    0.6-2 s here, most of an in-process engine test's time. Objects the tests create are collected
-    as before; only cycles among the frozen imports are never freed, as in a process that never exits."""
+    vLLM's memory profiler), every engine shutdown and every sleep; over that heap each pass took about
+    0.5 s here (docs/benchmarks.md), half of an in-process engine test's time. Objects the tests create
+    are collected as before; only cycles among the frozen imports are never freed."""
     gc.freeze()
