@@ -1,10 +1,11 @@
 """Audits: hits encoded again and compared, catching an encode that reads more than its arguments.
 
-The pipeline is a tiny real Qwen2 encoder behind a token-ID ``encode_prompt`` that, like
-Qwen-Image's (``QwenImagePipeline.encode_prompt`` calls ``_get_qwen_prompt_embeds``, which reads
-``self.prompt_template_encode``), prepends template tokens held on the pipeline, not passed as an
-argument. Changing the template changes
-the embedding of the same arguments, which no key can see.
+The pipeline is a tiny real Qwen2 encoder behind a token-ID ``encode_prompt`` that scales its
+embeddings by a factor kept on its text encoder and read after the encoder ran: a component's state,
+which keys stand for by identity, read where no proof looks (a hit's proof compares what reaches the
+encoder, see ``encoder_inputs.py``). Changing the factor changes the embedding of the same arguments,
+which neither a key nor a proof can see: what an audit is for. A template kept the same way but read
+before the encoder reaches it, and the proof serves nothing stale (the first test).
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.config import AUDIT, PromptEmbedCacheConfigError, resolve_prompt_embed_cache_settings
+from vllm_omni_prompt_cache.encoder_inputs import DIFFERED
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
 IDS = torch.tensor([[3, 1, 4, 1, 5, 9]])
 
 
 class TemplatedPipeline(TokenIdTextPipeline):
-    """Prepends ``self.template_ids`` to the prompt's ids inside ``encode_prompt``: state the cache cannot see.
-
-    The template is kept on the text encoder (a component, which keys stand for by identity, as they do
-    for a tokenizer whose template changes): what the cache reads of the pipeline itself is keyed.
-    """
+    """Prepends ``self.template_ids`` to the prompt's ids inside ``encode_prompt``, the template kept on the text
+    encoder (a component, which keys stand for by identity, as they do for a tokenizer whose template changes)."""
 
     @property
     def template_ids(self) -> torch.Tensor:
@@ -41,23 +40,50 @@ class TemplatedPipeline(TokenIdTextPipeline):
         return super().encode_prompt(ids, torch.ones_like(ids))
 
 
+class RescaledPipeline(TokenIdTextPipeline):
+    """Scales its embeddings by ``self.output_scale``, kept on the text encoder and read after the encoder ran."""
+
+    @property
+    def output_scale(self) -> float:
+        return getattr(self.text_encoder, "output_scale", 1.0)
+
+    @output_scale.setter
+    def output_scale(self, value: float) -> None:
+        self.text_encoder.output_scale = value
+
+    def encode_prompt(self, prompt_ids, attention_mask=None):
+        embeds, mask = super().encode_prompt(prompt_ids, attention_mask)
+        return embeds * self.output_scale, mask
+
+
 def same(left: tuple, right: tuple) -> bool:
     return all(torch.equal(a, b) for a, b in zip(left, right, strict=True))
 
 
-def test_without_an_audit_a_changed_template_is_served_stale() -> None:
-    """What the audit is for: keys compare arguments and the pipeline's own state, not a component's, so
-    the stale entry is served."""
+def test_a_template_changed_on_a_component_is_never_served_stale() -> None:
+    """Keys compare arguments and the pipeline's own state, not a component's; the changed template reaches the
+    encoder, so the hit's proof sees it and the call encodes."""
     pipeline = TemplatedPipeline(build_qwen2_encoder())
-    install_prompt_embed_cache(pipeline)
+    cache = install_prompt_embed_cache(pipeline)
     before = pipeline.encode_prompt(IDS)
     pipeline.template_ids = torch.tensor([[8, 8]])
+    after = pipeline.encode_prompt(IDS)
+    assert not same(after, before) and pipeline.encoder_runs == 2
+    assert cache.stats()["unproven_reasons"] == {DIFFERED: 1}
+
+
+def test_without_an_audit_a_factor_read_after_the_encoder_is_served_stale() -> None:
+    """What the audit is for: state read after the encoder, on a component, reaches neither key nor proof."""
+    pipeline = RescaledPipeline(build_qwen2_encoder())
+    install_prompt_embed_cache(pipeline)
+    before = pipeline.encode_prompt(IDS)
+    pipeline.output_scale = 2.0
     assert same(pipeline.encode_prompt(IDS), before) and pipeline.encoder_runs == 1
 
 
 def test_an_audit_serves_the_fresh_encode_and_turns_the_class_off(caplog) -> None:
     encoder = build_qwen2_encoder()
-    pipeline = TemplatedPipeline(encoder)
+    pipeline = RescaledPipeline(encoder)
     cache = install_prompt_embed_cache(pipeline, audit=1.0)
     first = pipeline.encode_prompt(IDS)
     for _ in range(3):  # hits that agree with a fresh encode: served from the cache
@@ -65,9 +91,9 @@ def test_an_audit_serves_the_fresh_encode_and_turns_the_class_off(caplog) -> Non
     stats = cache.snapshot()
     assert (stats.hits, stats.audits, stats.audit_mismatches, pipeline.encoder_runs) == (3, 3, 0, 4)
     caplog.set_level(logging.WARNING, logger="vllm_omni_prompt_cache")
-    pipeline.template_ids = torch.tensor([[8, 8]])
-    expected = TemplatedPipeline(encoder)
-    expected.template_ids = pipeline.template_ids
+    pipeline.output_scale = 2.0
+    expected = RescaledPipeline(encoder)
+    expected.output_scale = pipeline.output_scale
     fresh = expected.encode_prompt(IDS)
     assert same(pipeline.encode_prompt(IDS), fresh)  # the audit's encode, not the stale entry
     stats = cache.snapshot()
@@ -77,13 +103,13 @@ def test_an_audit_serves_the_fresh_encode_and_turns_the_class_off(caplog) -> Non
     (reason,) = cache.snapshot().bypass_reasons
     assert reason.startswith("an audit found a served entry differing from a fresh encode")
     warned = [record.message for record in caplog.records if "an audit re-encoded a hit" in record.message]
-    assert len(warned) == 1 and "TemplatedPipeline" in warned[0]
-    later = install_prompt_embed_cache(TemplatedPipeline(encoder))  # the class stays off in this process
+    assert len(warned) == 1 and "RescaledPipeline" in warned[0]
+    later = install_prompt_embed_cache(RescaledPipeline(encoder))  # the class stays off in this process
     assert not later.enabled and later.off_reason == reason
 
 
 def test_a_fraction_audits_about_that_share_of_hits() -> None:
-    pipeline = TemplatedPipeline(build_qwen2_encoder())
+    pipeline = RescaledPipeline(build_qwen2_encoder())
     cache = install_prompt_embed_cache(pipeline, audit=0.25)
     for _ in range(401):
         pipeline.encode_prompt(IDS)
@@ -108,7 +134,7 @@ def test_a_bad_audit_share_is_refused_naming_the_setting(monkeypatch, bad) -> No
 def test_ranks_that_see_the_same_calls_audit_the_same_hits() -> None:
     """An encoder with collectives must run on every rank of a stage or on none."""
     encoder = build_qwen2_encoder()
-    ranks = [TemplatedPipeline(encoder) for _ in range(2)]
+    ranks = [RescaledPipeline(encoder) for _ in range(2)]
     caches = [install_prompt_embed_cache(rank, audit=0.3) for rank in ranks]
     runs = []
     for rank in ranks:
@@ -121,7 +147,7 @@ def test_ranks_that_see_the_same_calls_audit_the_same_hits() -> None:
     assert runs[0] == runs[1] and 0 < caches[0].snapshot().audits < 59
 
 
-class MaskedPipeline(TemplatedPipeline):
+class MaskedPipeline(RescaledPipeline):
     """Returns an additive attention mask with -inf where padding is, as some pipelines do."""
 
     def encode_prompt(self, prompt_ids, attention_mask=None):
@@ -141,7 +167,7 @@ def test_infinities_in_the_same_places_are_no_mismatch() -> None:
 
 
 def test_an_audit_whose_encode_fails_leaves_the_hit_served() -> None:
-    pipeline = TemplatedPipeline(build_qwen2_encoder())
+    pipeline = RescaledPipeline(build_qwen2_encoder())
     cache = install_prompt_embed_cache(pipeline, audit=1.0)
     first = pipeline.encode_prompt(IDS)
 
@@ -162,6 +188,6 @@ def test_a_stage_of_several_ranks_keeps_audits_off() -> None:
     from vllm_omni_prompt_cache.vllm_omni import runner
 
     settings = PromptEmbedCacheSettings(enabled=True, audit=1.0)
-    several = runner.install_for_stage(TemplatedPipeline(build_qwen2_encoder()), settings, "tiny", ranks=2)
-    one = runner.install_for_stage(TemplatedPipeline(build_qwen2_encoder()), settings, "tiny", ranks=1)
+    several = runner.install_for_stage(RescaledPipeline(build_qwen2_encoder()), settings, "tiny", ranks=2)
+    one = runner.install_for_stage(RescaledPipeline(build_qwen2_encoder()), settings, "tiny", ranks=1)
     assert several.audit is None and one.audit is not None

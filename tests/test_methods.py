@@ -24,6 +24,7 @@ import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.encoder_inputs import DIFFERED
 from vllm_omni_prompt_cache.methods import find_encode_methods, resolve_declared_methods
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
@@ -56,9 +57,9 @@ class SD3TokenIdPromptMixin:
         num_images_per_prompt: int = 1,
         max_sequence_length: int = T5_LENGTH,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.encoder_rows += len(clip_prompt_ids)
         clip = self.text_encoder(input_ids=_padded(clip_prompt_ids, CLIP_LENGTH)).last_hidden_state
         t5 = self.text_encoder(input_ids=_padded(t5_prompt_ids, max_sequence_length)).last_hidden_state
+        self.encoder_rows += len(clip_prompt_ids)  # once the encoders ran: a hit runs this up to its first (its proof)
         embeds = torch.cat([clip, t5], dim=1)
         pooled = clip[:, -1]
         batch, n = len(clip_prompt_ids), num_images_per_prompt
@@ -78,9 +79,9 @@ class TextPipeline(CountsEncoderRuns):
     @torch.inference_mode()
     def encode_prompt(self, prompt: str | list[str], num_images_per_prompt: int = 1) -> torch.Tensor:
         prompts = [prompt] if isinstance(prompt, str) else prompt
-        self.encoder_rows += len(prompts)
         ids = [[1 + (ord(char) % 500) for char in text] or [1] for text in prompts]
         hidden = self.text_encoder(input_ids=_padded(ids, CLIP_LENGTH)).last_hidden_state
+        self.encoder_rows += len(prompts)  # once the encoder ran: a hit runs this up to its encoder call (its proof)
         return hidden.repeat_interleave(num_images_per_prompt, dim=0)
 
 
@@ -185,8 +186,9 @@ class RenamedAdapter(CountsEncoderRuns, torch.nn.Module):
 
     @torch.inference_mode()
     def _embed_ids(self, token_ids: list[int], max_sequence_length: int = 16) -> torch.Tensor:
-        self.encoder_rows += 1
-        return self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+        hidden = self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+        self.encoder_rows += 1  # once the encoder ran: a hit runs this up to its encoder call (its proof)
+        return hidden
 
     def _inject(self, request: dict) -> None:
         request["prompt_embeds"] = self._embed_ids(request["prompt_token_ids"])
@@ -246,9 +248,10 @@ class StashedIds(CountsEncoderRuns, torch.nn.Module):
 
     @torch.inference_mode()
     def encode_prompt(self, prompt: str, max_sequence_length: int = 16) -> torch.Tensor:
-        self.encoder_rows += 1
         token_ids = self._h3_prompt_ids if prompt == "[pretokenized]" else [1 + ord(c) % 500 for c in prompt]
-        return self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+        hidden = self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+        self.encoder_rows += 1  # once the encoder ran: a hit runs this up to its encoder call (its proof)
+        return hidden
 
     def forward(self, prompt_ids: list[int]) -> torch.Tensor:
         return self.encode_prompt(prompt=self._ensure_prompt_text(prompt_ids))
@@ -277,8 +280,8 @@ class StashesItsResult(CountsEncoderRuns, torch.nn.Module):
 
     @torch.inference_mode()
     def encode_prompt(self, prompt_ids: list[int]) -> torch.Tensor:
-        self.encoder_rows += 1
         embeds = self.text_encoder(input_ids=_padded([prompt_ids], 16)).last_hidden_state
+        self.encoder_rows += 1  # once the encoder ran: a hit runs this up to its encoder call (its proof)
         self._rl_text_embeddings = embeds
         self._rl_prompt_length = len(prompt_ids)
         return embeds
@@ -302,27 +305,52 @@ def test_a_hit_replays_what_the_encode_wrote(encoder) -> None:
     ]
 
 
-def test_an_encode_that_reads_what_cannot_be_keyed_is_served_uncached_and_says_why(encoder, caplog) -> None:
-    class Holder:
-        def __init__(self) -> None:
-            self.ids = [3, 4, 5]
+class Holder:
+    """A helper object no key can hold by content, as a request's state often is."""
+
+    def __init__(self, ids: list[int], scale: float = 1.0) -> None:
+        self.ids, self.scale = ids, scale
+
+
+def test_an_object_read_before_the_encoder_is_proven_by_what_reaches_the_encoder(encoder) -> None:
+    """No key can hold the holder, but what it hands the encoder is compared before each hit is served."""
 
     class ReadsAHolder(StashedIds):
         @torch.inference_mode()
         def encode_prompt(self, prompt: str, max_sequence_length: int = 16) -> torch.Tensor:
-            self.encoder_rows += 1
-            return self.text_encoder(input_ids=_padded([self.holder.ids], max_sequence_length)).last_hidden_state
+            hidden = self.text_encoder(input_ids=_padded([self.holder.ids], max_sequence_length)).last_hidden_state
+            self.encoder_rows += 1  # once the encoder ran: a hit runs this up to its encoder call (its proof)
+            return hidden
 
-    pipeline = ReadsAHolder(encoder)
+    pipeline, reference = ReadsAHolder(encoder), ReadsAHolder(encoder)
     cache = install_prompt_embed_cache(pipeline)
-    # Set after install, as a request's state is: an object held since install is configuration instead.
-    pipeline.holder = Holder()
+    a, b = ids(1, 6), ids(2, 9)
+    wrong = 0
+    for x in (a, a, b, a, b):
+        pipeline.holder, reference.holder = Holder(x), Holder(x)  # set per request, after install
+        wrong += not torch.equal(pipeline.encode_prompt("[pretokenized]"), reference.encode_prompt("[pretokenized]"))
+    assert wrong == 0 and pipeline.encoder_rows == 2
+    stats = cache.stats()
+    assert stats["encode_methods"]["encode_prompt"]["state"] == "cached"
+    assert (stats["hits"], stats["proven_hits"], stats["unproven_reasons"]) == (3, 3, {DIFFERED: 1})
+
+
+def test_an_object_read_after_the_encoder_that_cannot_be_keyed_is_served_uncached_and_says_why(encoder, caplog) -> None:
+    class ScalesByAHolder(StashedIds):
+        @torch.inference_mode()
+        def encode_prompt(self, prompt: str, max_sequence_length: int = 16) -> torch.Tensor:
+            hidden = self.text_encoder(input_ids=_padded([[3, 4, 5]], max_sequence_length)).last_hidden_state
+            self.encoder_rows += 1
+            return hidden * self.holder.scale  # read after the encoder: no proof sees it
+
+    pipeline = ScalesByAHolder(encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    pipeline.holder = Holder([], scale=2.0)  # set after install, as a request's state is
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             pipeline.encode_prompt("[pretokenized]")
     assert pipeline.encoder_rows == 3
-    test = test_an_encode_that_reads_what_cannot_be_keyed_is_served_uncached_and_says_why
-    why = f"reads self.holder (a {test.__name__}.<locals>.Holder), which cannot be keyed"
+    why = "reads self.holder (a Holder), which cannot be keyed"
     assert cache.stats()["encode_methods"]["encode_prompt"]["refusal"] == why
     # The first call encoded (a miss) and found what it read; the two after it bypassed, naming it.
     counts = cache.stats()["methods"]["encode_prompt"]
@@ -330,19 +358,46 @@ def test_an_encode_that_reads_what_cannot_be_keyed_is_served_uncached_and_says_w
     assert sum("is not cached" in record.getMessage() for record in caplog.records) == 1
 
 
-def test_an_encode_that_changes_what_it_read_in_place_is_not_cached(encoder) -> None:
+def test_a_queue_an_encode_pops_before_its_encoder_is_served_proven(encoder) -> None:
+    """Popping is a change a hit repeats: the proof runs the encode up to its encoder call, pop included."""
+
     class Queue(StashedIds):
         @torch.inference_mode()
         def encode_prompt(self, prompt: str, max_sequence_length: int = 16) -> torch.Tensor:
             token_ids = self.queue.pop(0)
-            return self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+            hidden = self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+            self.encoder_rows += 1
+            return hidden
 
-    pipeline = Queue(encoder)
-    pipeline.queue = [ids(1, 5), ids(2, 5), ids(1, 5)]
+    a, b = ids(1, 5), ids(2, 5)
+    pipeline, reference = Queue(encoder), Queue(encoder)
     cache = install_prompt_embed_cache(pipeline)
-    pipeline.encode_prompt("x")
+    pipeline.queue, reference.queue = [a, b, a, b, a], [a, b, a, b, a]
+    wrong = sum(not torch.equal(pipeline.encode_prompt("x"), reference.encode_prompt("x")) for _ in range(5))
+    assert wrong == 0 and pipeline.encoder_rows == 2 and pipeline.queue == []
+    assert cache.stats()["encode_methods"]["encode_prompt"]["instrumentation"] == ["self.queue"]
+
+
+def test_state_read_before_the_encoder_and_changed_after_it_is_not_cached(encoder) -> None:
+    """A cursor moved once the encode ran: a hit, stopped at the encoder, could not move it."""
+
+    class Cursor(StashedIds):
+        @torch.inference_mode()
+        def encode_prompt(self, prompt: str, max_sequence_length: int = 16) -> torch.Tensor:
+            token_ids = self.pending[self.position]
+            hidden = self.text_encoder(input_ids=_padded([token_ids], max_sequence_length)).last_hidden_state
+            self.position += 1
+            return hidden
+
+    a, b = ids(1, 5), ids(2, 5)
+    pipeline, reference = Cursor(encoder), Cursor(encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    for each in (pipeline, reference):
+        each.pending, each.position = [a, b, a, b], 0
+    wrong = sum(not torch.equal(pipeline.encode_prompt("x"), reference.encode_prompt("x")) for _ in range(4))
+    assert wrong == 0 and pipeline.position == 4
     assert cache.stats()["encode_methods"]["encode_prompt"]["refusal"] == (
-        "changes self.queue in place, which a hit could not repeat"
+        "reads self.position before its text encoder and changes it after: a hit could not repeat that"
     )
 
 
@@ -361,8 +416,9 @@ class InnermostTakesABatch(CountsEncoderRuns, torch.nn.Module):
         self.text_encoder = encoder
 
     def _run_encoder(self, batch: _Batch) -> torch.Tensor:
-        self.encoder_rows += 1
-        return self.text_encoder(input_ids=batch.ids).last_hidden_state
+        hidden = self.text_encoder(input_ids=batch.ids).last_hidden_state
+        self.encoder_rows += 1  # once the encoder ran: a hit runs this up to its encoder call (its proof)
+        return hidden
 
     @torch.inference_mode()
     def embed(self, token_ids: list[int]) -> torch.Tensor:

@@ -227,10 +227,11 @@ def test_two_concurrent_batches_sharing_a_missing_row_encode_it_once(encoder) ->
     second_joined = threading.Event()
 
     def encode(prompt_ids, attention_mask, num_images_per_prompt=1, max_sequence_length=1024):
-        encoded.append(prompt_ids.shape[1])
         if prompt_ids.shape[1] == len(shared) and threading.current_thread().name == "first":
             assert second_joined.wait(timeout=30)  # hold the shared row until the second batch waits on it
-        return original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+        output = original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+        encoded.append(prompt_ids.shape[1])  # once encoded: a row the second batch joined runs up to its encoder only
+        return output
 
     pipeline.encode_prompt = encode
     cache = install_prompt_embed_cache(pipeline, max_size=16, row_layout=TOKEN_IDS)

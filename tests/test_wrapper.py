@@ -176,15 +176,33 @@ def test_stock_style_list_calls_still_hit(pipeline) -> None:
     assert cache.stats()["hits"] == 1
 
 
-def test_a_call_from_another_device_hits_the_cpu_callers_entry(pipeline, accept_device_reporting_tensors) -> None:
-    """The same ids and mask reported on cuda:0 hit what a CPU caller stored: the device is not in the key."""
+class HandsInputsToEncoder(CountsEncoderRuns, torch.nn.Module):
+    """Passes its ids and mask to its text encoder untouched. A hit runs an encode up to its encoder call (its
+    proof); the stand-in cuda tensors below cannot run tensor ops without a GPU (``tests/test_cuda.py`` runs
+    a real pipeline on one), so this encode makes none before its encoder."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.text_encoder = encoder
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=attention_mask).last_hidden_state
+        self.encoder_runs += 1
+        return hidden
+
+
+def test_a_call_from_another_device_hits_the_cpu_callers_entry(encoder, accept_device_reporting_tensors) -> None:
+    """The same ids and mask reported on cuda:0 hit what a CPU caller stored: the device is in neither the key
+    nor the encoder-input record the hit is proven with."""
     from device_reporting import ReportsCudaDevice
 
+    pipeline = HandsInputsToEncoder(encoder)
     cache = install_prompt_embed_cache(pipeline)
     ids, mask = collate([4, 5, 6])
-    stored, _ = pipeline.encode_prompt(ids, mask)
-    served, _ = pipeline.encode_prompt(ReportsCudaDevice(ids.clone()), ReportsCudaDevice(mask.clone()))
-    assert (pipeline.encoder_runs, cache.stats()["hits"]) == (1, 1)
+    stored = pipeline.encode_prompt(ids, mask.long())
+    served = pipeline.encode_prompt(ReportsCudaDevice(ids.clone()), ReportsCudaDevice(mask.long()))
+    assert (pipeline.encoder_runs, cache.stats()["hits"], cache.stats()["proven_hits"]) == (1, 1, 1)
     assert torch.equal(served, stored)
 
 
@@ -353,8 +371,9 @@ class MaskHandedBack(CountsEncoderRuns):
 
     @torch.inference_mode()
     def encode_prompt(self, tokens, token_mask):
-        self.encoder_runs += 1
-        return self.encoder(input_ids=tokens, attention_mask=token_mask.long()).last_hidden_state, token_mask
+        hidden = self.encoder(input_ids=tokens, attention_mask=token_mask.long()).last_hidden_state
+        self.encoder_runs += 1  # once the encoder ran: a hit runs this method up to the encoder call (its proof)
+        return hidden, token_mask
 
 
 def test_an_output_that_is_the_callers_input_is_kept_as_a_copy(encoder) -> None:

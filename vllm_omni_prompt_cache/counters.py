@@ -113,6 +113,19 @@ COUNTS: tuple[Count, ...] = (
         by_reason=True,
         family="whole_calls",
     ),
+    # Hits proven before they are served: what would reach the text encoder compared with what reached it
+    # when the entry was made (see encoder_inputs.py).
+    Count("proven_hits", "Calls and rows served from the cache after their text-encoder inputs matched the entry's."),
+    Count(
+        "unproven_reasons",
+        "Calls and rows that found an entry but were encoded, since it could not be proven equal, by reason.",
+        by_reason=True,
+        family="unproven",
+    ),
+    Count(
+        "changed_entries",
+        "Entries found changed in place since they were stored (a caller wrote into a served tensor): dropped.",
+    ),
     # First-use checks of a row layout against the uncached call (see wrapper.py).
     Count("layout_checks", None),  # calls served uncached and compared with their assembled rows
     Count("layout_check_rows", None),  # rows those uncached calls sent to the encoder
@@ -271,13 +284,16 @@ def tally(
     row_reasons: Mapping[str, int] | None = None,
     rows_encoded: int = 0,
     whole_call: str | None = None,
+    proven: int = 0,
+    unproven: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Return what one call adds to its method's counters.
 
     ``call``: what the call came to (None: counted by another tally); ``reason``: why it bypassed;
     ``rows_*``: what its rows came to and how many reached the encoder; ``row_reasons``: its rows
     encoded without being cached, by reason; ``whole_call``: why a call with a row layout was not
-    split into rows.
+    split into rows; ``proven``: calls or rows served after their encoder inputs were compared; ``unproven``:
+    those encoded instead, by reason.
     """
     counts: dict[str, Any] = {}
     if call is Outcome.HIT:
@@ -296,12 +312,19 @@ def tally(
         counts["rows_encoded"] = rows_encoded
     if whole_call is not None:
         counts["whole_call_reasons"] = {whole_call: 1}
+    if proven:
+        counts["proven_hits"] = proven
+    if unproven:
+        counts["unproven_reasons"] = unproven
     return counts
 
 
 #: What a call served from an entry adds (the hit path's tallies, made once): keyed whole, or as its one row.
 WHOLE_HIT: Mapping[str, Any] = MappingProxyType(tally(Outcome.HIT))
 ROW_HIT: Mapping[str, Any] = MappingProxyType(tally(Outcome.HIT, rows_hit=1))
+#: The same, for a hit whose encoder inputs were compared with its entry's first.
+PROVEN_WHOLE_HIT: Mapping[str, Any] = MappingProxyType(tally(Outcome.HIT, proven=1))
+PROVEN_ROW_HIT: Mapping[str, Any] = MappingProxyType(tally(Outcome.HIT, rows_hit=1, proven=1))
 
 
 def ranked_reasons(reasons: Counter[str]) -> dict[str, int]:

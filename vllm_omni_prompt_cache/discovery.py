@@ -256,6 +256,8 @@ class MethodState:
     data: list[str] = field(default_factory=list)  # attributes keyed by content, in the order first read
     components: dict[str, Any] = field(default_factory=dict)  # attributes keyed by name, guarded by identity
     writes: list[str] = field(default_factory=list)  # attributes its calls were seen to write (replayed on hits)
+    #: attributes its calls read and then change (counters, counts, timings): instrumentation, not an input
+    accumulators: list[str] = field(default_factory=list)
     refusal: str | None = None  # why no call is cached (None: they are)
     check_pending: bool = False  # its first hit is encoded again and compared
     #: the instance's attributes when the cache was installed: an object already held then that no key can
@@ -283,10 +285,15 @@ class MethodState:
             "found": self.source,
             "keyed_on": self.keyed_on(),
             "writes_replayed": [f"self.{name}" for name in self.writes],
+            "instrumentation": [f"self.{name}" for name in self.accumulators],
             "state": "refused" if self.refusal else "learning" if self.learning else "cached",
             "refusal": self.refusal,
             "first_hit_checked": self.checks > 0,
         }
+
+    def replayed(self, trace: Trace) -> dict[str, Any]:
+        """Return what a hit of the traced call replays: its writes, instrumentation left out."""
+        return {name: value for name, value in trace.changed().items() if name not in self.accumulators}
 
     def state_argument(self, instance: Any) -> tuple | Bypass | None:
         """Return the part of a call's key that the instance holds now (None: nothing), or a Bypass when a
@@ -316,7 +323,27 @@ class MethodState:
         """Merge what a traced call read and wrote; return ``(grew, refusal)``: whether what a key holds
         (the data read) or what a hit replays (the writes) grew, and why the method cannot be cached, if so."""
         grew = per_call = False
+        # What a call reads and then changes (a counter it bumps, a dict of counts, a list of timings it
+        # appends to) is instrumentation: neither keyed nor replayed. Changed before the text encoder, a hit's
+        # proof changes it too; first read after it, it cannot have shaped the encoder's input, and a hit leaves
+        # it as it is. Read before the encoder and changed after it (a cursor moved once encoded), it is state a
+        # hit could not leave as a miss does.
+        # A call that reads one and leaves it alone shows it is not that (a value set once and kept, such as
+        # a crop offset computed on the first call): from then on it is keyed like any data.
+        changed = trace.changed()
+        changing = [*trace.mutated(), *(name for name in changed if name in trace.reads)]
+        self.accumulators[:] = [name for name in self.accumulators if name not in trace.reads or name in changing]
+        for name in changing:
+            if trace.encoder_reached and name not in trace.read_late and trace.changed_after_encoder(name):
+                return (
+                    grew,
+                    f"reads self.{name} before its text encoder and changes it after: a hit could not repeat that",
+                )
+            if name not in self.accumulators and name not in self.data:
+                self.accumulators.append(name)
         for name, value in trace.reads.items():
+            if name in self.accumulators:
+                continue
             kind = COMPONENT if name in trace.shared_objects else classify(name, value)
             if kind is COMPONENT and name not in self.components:
                 self.components[name] = value  # a guard, not part of the key: the key did not grow
@@ -329,12 +356,10 @@ class MethodState:
                     per_call = per_call or self.configuration.get(name, ABSENT) is not value
                 elif self.configuration.get(name, ABSENT) is value:  # held since install: configuration
                     self.components[name] = value
-                else:
+                elif not (trace.encoder_reached and name not in trace.read_late):
                     return grew, f"reads self.{name} (a {type(value).__qualname__}), which cannot be keyed"
-        mutated = trace.mutated()
-        if mutated:
-            return grew, f"changes self.{mutated[0]} in place, which a hit could not repeat"
-        changed = trace.changed()
+                # else: read before the encoder call, so in what reached the encoder, which a hit's proof compares
+        changed = self.replayed(trace)
         why = unreplayable(changed, output)
         if why is not None:
             return grew, why

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from vllm_omni_prompt_cache.keys import witness_nbytes
-from vllm_omni_prompt_cache.values import value_nbytes
+from vllm_omni_prompt_cache.values import changed_in_place, owned_by_cache, tensor_versions, value_nbytes
 
 V = TypeVar("V")
 
@@ -25,11 +25,21 @@ class Entry(NamedTuple):
     witness: tuple[bytes, ...] | None  # the key's bytes; None when verification is off
     nbytes: int  # the value's tensor bytes plus the witness bytes
     keyed: bool = True  # stored under a CallKey (not a plain key given to put()): lower tiers may hold it
+    #: each tensor of the value with its version counter when stored: a caller that writes into a served
+    #: tensor (``embeds.mul_(2)``) changes the entry, which is then dropped instead of served
+    versions: tuple = ()
 
     @classmethod
     def of(cls, value: Any, witness: tuple[bytes, ...] | None, *, keyed: bool = True) -> Entry:
-        """Return the entry for ``value``, its size measured."""
-        return cls(value, witness, value_nbytes(value) + (0 if witness is None else witness_nbytes(witness)), keyed)
+        """Return the entry for ``value`` (inference-mode tensors copied, so that writes to them are seen), its
+        size measured and its tensors' versions noted."""
+        value = owned_by_cache(value)
+        nbytes = value_nbytes(value) + (0 if witness is None else witness_nbytes(witness))
+        return cls(value, witness, nbytes, keyed, tensor_versions(value))
+
+    def changed(self) -> bool:
+        """Return True when a tensor of the value was written in place since it was stored."""
+        return changed_in_place(self.versions)
 
 
 #: What left a mapping, oldest first: (identity, entry) pairs.

@@ -3,21 +3,25 @@
 A method's first call (for a method found by watching, or wherever several ranks run) is served
 uncached and observed (:meth:`FirstUse._learn`); every encode after is traced
 (:meth:`FirstUse.encode_traced`), and what it read beyond the method's key grows the key. A call whose
-key grew is kept under the grown key, never under the one it was looked up with. The first hit of an
-inferred key is encoded again and compared (:meth:`FirstUse.first_hit_check`). ``FirstUse`` is
+key grew is kept under the grown key, never under the one it was looked up with. Every encode records
+what reached its first text encoder, and every hit is proven against that record before it is served
+(:meth:`FirstUse.prove`, see :mod:`.encoder_inputs`). The first hit of an inferred key is encoded again
+and compared (:meth:`FirstUse.first_hit_check`). ``FirstUse`` is
 mixed into :class:`~.method_calls.MethodCalls`, whose attributes it uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from vllm_omni_prompt_cache.counters import Outcome, tally
 from vllm_omni_prompt_cache.discovery import observed
+from vllm_omni_prompt_cache.encoder_inputs import GateRun, Proven, Refuted, seal, with_encoder_input
 from vllm_omni_prompt_cache.keys import Bypass, CallKey
 from vllm_omni_prompt_cache.proofs import LayoutProof, compare_outputs
 from vllm_omni_prompt_cache.reads import CannotTrace, Trace, current_attribute, pack, traced
+from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
 from vllm_omni_prompt_cache.values import unaliased
 
 #: Key part (an extra bound argument) for what a call read from the pipeline (see :mod:`.reads`).
@@ -29,11 +33,25 @@ LEARNED_REASON = "its encode read or wrote pipeline state no earlier call had: s
 class Learned(BaseException):
     """Raised out of an encode that read or wrote more than the method's key holds (or cannot be cached):
     its result must not be kept under the key the call was looked up with. A BaseException, so that no
-    handler of encoder failures takes it for one."""
+    handler of encoder failures takes it for one. ``record``: what reached its text encoder."""
 
-    def __init__(self, result: Any, trace: Trace, refusal: str | None) -> None:
+    def __init__(self, result: Any, trace: Trace, refusal: str | None, record: str | None = None) -> None:
         super().__init__(refusal or LEARNED_REASON)
-        self.result, self.trace, self.reason = result, trace, refusal
+        self.result, self.trace, self.reason, self.record = result, trace, refusal, record
+
+
+class Unproven(NamedTuple):
+    """A call that found an entry it could not be proven equal to: it encoded instead."""
+
+    result: Any  # what the call returns: its own encode
+    trace: Trace | None  # what that encode read and wrote; None: not to be kept (its key lacked state)
+    record: str | None  # what reached its text encoder, for the entry that replaces the old one
+    reason: str  # why the entry was not served (see encoder_inputs)
+
+
+def unprovable_refusal(why: Bypass) -> str:
+    """Return why a method whose text encoder takes inputs no key can hold is not cached."""
+    return f"its text encoder's inputs cannot be keyed ({why.reason}), so no hit could be proven equal to an encode"
 
 
 def with_state(arguments: Mapping[str, Any], held: tuple | None) -> Mapping[str, Any]:
@@ -71,32 +89,84 @@ class FirstUse:
             if type(new) is not Bypass:
                 self.store.rekey(old, new, value)
 
-    def encode_traced(self, args: tuple, kwargs: dict, *, rows: bool = False) -> tuple[Any, Trace]:
-        """Encode, seeing what the call reads from and writes to the pipeline; raise :class:`Learned` when
-        that is more than earlier calls showed (the call's key lacked it) or cannot be cached."""
-        state = self.state
-        if not state.observed:  # the first encode: which collectives run (a hit would skip them on one rank)
-            state.observed = True
-            with observed(self.pipeline) as observation, traced(self.instance) as trace:
-                result = self.encode_fn(*args, **kwargs)
-            if observation.collectives:
-                self._refuse(collectives_refusal(observation.collectives))
-                raise Learned(result, trace, state.refusal)
-        else:
-            with traced(self.instance) as trace:
-                result = self.encode_fn(*args, **kwargs)
+    def encode_traced(
+        self,
+        args: tuple,
+        kwargs: dict,
+        *,
+        rows: bool = False,
+        expected: str | None = None,
+        alternative: Callable[[str], tuple[bool, Any]] | None = None,
+    ) -> tuple[Any, Trace, GateRun]:
+        """Encode, seeing what the call reads from and writes to the pipeline and what reaches its first text
+        encoder (the returned :class:`~.encoder_inputs.GateRun`); raise :class:`Learned` when that is more than
+        earlier calls showed (the call's key lacked it) or cannot be cached.
+
+        ``expected``: an entry's encoder-input record, for a proof run (see :meth:`prove`): the original runs
+        unplaced and raises :class:`~.encoder_inputs.Proven` when what reaches the encoder equals it, or when
+        ``alternative`` finds an entry made with what reaches it (the Proven carries that entry's value)."""
+        state, gate = self.state, self.gate
+        gate.refresh()
+        encode_fn = self.encode_fn if expected is None else self.original
+        placed = expected is not None and getattr(self.pipeline, PLACEMENT_ATTRIBUTE, None) is not None
+        with gate.run(expected, abort_on_refute=placed) as gate_run:
+            gate_run.on_refute, gate_run.alternative = self.note_encoded, alternative
+            if not state.observed:  # the first encode: which collectives run (a hit would skip them on one rank)
+                with observed(self.pipeline) as observation, traced(self.instance) as trace:
+                    gate_run.trace = trace
+                    result = encode_fn(*args, **kwargs)
+                state.observed = True
+                if observation.collectives:
+                    self._refuse(collectives_refusal(observation.collectives))
+                    raise Learned(result, trace, state.refusal)
+            else:
+                with traced(self.instance) as trace:
+                    gate_run.trace = trace
+                    result = encode_fn(*args, **kwargs)
         with state.lock:
             writes_before = len(state.writes)
             grew, refusal = state.learn(trace, result)
+        if refusal is None and type(gate_run.record) is Bypass:
+            refusal = unprovable_refusal(gate_run.record)
         if refusal is not None:
             self._refuse(refusal)
         if len(state.writes) > writes_before:  # its calls write state: rows are off from the next call
             self.choose_strategy()
         if refusal is not None or (grew and not rows) or len(state.writes) > writes_before:
-            raise Learned(result, trace, refusal)
+            raise Learned(result, trace, refusal, gate_run.kept_record)
         if grew:  # a row: kept, and moved to a key holding what it read (keep_rows), but no file under this one
             self.store.withhold_write_through()
-        return result, trace
+        return result, trace, gate_run
+
+    def prove(
+        self, args: tuple, kwargs: dict, found: CallKey, record: str, *, rows: bool = False
+    ) -> tuple[Any, Unproven | None]:
+        """Run the call up to its first text-encoder call and compare what would reach the encoder with
+        ``record``, what reached it when the entry under ``found`` was made. Return ``(value, None)`` when equal,
+        or when an entry made with the input it has now is found (``value`` is that entry's; None: the one
+        compared): the run stopped there, before the encoder. Otherwise the call ran on through the encoder, as
+        a miss does: ``(None, its result and what to keep of it)`` (see :mod:`.encoder_inputs`)."""
+        try:
+            try:
+                result, trace, gate_run = self.encode_traced(
+                    args, kwargs, rows=rows, expected=record, alternative=self._alternative(found)
+                )
+            except Refuted:  # its encoders wait off the device: encoded again, placed, as a miss is
+                result, trace, gate_run = self.encode_traced(args, kwargs, rows=rows)
+                gate_run.expected = record
+        except Proven as proven:
+            return proven.args[0] if proven.args else None, None
+        except Learned as learned:  # it read or wrote what the key does not hold: served, not kept
+            return None, Unproven(learned.result, None, None, learned.reason or LEARNED_REASON)
+        return None, Unproven(result, trace, gate_run.kept_record, gate_run.why_unproven)
+
+    def _alternative(self, found: CallKey) -> Callable[[str], tuple[bool, Any]]:
+        """Return the look-up of the entry kept beside ``found``'s for another encoder input (not counted)."""
+        return lambda record: self.store.peek(with_encoder_input(found, record), self.method)
+
+    def note_encoded(self) -> None:
+        """Note that the current call ran the text encoder (a proof run that went on through it)."""
+        self.host.inside.encoded = True
 
     def keep_learned(self, args: tuple, kwargs: dict, arguments: dict[str, Any], learned: Learned) -> Any:
         """Keep a whole call's result under the key its grown state gives it (the values before it ran)."""
@@ -105,7 +175,8 @@ class FirstUse:
             held = state.state_argument_before(learned.trace, self.instance)
             key = self.key_builder.build_from_arguments(with_state(arguments, held))
             if type(key) is not Bypass:
-                self.store.put(key, pack(unaliased(learned.result, (args, kwargs)), learned.trace.changed()))
+                kept = pack(unaliased(learned.result, (args, kwargs)), self.state.replayed(learned.trace))
+                self.store.put(key, seal(kept, learned.record))
         self._rows_off()
         return learned.result
 
@@ -134,8 +205,10 @@ class FirstUse:
             if state.inferred:
                 return self._not_an_encode(args, kwargs, f"its arguments cannot be keyed ({before.reason})")
             return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=before.reason))
+        self.gate.refresh()
         try:
-            with observed(pipeline) as observation, traced(self.instance) as trace:
+            with self.gate.run() as gate_run, observed(pipeline) as observation, traced(self.instance) as trace:
+                gate_run.trace = trace
                 result = self.encode_fn(*args, **kwargs)
         except CannotTrace as error:
             self._refuse(str(error))
@@ -156,6 +229,8 @@ class FirstUse:
             refusal = collectives_refusal(observation.collectives)
         with state.lock:
             refusal = refusal or state.learn(trace, result)[1]
+        if refusal is None and type(gate_run.record) is Bypass:
+            refusal = unprovable_refusal(gate_run.record)
         if refusal is not None:
             self._refuse(refusal)
             self.count(tally(Outcome.BYPASS, reason=refusal))
@@ -169,7 +244,7 @@ class FirstUse:
         if type(key) is Bypass:
             self.count(tally(Outcome.BYPASS, reason=key.reason))
             return result
-        value = pack(unaliased(result, (args, kwargs)), trace.changed())
+        value = seal(pack(unaliased(result, (args, kwargs)), state.replayed(trace)), gate_run.kept_record)
         self.store.serve(
             key, lambda: value, lambda outcome, reason: self.count(tally(outcome, reason=reason)), self.method
         )
@@ -185,11 +260,11 @@ class FirstUse:
             state.check_pending = False
         replayed = {name: current_attribute(self.instance, name) for name in state.writes}
         try:
-            fresh, trace = self.encode_traced(args, kwargs)
+            fresh, trace, _ = self.encode_traced(args, kwargs)
         except Learned as learned:
             fresh, trace = learned.result, learned.trace
         why = compare_outputs(served, fresh)[0]
-        for name, written in trace.changed().items():
+        for name, written in state.replayed(trace).items():
             if why is None and (differs := compare_outputs(replayed.get(name), written)[0]) is not None:
                 why = f"self.{name}: {differs}"
         state.checks += 1

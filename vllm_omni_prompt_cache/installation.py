@@ -22,6 +22,7 @@ import torch
 from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.discovery import EncoderWatch, MethodState, OpenEncode, child_modules
+from vllm_omni_prompt_cache.encoder_inputs import EncoderGate
 from vllm_omni_prompt_cache.keys import CallKeyBuilder
 from vllm_omni_prompt_cache.layouts import layout_proof, method_layout_proof
 from vllm_omni_prompt_cache.logs import warn_once
@@ -73,6 +74,8 @@ class Installation:
         self._lock = threading.RLock()
         self._watch: EncoderWatch | None = None
         self.configuration = instance_attributes(pipeline)  # what the pipeline held at install (see MethodState)
+        #: records what reaches the text encoders on an encode, and compares it before a hit is served
+        self.gate = EncoderGate(pipeline, lambda: child_modules(pipeline))
 
     @property
     def encoders(self) -> list[str]:
@@ -117,6 +120,8 @@ class Installation:
             state=state,
             host=self,
             instance=instance,
+            original=encode_fn,
+            gate=self.gate,
         )
         if not inferred:
             self.cache.register(name)  # listed in stats() from now on; a candidate once it is confirmed
@@ -237,6 +242,7 @@ class Installation:
         """Stop watching the encoders (the wrapped methods are restored by the caller)."""
         if self._watch is not None:
             self._watch.remove()
+        self.gate.remove()
         with self._lock:
             for handle in self._settle_hooks:
                 handle.remove()

@@ -255,6 +255,18 @@ class _Encoder:
         )
 
 
+def value_key(value: Any) -> tuple[Any, tuple] | Bypass:
+    """Return ``value``'s identity and witness (the bytes its digests summarize), or a Bypass saying why it
+    has none."""
+    encoder = _Encoder(default_digest)
+    try:
+        return encoder.encode(value), tuple(encoder.witness)
+    except _Uncacheable as why:
+        return Bypass(str(why))
+    except Exception as error:
+        return Bypass(f"{type(error).__qualname__} raised while keying")
+
+
 def value_identity(value: Any) -> Any | Bypass:
     """Return ``value``'s identity as a call key spells it, or a Bypass saying why it has none.
 

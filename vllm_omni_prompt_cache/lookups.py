@@ -61,7 +61,7 @@ class Lookups:
         """
         identity, witness = (key.identity, key.witness) if type(key) is CallKey else (key, None)
         with self.lock:
-            entry = self.entries.get(identity)
+            entry = self._intact(identity, method)
             if entry is not None and (
                 entry.witness is None or (witness is not None and witness_matches(entry.witness, witness))
             ):
@@ -101,7 +101,7 @@ class Lookups:
         """
         while True:
             with self.lock:
-                decision, claimed = self._claim(key)
+                decision, claimed = self._claim(key, method)
             if decision is Claim.HIT:
                 count(Outcome.HIT, None)
                 return claimed
@@ -120,7 +120,7 @@ class Lookups:
                 return claimed.value
             # The owner's encode raised and its caller got the error; try again ourselves.
 
-    def claim(self, keys: Sequence[CallKey]) -> list[tuple[Claim, Any]]:
+    def claim(self, keys: Sequence[CallKey], method: str) -> list[tuple[Claim, Any]]:
         """Decide how each of ``keys`` is served, under one lock: ``(HIT, value)``, ``(OWN, flight)``
         (the caller must :meth:`complete` or :meth:`abandon` it), ``(JOIN, flight)`` or
         ``(DIRECT, reason)``. Counts nothing."""
@@ -128,7 +128,7 @@ class Lookups:
         with self.lock:
             try:
                 for key in keys:
-                    claims.append(self._claim(key))
+                    claims.append(self._claim(key, method))
             except BaseException:  # never leave a claimed flight unrun
                 for key, (decision, flight) in zip(keys, claims, strict=False):
                     if decision is Claim.OWN:
@@ -137,9 +137,19 @@ class Lookups:
                 raise
         return claims
 
-    def _claim(self, key: CallKey) -> tuple[Claim, Any]:
+    def _intact(self, identity: Hashable, method: str) -> Entry | None:
+        """Return ``identity``'s entry, or None; one changed in place since it was stored is dropped (counted
+        under ``method``). The lock is held."""
+        entry = self.entries.get(identity)
+        if entry is not None and entry.versions and entry.changed():
+            self.entries.pop(identity)
+            self._record(method, {"changed_entries": 1})
+            return None
+        return entry
+
+    def _claim(self, key: CallKey, method: str) -> tuple[Claim, Any]:
         """Decide how ``key`` is served; the lock is held."""
-        entry = self.entries.get(key.identity)
+        entry = self._intact(key.identity, method)
         if entry is not None:
             if entry.witness is None or witness_matches(entry.witness, key.witness):
                 self.entries.refresh(key.identity)

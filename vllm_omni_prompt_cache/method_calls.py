@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from vllm_omni_prompt_cache.audit import turn_off as turn_off_for_class
-from vllm_omni_prompt_cache.counters import ROW_HIT, WHOLE_HIT, Outcome, tally
+from vllm_omni_prompt_cache.counters import PROVEN_ROW_HIT, PROVEN_WHOLE_HIT, ROW_HIT, WHOLE_HIT, Outcome, tally
 from vllm_omni_prompt_cache.discovery import MethodState
-from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, with_state
+from vllm_omni_prompt_cache.encoder_inputs import NOT_REACHED, EncoderGate, seal, unseal, with_encoder_input
+from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, Unproven, with_state
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.proofs import ONE_ROW, LayoutProof, compare_outputs, infer_layout, row_strength
@@ -40,6 +42,31 @@ DISABLED_REASON = "cache disabled"
 LAYOUT_DROPPED_REASON = "row layout dropped: it did not match encode_prompt's outputs"
 #: Whole-call reason for a call whose rows differ in dtype, device or shape: served uncached.
 UNSTACKABLE_REASON = "rows could not be stacked into one output (dtype, device or shape differed)"
+
+
+class FoundCounts(NamedTuple):
+    """What a call that found an entry counts: served without a proof, served proven, or encoded instead."""
+
+    hit: Mapping[str, Any]
+    proven: Mapping[str, Any]
+    encoded: Mapping[str, Any]  # a miss's tally; the reason it was not proven is added
+
+    def unproven(self, reason: str) -> dict[str, Any]:
+        return {**self.encoded, "unproven_reasons": {reason: 1}}
+
+
+WHOLE_FOUND = FoundCounts(WHOLE_HIT, PROVEN_WHOLE_HIT, tally(Outcome.MISS))
+ROW_FOUND = FoundCounts(ROW_HIT, PROVEN_ROW_HIT, tally(Outcome.MISS, rows_missed=1, rows_encoded=1))
+
+
+@dataclass
+class Found:
+    """An entry a call's key found, and what proving it came to (see :meth:`MethodCalls.serve_found`)."""
+
+    key: CallKey
+    value: Any
+    counts: FoundCounts
+    proven: bool | None = None
 
 
 class MethodHost(Protocol):
@@ -73,8 +100,12 @@ class MethodCalls(FirstUse):
         state: MethodState,
         host: MethodHost,
         instance: Any,
+        original: Callable[..., Any],
+        gate: EncoderGate,
     ) -> None:
         self.store = store
+        self.original = original  # the method as the pipeline had it: what a proof run calls, unplaced
+        self.gate = gate  # what records and compares the inputs of its text encoders
         #: Whose attributes a call reads and writes: the object the method is bound to (the pipeline's own
         #: methods are bound to it; an encode_prompt given to an instance may be bound to another object).
         self.instance = pipeline if instance is None else instance
@@ -141,6 +172,47 @@ class MethodCalls(FirstUse):
             return self._learn(args, kwargs, arguments)
         return self.strategy.serve(args, kwargs, arguments, held)
 
+    def serve_found(self, args: tuple, kwargs: dict, found: Found, *, row: Callable[[Any], Any] | None = None) -> Any:
+        """Serve a call whose key found ``found.value`` (an entry, another call's encode, a lower tier's file):
+        proven first when it holds what reached the text encoder then (see :mod:`.encoder_inputs`); counted.
+
+        ``row``: the call is one row, kept as ``row(output)`` returns it; else a whole call, whose hit replays
+        the writes its encode made. Sets ``found.proven``: None (nothing to compare), True, or False (the
+        call ran instead, its result kept beside the entry)."""
+        value, record = unseal(found.value)
+        if record is not None:
+            beside, unproven = self.prove(args, kwargs, found.key, record, rows=row is not None)
+            found.proven = unproven is None
+            if unproven is not None:
+                return self._encoded_instead(args, kwargs, found, unproven, row)
+            if beside is not None:
+                value = unseal(beside)[0]
+        self.count(found.counts.proven if found.proven else found.counts.hit)
+        return value if row is not None else unpack(value, self.instance)
+
+    def _encoded_instead(
+        self, args: tuple, kwargs: dict, found: Found, unproven: Unproven, row: Callable[[Any], Any] | None
+    ) -> Any:
+        """Serve a call whose entry was not proven from its own encode, kept beside the entry; count it."""
+        if unproven.reason == NOT_REACHED:  # it ran, but encoded nothing: a bypass, not a miss
+            self.count(tally(Outcome.BYPASS, reason=NOT_REACHED))
+        else:
+            self.count(found.counts.unproven(unproven.reason))
+        fresh = unaliased(unproven.result, (args, kwargs))
+        if row is not None:
+            fresh = row(fresh)
+        if unproven.trace is not None and unproven.record is not None:  # kept beside the entry it differed from
+            kept = fresh if row is not None else pack(fresh, self.state.replayed(unproven.trace))
+            self.store.put(with_encoder_input(found.key, unproven.record), seal(kept, unproven.record))
+        return fresh if row is not None else unproven.result
+
+    def whole_found(self, why: str | None, rows: int | None) -> FoundCounts:
+        """Return what a whole call that found an entry counts: served (proven or not), or encoded instead."""
+        if why is None:
+            return WHOLE_FOUND
+        hit = tally(Outcome.HIT, whole_call=why)
+        return FoundCounts(hit, {**hit, "proven_hits": 1}, tally(Outcome.MISS, whole_call=why, rows_encoded=rows or 0))
+
     def uncached(self, args: tuple, kwargs: dict, counts: dict[str, Any]) -> Any:
         """Serve the call from the original function, not cached, counted as ``counts`` (a :func:`tally`)."""
         self.count(counts)
@@ -196,14 +268,13 @@ class WholeCalls:
         outcomes: list[Outcome] = []
 
         def encode() -> Any:
-            result, trace = calls.encode_traced(args, kwargs)
+            result, trace, gate_run = calls.encode_traced(args, kwargs)
             encoded.append(result)
-            return pack(unaliased(result, (args, kwargs)), trace.changed())
+            return seal(pack(unaliased(result, (args, kwargs)), calls.state.replayed(trace)), gate_run.kept_record)
 
         def count(outcome: Outcome, reason: str | None) -> None:
             outcomes.append(outcome)
-            if outcome is Outcome.HIT and why is None:
-                calls.count(WHOLE_HIT)
+            if outcome is Outcome.HIT:  # counted once the entry is proven (serve_found)
                 return
             calls.count(
                 tally(outcome, reason=reason, whole_call=why, rows_encoded=0 if outcome is Outcome.HIT else rows or 0)
@@ -220,10 +291,14 @@ class WholeCalls:
         except Learned as learned:  # the key grew while encoding: kept under the key it has now
             return calls.keep_learned(args, kwargs, arguments, learned)
         if encoded:  # this call encoded: the pipeline holds what it wrote already
+            value = unseal(value)[0]
             result = value[1] if is_packed(value) else value
         else:
-            result = unpack(value, calls.instance)
-            if calls.state.check_pending and outcomes and outcomes[-1] is Outcome.HIT:
+            found = Found(key, value, calls.whole_found(why, rows))
+            result = calls.serve_found(args, kwargs, found)
+            if found.proven is False:
+                return result
+            if calls.state.check_pending:
                 return calls.first_hit_check(args, kwargs, result)
         if infer and encoded and calls.proof.claim_inference():
             adopted = None
@@ -285,21 +360,26 @@ class RowCalls:
         if type(key) is Bypass:
             return calls.uncached(args, kwargs, tally(Outcome.BYPASS, reason=key.reason, rows_encoded=1))
         known = len(calls.state.data)
+        encoded: list[bool] = []
+
+        def encode() -> Any:
+            encoded.append(True)
+            return self._encode_to_keep(args, kwargs, self.layout.check_row)
+
         try:
-            value = calls.store.serve(
-                key, lambda: self.layout.check_row(self._encode_to_keep(args, kwargs)), self._count_row, calls.method
-            )
+            value = calls.store.serve(key, encode, self._count_row, calls.method)
             if len(calls.state.data) > known:  # its encode read more state: keep it under the key that holds it
                 calls.keep_rows([single.arguments], [key], [value], single.host_views)
-            return value
+            if encoded:
+                return unseal(value)[0]
+            return calls.serve_found(args, kwargs, Found(key, value, ROW_FOUND), row=self.layout.check_row)
         except LayoutMismatch as error:  # the row was not stored; serve the call whole and uncached
             calls.refute(self.layout, str(error))
             return calls.uncached(args, kwargs, tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=1))
 
     def _count_row(self, outcome: Outcome, reason: str | None) -> None:
-        """Count a call that is one row, as a call and as a row."""
+        """Count a call that is one row, as a call and as a row (a hit once it is proven: serve_found)."""
         if outcome is Outcome.HIT:
-            self.calls.count(ROW_HIT)
             return
         self.calls.count(
             tally(
@@ -318,11 +398,13 @@ class RowCalls:
         call = Outcome.MISS  # unless every row was served without encoding and the output assembles
         dropped = tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=split.batch)  # then served uncached
         known = len(calls.state.data)
+        encoded: set[int] = set()
         try:
             try:
-                values = calls.store.serve_rows(keys, self._row_encoder(split), rows, calls.method)
+                values = calls.store.serve_rows(keys, self._row_encoder(split, encoded), rows, calls.method)
                 if len(calls.state.data) > known:  # a row's encode read more state: keep them under keys holding it
                     calls.keep_rows([split.key_arguments(index) for index in range(split.batch)], keys, values)
+                values = self._proven_rows(split, keys, values, encoded, rows)
             except LayoutMismatch as error:
                 calls.refute(layout, str(error))
                 return calls.uncached(args, kwargs, dropped)
@@ -362,6 +444,7 @@ class RowCalls:
             return False
         finally:
             calls.count(rows.counts(None))
+        values = [unseal(value)[0] for value in values]  # compared with the uncached call, not served
         strength = row_strength(split, values)
         return self.check(split, values, strength, output, inferred=True) is not None
 
@@ -394,20 +477,65 @@ class RowCalls:
             keys.append(key)
         return keys
 
-    def _row_encoder(self, split: RowSplit) -> Callable[[int], Any]:
+    def _row_encoder(self, split: RowSplit, encoded: set[int] | None = None) -> Callable[[int], Any]:
+        """Return ``encode_row(i)``, which encodes row ``i`` alone (noting ``i`` in ``encoded``)."""
+
         def encode_row(index: int) -> Any:
-            bound = inspect.BoundArguments(self.calls.signature, split.call_arguments(index))  # type: ignore[arg-type]
-            return split.check_row(self._encode_to_keep(bound.args, bound.kwargs))
+            if encoded is not None:
+                encoded.add(index)
+            args, kwargs = _row_call(self.calls.signature, split, index)
+            return self._encode_to_keep(args, kwargs, split.check_row)
 
         return encode_row
 
-    def _encode_to_keep(self, args: tuple, kwargs: dict) -> Any:
-        """Run the encoder for a result the cache keeps (keyed arguments only: bounded, acyclic); outputs
-        that are the call's own input tensors are copied."""
+    def _proven_rows(
+        self, split: RowSplit, keys: list[CallKey], values: list[Any], encoded: set[int], rows: RowTally
+    ) -> list[Any]:
+        """Return what each row of a call is served: the rows it encoded as they are; every other distinct entry
+        once proven (see :meth:`MethodCalls.serve_found`), or that row encoded alone instead."""
+        served = {id(values[index]): unseal(values[index])[0] for index in encoded}
+        assembled = []
+        for index, value in enumerate(values):
+            row = served.get(id(value))
+            if row is None:
+                row = served[id(value)] = self._proven_row(split, keys[index], index, value, rows)
+            assembled.append(row)
+        return assembled
+
+    def _proven_row(self, split: RowSplit, key: CallKey, index: int, value: Any, rows: RowTally) -> Any:
+        """Return row ``index``'s entry ``value`` once proven (or the entry kept beside it for the input that reaches
+        the encoder now), else the row encoded alone, kept beside it."""
+        row, record = unseal(value)
+        if record is None:
+            return row
+        args, kwargs = _row_call(self.calls.signature, split, index)
+        beside, unproven = self.calls.prove(args, kwargs, key, record, rows=True)
+        if unproven is None:
+            rows.proven += 1
+            return row if beside is None else unseal(beside)[0]
+        if unproven.reason == NOT_REACHED:  # it ran, but encoded nothing
+            rows.hit -= 1
+            rows.bypassed[NOT_REACHED] += 1
+        else:
+            rows.not_proven(unproven.reason)
+        fresh = split.check_row(unaliased(unproven.result, (args, kwargs)))
+        if unproven.trace is not None and unproven.record is not None:  # kept beside the entry it differed from
+            self.calls.store.put(with_encoder_input(key, unproven.record), seal(fresh, unproven.record))
+        return fresh
+
+    def _encode_to_keep(self, args: tuple, kwargs: dict, check_row: Callable[[Any], Any]) -> Any:
+        """Run the encoder for a row the cache keeps (keyed arguments only: bounded, acyclic), checked by
+        ``check_row``; outputs that are the call's own input tensors are copied. Returns the entry's value."""
         # A row's encode that reads more state than the rows' keys hold is kept under those keys, which no
         # later lookup builds (the state's names are in every key); one that writes state raises Learned.
-        result, _ = self.calls.encode_traced(args, kwargs, rows=True)
-        return unaliased(result, (args, kwargs))
+        result, _, gate_run = self.calls.encode_traced(args, kwargs, rows=True)
+        return seal(check_row(unaliased(result, (args, kwargs))), gate_run.kept_record)
+
+
+def _row_call(signature: inspect.Signature, split: RowSplit, index: int) -> tuple[tuple, dict]:
+    """Return the positional and keyword arguments of a call of row ``index`` alone."""
+    bound = inspect.BoundArguments(signature, split.call_arguments(index))  # type: ignore[arg-type]
+    return bound.args, bound.kwargs
 
 
 def _transient(error: Exception) -> bool:

@@ -109,6 +109,29 @@ class Trace:
     overwritten: dict[str, Any] = field(default_factory=dict)
     #: class attributes read that hold objects no key can hold by content: guarded by identity
     shared_objects: set[str] = field(default_factory=set)
+    #: set once the call reached its first text-encoder call (see encoder_inputs.py); what it read before is
+    #: in what reached the encoder, which a hit's proof compares
+    encoder_reached: bool = False
+    #: attributes first read after that point: only the key can hold them
+    read_late: set[str] = field(default_factory=set)
+    #: attributes written after that point, and the content of those read before it, as it was at that point
+    written_late: set[str] = field(default_factory=set)
+    identities_at_encoder: dict[str, Any] = field(default_factory=dict)
+
+    def reach_encoder(self) -> None:
+        """Note that the call reached its first text-encoder call (see encoder_inputs.py)."""
+        self.encoder_reached = True
+        instance_dict = _instance_dict(self.instance)
+        self.identities_at_encoder = {
+            name: value_identity(instance_dict.get(name, ABSENT)) for name in self.read_identities
+        }
+
+    def changed_after_encoder(self, name: str) -> bool:
+        """Return True when the call wrote ``name``, or changed it in place, after reaching its text encoder."""
+        if name in self.written_late:
+            return True
+        at_encoder = self.identities_at_encoder.get(name)
+        return at_encoder is not None and value_identity(_instance_dict(self.instance).get(name, ABSENT)) != at_encoder
 
     def read(self, name: str, value: Any, *, shared: bool = False) -> None:
         """Note a read of ``name``; ``shared``: a class attribute (an object there is configuration: keyed by
@@ -119,6 +142,8 @@ class Trace:
         if kind is None:
             return
         self.reads[name] = value
+        if self.encoder_reached:
+            self.read_late.add(name)
         if kind is DATA:
             identity = value_identity(value)
             if shared and type(identity) is Bypass:
@@ -132,6 +157,8 @@ class Trace:
         if name not in self.reads and name not in self.writes:
             self.overwritten[name] = before
         self.writes[name] = value
+        if self.encoder_reached:
+            self.written_late.add(name)
 
     def changed(self) -> dict[str, Any]:
         """Return the writes that left an attribute other than it was before the call (a value swapped in

@@ -31,6 +31,15 @@ class RowTally:
     missed: int = 0  # encoded by this call and offered to the store
     bypassed: Counter[str] = dataclasses.field(default_factory=Counter)  # encoded, not stored, by reason
     encoded: int = 0  # sent to the encoder by this call, one that raised included
+    proven: int = 0  # served from an entry once what reaches the text encoder was compared with its record
+    unproven: Counter[str] = dataclasses.field(default_factory=Counter)  # found, not proven: encoded, by reason
+
+    def not_proven(self, reason: str) -> None:
+        """Count a row that found an entry it could not be proven equal to, and was encoded alone instead."""
+        self.unproven[reason] += 1
+        self.hit -= 1
+        self.missed += 1
+        self.encoded += 1
 
     def counts(self, call: Outcome | None) -> dict[str, Any]:
         """Return the tally of these rows, and of their call as ``call`` (None: counted elsewhere)."""
@@ -40,6 +49,8 @@ class RowTally:
             rows_missed=self.missed,
             row_reasons=self.bypassed,
             rows_encoded=self.encoded,
+            proven=self.proven,
+            unproven=self.unproven,
         )
 
 
@@ -55,7 +66,7 @@ def serve_rows(
     values: list[Any] = [None] * len(keys)
     pending, copies = distinct_rows(keys, verify=lookups.verify)
     while pending:
-        claims = lookups.claim([keys[index] for index in pending])
+        claims = lookups.claim([keys[index] for index in pending], method)
         for index, (decision, claimed) in zip(pending, claims, strict=True):
             if decision is Claim.HIT:
                 values[index] = claimed

@@ -170,6 +170,11 @@ class PromptEmbedCache:
         self.record(ENCODE_PROMPT, WHOLE_HIT if found else tally(Outcome.MISS))
         return value if found else MISS
 
+    def peek(self, key: CallKey, method: str = ENCODE_PROMPT) -> tuple[bool, Any]:
+        """Return ``(True, value)`` for ``key``'s verified entry (device memory, else a lower tier), else
+        ``(False, None)``; counted by the caller, not here (a proof's look-up of an entry kept beside another)."""
+        return self._lookups.get(key, method)
+
     def put(self, key: CallKey | Hashable, value: Any) -> None:
         """Cache ``value`` under ``key`` as given (insert or overwrite), then evict over budget.
 

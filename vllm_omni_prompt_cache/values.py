@@ -7,6 +7,7 @@ still owns (an input handed back), or the entry would change when the caller reu
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,37 @@ def map_tensors(value: Any, convert: Any) -> Any:
 def detach_value(value: Any) -> Any:
     """Return ``value`` with every tensor detached from autograd (containers rebuilt)."""
     return map_tensors(value, torch.Tensor.detach)
+
+
+def owned_by_cache(value: Any) -> Any:
+    """Return ``value`` with each inference-mode tensor copied into a normal one: torch counts in-place
+    changes of normal tensors only (their version counter), and the cache must see a caller's."""
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_inference():
+            return tensor
+        with torch.inference_mode(False):
+            return tensor.clone()
+
+    return map_tensors(value, own)
+
+
+def tensor_versions(value: Any) -> tuple[tuple[torch.Tensor, int], ...]:
+    """Return each tensor of ``value`` with its version counter now (what :func:`changed_in_place` compares)."""
+    found: list[tuple[torch.Tensor, int]] = []
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        with contextlib.suppress(RuntimeError):  # a tensor without a counter (inference mode) is not noted
+            found.append((tensor, tensor._version))
+        return tensor
+
+    map_tensors(value, note)
+    return tuple(found)
+
+
+def changed_in_place(versions: tuple[tuple[torch.Tensor, int], ...]) -> bool:
+    """Return True when a tensor of ``versions`` was written in place since they were noted."""
+    return any(tensor._version != version for tensor, version in versions)
 
 
 def value_nbytes(value: Any) -> int:

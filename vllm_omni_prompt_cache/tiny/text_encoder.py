@@ -53,12 +53,12 @@ class TokenIdTextPipeline(CountsEncoderRuns, torch.nn.Module):
         max_sequence_length: int = 512,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(prompt_embeds, mask)`` repeated per image, as Qwen-Image's does."""
-        self.encoder_runs += 1
         prompt_ids = prompt_ids[:, :max_sequence_length]
         if attention_mask is None:
             attention_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
         attention_mask = attention_mask[:, :max_sequence_length]
         hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=attention_mask.long()).last_hidden_state
+        self.encoder_runs += 1  # counted once the encoder ran: a cache hit's proof stops before it
         embeds = hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (
             embeds.repeat_interleave(num_images_per_prompt, dim=0),
@@ -87,10 +87,10 @@ class QwenStyleTokenPipeline(TokenIdTextPipeline):
         max_sequence_length: int = 1024,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(prompt_embeds [B*n, S, D], mask [B*n, S])``, S the longest attended row."""
-        self.encoder_runs += 1
-        self.encoder_rows += prompt_ids.shape[0]
         mask = attention_mask.bool()
         hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=mask.long()).last_hidden_state
+        self.encoder_runs += 1  # counted once the encoder ran: a cache hit's proof stops before it
+        self.encoder_rows += prompt_ids.shape[0]
         rows = torch.split(hidden[mask], mask.sum(dim=1).tolist())
         longest = max(row.shape[0] for row in rows)
         embeds = torch.stack([torch.cat([row, row.new_zeros(longest - row.shape[0], row.shape[1])]) for row in rows])

@@ -98,11 +98,12 @@ class TokenIdQwenImagePipeline(CountsEncoderRuns, QwenImagePipeline):
         """Run the text encoder on ``[B, L]`` ids; return each row's attended states after the template
         prefix, right-padded with zeros to the longest row, and their long mask. Counted."""
         started = time.perf_counter()
-        self.encoder_runs += 1
-        self.encoder_rows += int(prompt_ids.shape[0])
         try:
             mask = attention_mask.to(torch.long)
             outputs = self.text_encoder(input_ids=prompt_ids, attention_mask=mask, output_hidden_states=True)
+            # Counted once the encoder ran: a cache hit's proof runs this method up to the encoder, not through it.
+            self.encoder_runs += 1
+            self.encoder_rows += int(prompt_ids.shape[0])
             per_prompt = self._extract_masked_hidden(outputs.hidden_states[-1], mask)
             per_prompt = [hidden[self.prompt_template_encode_start_idx :] for hidden in per_prompt]
             longest = max(hidden.size(0) for hidden in per_prompt)

@@ -108,10 +108,11 @@ class DanceGrpoWan22Pipeline(CountsEncoderRuns, Wan22Pipeline):
     def _run_text_encoder(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Return T5's last hidden states ``[B, L, D]`` in the encoder's dtype on this device. Counted."""
         started = time.perf_counter()
-        self.encoder_runs += 1
-        self.encoder_rows += int(prompt_ids.shape[0])
         try:
             outputs = self.text_encoder(prompt_ids.to(self.device), attention_mask.to(self.device))
+            # Counted once the encoder ran: a cache hit's proof runs this method up to the encoder, not through it.
+            self.encoder_runs += 1
+            self.encoder_rows += int(prompt_ids.shape[0])
             return outputs.last_hidden_state.to(dtype=self.text_encoder.dtype, device=self.device)
         finally:
             self.encode_seconds += time.perf_counter() - started

@@ -1,0 +1,101 @@
+"""Instrumentation an encode keeps on its pipeline is not an input: the cache stays on.
+
+An encode that bumps a counter on ``self``, a dict of counts under a lock, or appends its timing to a
+list reads that state and changes it on every call. Keyed by content, every call would be distinct; the
+cache treats what a call reads and then changes as instrumentation instead (``MethodState.accumulators``):
+neither keyed nor replayed. Before the text encoder, a hit's proof runs it as an uncached call does (so
+such a counter counts calls); after it, a hit leaves it as it is (so it counts encodes). Each distinct
+prompt is encoded once either way, for ``encode_prompt`` and for a method found by watching.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
+
+PROMPTS = {"A": [5, 17, 29, 3], "B": [88, 41, 7, 7, 90, 12], "C": [600, 2]}
+SEQUENCE = "AAABACB"
+
+
+def encode(pipeline: Instrumented, prompt_ids: torch.Tensor) -> torch.Tensor:
+    """The encode both methods share (a function, so that the method calling it is the encode found)."""
+    started = time.perf_counter()
+    if pipeline.where == "before":
+        pipeline.instrument(started)
+    hidden = pipeline.text_encoder(input_ids=prompt_ids).last_hidden_state
+    if pipeline.where == "after":
+        pipeline.instrument(started)
+    return hidden
+
+
+class Instrumented(torch.nn.Module):
+    """A token-ID encode with instrumentation on ``self``: ``where`` is "before" or "after" the encoder call."""
+
+    def __init__(self, encoder: torch.nn.Module, where: str) -> None:
+        super().__init__()
+        self.text_encoder = encoder
+        self.dit = torch.nn.Linear(4, 4)
+        self.where = where
+        self.calls = 0
+        self.counts: dict[str, int] = {}
+        self.timings: list[float] = []
+        self._counts_lock = threading.Lock()
+        self.encoder_forwards = 0  # the ground truth: counted by a hook on the encoder itself
+        encoder.register_forward_hook(self._ran)
+
+    def _ran(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        self.encoder_forwards += 1
+
+    def instrument(self, started: float) -> None:
+        self.calls += 1
+        with self._counts_lock:
+            self.counts["encode"] = self.counts.get("encode", 0) + 1
+        self.timings.append(time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        return encode(self, prompt_ids)
+
+    @torch.inference_mode()
+    def embed_request(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        return encode(self, prompt_ids)
+
+    @torch.inference_mode()
+    def forward(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        embeds = self.embed_request(prompt_ids)
+        self.dit(torch.zeros(4))
+        return embeds
+
+
+@pytest.mark.parametrize("found", [False, True], ids=["encode_prompt", "found by watching"])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_instrumentation_on_the_pipeline_keeps_the_cache_on(where: str, found: bool) -> None:
+    pipeline = Instrumented(build_qwen2_encoder(), where)
+    if found:
+        pipeline.encode_prompt = None  # no encode_prompt: the encode is found by watching
+    reference = Instrumented(build_qwen2_encoder(), where)  # the same seed: the same weights
+    cache = install_prompt_embed_cache(pipeline)
+    wrong = 0
+    for name in SEQUENCE:
+        ids = torch.tensor([PROMPTS[name]])
+        served = pipeline(ids) if found else pipeline.encode_prompt(ids)
+        wrong += not torch.equal(served, reference.encode_prompt(ids))
+    assert wrong == 0
+    method = "embed_request" if found else "encode_prompt"
+    described = cache.stats()["encode_methods"][method]
+    assert described["state"] == "cached"
+    assert {"self.calls", "self.counts", "self.timings"} <= set(described["instrumentation"])
+    assert not any(name in part for part in described["keyed_on"] for name in ("calls", "counts", "timings"))
+    # One encode per distinct prompt; a method found by watching first runs twice uncached (found, observed).
+    assert pipeline.encoder_forwards <= len(set(SEQUENCE)) + (2 if found else 0)
+    # Before the encoder, a hit's proof runs the instrumentation too: it counts calls (and the first hit's check of
+    # a method found by watching, an encode). After the encoder, it counts encodes.
+    checks = cache.stats()["audits"]
+    expected_calls = len(SEQUENCE) + checks if where == "before" else pipeline.encoder_forwards
+    assert pipeline.calls == pipeline.counts["encode"] == len(pipeline.timings) == expected_calls
