@@ -2,14 +2,16 @@
 keeps the cache (unit cases: ``test_instrumentation.py``).
 
 The pipeline is the demo's token-ID Qwen-Image adapter (``tiny/token_id_pipeline.py``, after verl-omni's
-``qwen_image_flow_grpo`` adapter) with one line more in ``encode_prompt``: it bumps a dict of counts under a
-lock on ``self`` before encoding, as a user's profiling would. 2 prompts x 4 siblings with CFG, one request
-per forward: three distinct rows (two prompts, one negative prompt), so three text-encoder runs.
+``qwen_image_flow_grpo`` adapter) with a user's profiling added to ``encode_prompt``: a counter on ``self``
+before encoding, a dict of counts bumped under a lock, and a list of timings appended after encoding.
+2 prompts x 4 siblings with CFG, one request per forward: three distinct rows (two prompts, one negative
+prompt), so three text-encoder runs.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -24,11 +26,13 @@ COUNTS_ON_SELF = "test_instrumentation_e2e.CountsOnSelfPipeline"
 
 
 class CountsOnSelfPipeline(TokenIdQwenImagePipeline):
-    """The token-ID adapter, its ``encode_prompt`` calls counted in a dict on ``self`` under a lock."""
+    """The token-ID adapter, its ``encode_prompt`` calls counted and timed on ``self``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.calls = 0
         self.encode_counts: dict[str, int] = {}
+        self.encode_timings: list[float] = []
         self._counts_lock = threading.Lock()
 
     def encode_prompt(
@@ -38,9 +42,13 @@ class CountsOnSelfPipeline(TokenIdQwenImagePipeline):
         num_images_per_prompt: int = 1,
         max_sequence_length: int = 1024,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        started = time.perf_counter()
+        self.calls += 1
         with self._counts_lock:
             self.encode_counts["calls"] = self.encode_counts.get("calls", 0) + 1
-        return super().encode_prompt(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+        encoded = super().encode_prompt(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+        self.encode_timings.append(time.perf_counter() - started)
+        return encoded
 
 
 @pytest.mark.engine
