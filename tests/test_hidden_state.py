@@ -301,3 +301,112 @@ def test_a_served_tensor_the_caller_changes_in_place_is_never_served_again(encod
     assert wrong == 0
     stats = cache.stats()
     assert stats["changed_entries"] >= 2 and stats["hits"] >= 2
+
+
+# --- Where a proof must not be taken at its word ------------------------------------------------------------
+
+
+def test_a_count_read_before_the_encoder_and_used_after_it_keeps_the_method_uncached(encoder) -> None:
+    """Instrumentation whose value shapes the output (read again after the encoder) is no instrumentation."""
+
+    class ScalesByItsCount(HiddenIdsPipeline):
+        hidden = HIDDEN["ContextVar"]
+
+        @torch.inference_mode()
+        def encode_prompt(self, prompt: str = "[pretokenized]", max_sequence_length: int = LENGTH) -> torch.Tensor:
+            self.calls = getattr(self, "calls", 0) + 1
+            return run_encoder(self, self.read_ids()) * self.calls
+
+    pipeline, reference = ScalesByItsCount(encoder), ScalesByItsCount(encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    wrong = 0
+    for name in SEQUENCE:
+        for each in (pipeline, reference):
+            each.hidden.stash(each, PROMPTS[name])
+        wrong += not torch.equal(pipeline.encode_prompt(), reference.encode_prompt())
+    assert wrong == 0
+    assert cache.stats()["encode_methods"]["encode_prompt"]["refusal"] == (
+        "changes self.calls, read before its text encoder and again after: a hit could not repeat it"
+    )
+
+
+def test_a_stash_consumed_by_an_encode_no_encoder_of_which_is_seen_stays_keyed(encoder) -> None:
+    """No nn.Embedding, so no proof: what the encode reads and then clears is keyed and replayed, not skipped."""
+
+    class OneHotEncoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(1024, 8, generator=torch.Generator().manual_seed(1)))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.one_hot(ids, 1024).to(self.weight.dtype) @ self.weight
+
+    class ConsumesAStash(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.text_encoder = OneHotEncoder()
+
+        @torch.inference_mode()
+        def encode_prompt(self, prompt: str = "[pretokenized]") -> torch.Tensor:
+            ids, self._pending = self._pending, None
+            return self.text_encoder(padded(ids)[0])
+
+    pipeline = ConsumesAStash()
+    cache = install_prompt_embed_cache(pipeline)
+    wrong = 0
+    for name in SEQUENCE:
+        pipeline._pending = PROMPTS[name]
+        with torch.inference_mode():
+            expected = pipeline.text_encoder(padded(PROMPTS[name])[0])
+        wrong += not torch.equal(pipeline.encode_prompt(), expected)
+    assert wrong == 0
+    keyed_on = cache.stats()["encode_methods"]["encode_prompt"]["keyed_on"]
+    assert "self._pending (content)" in keyed_on and cache.stats()["hits"] >= 2
+
+
+def test_an_entry_without_a_record_is_proven_once_the_method_records(encoder) -> None:
+    """An entry no encode of this process recorded (upstream's ``put``, a file of another version) is not served
+    on its key alone: the call encodes, and what it encoded is kept beside it."""
+    pipeline = pipeline_for("ContextVar", False, encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    HIDDEN["ContextVar"].stash(pipeline, PROMPTS["A"])
+    pipeline.encode_prompt("[pretokenized]")
+    calls = pipeline._prompt_embed_cache_installation.methods["encode_prompt"]
+    key = calls.key_builder.build(("[pretokenized]",), {})
+    cache.put(key, torch.zeros(1, LENGTH, 64))  # no record, and not A's embedding
+    served = pipeline.encode_prompt("[pretokenized]")
+    assert torch.equal(served, embed(encoder, PROMPTS["A"]))
+    assert cache.stats()["unproven_reasons"] == {"the entry holds no encoder-input record": 1}
+
+
+def test_an_entry_changed_in_place_is_not_moved_to_the_host_tier(encoder) -> None:
+    pipeline = pipeline_for("ContextVar", False, encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=1, host_bytes=2**24)
+    wrong = 0
+    with torch.inference_mode():
+        for name in "AABA":
+            HIDDEN["ContextVar"].stash(pipeline, PROMPTS[name])
+            served = pipeline.encode_prompt("[pretokenized]")
+            wrong += not torch.equal(served, embed(encoder, PROMPTS[name]))
+            served.add_(1)  # A's hit is written into before B's entry pushes it to host memory
+    assert wrong == 0 and cache.stats()["changed_entries"] >= 1
+
+
+def test_a_proof_the_encode_swallows_is_still_a_proof(encoder) -> None:
+    """An adapter that catches everything around its encoder (``except BaseException``) cannot turn a hit's
+    stopped run into an entry: the proof counts, the swallowed run's result is not kept."""
+
+    class CatchesEverything(HiddenIdsPipeline):
+        hidden = HIDDEN["ContextVar"]
+
+        @torch.inference_mode()
+        def encode_prompt(self, prompt: str = "[pretokenized]", max_sequence_length: int = LENGTH) -> torch.Tensor:
+            try:
+                return run_encoder(self, self.read_ids())
+            except BaseException:
+                return torch.zeros(1, LENGTH, 64)
+
+    pipeline = CatchesEverything(encoder)
+    cache = install_prompt_embed_cache(pipeline)
+    assert run_sequence(pipeline, encoder, False) == 0
+    assert cache.stats()["proven_hits"] >= 2

@@ -397,7 +397,7 @@ def test_state_read_before_the_encoder_and_changed_after_it_is_not_cached(encode
     wrong = sum(not torch.equal(pipeline.encode_prompt("x"), reference.encode_prompt("x")) for _ in range(4))
     assert wrong == 0 and pipeline.position == 4
     assert cache.stats()["encode_methods"]["encode_prompt"]["refusal"] == (
-        "reads self.position before its text encoder and changes it after: a hit could not repeat that"
+        "changes self.position, read before its text encoder and again after: a hit could not repeat it"
     )
 
 

@@ -70,7 +70,8 @@ from vllm_omni_prompt_cache.tiers import Keeps, Stamp
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "vllm-omni-prompt-cache/1"
+#: /2: entries carry the record of what reached their text encoder (encoder_inputs.py); a /1 file has none
+FORMAT = "vllm-omni-prompt-cache/2"
 SUFFIX = ".safetensors"
 
 # Reasons a file is removed on read (the ``reason`` label of the rejection counts).

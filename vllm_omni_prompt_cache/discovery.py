@@ -260,6 +260,7 @@ class MethodState:
     accumulators: list[str] = field(default_factory=list)
     refusal: str | None = None  # why no call is cached (None: they are)
     check_pending: bool = False  # its first hit is encoded again and compared
+    recorded: bool = False  # its encodes record what reaches their text encoder: an entry without a record is proven
     #: the instance's attributes when the cache was installed: an object already held then that no key can
     #: hold by content (a config, a parallel group) is configuration, keyed by identity; one that appears later
     #: is per-request state, and a method that reads it is not cached
@@ -326,18 +327,26 @@ class MethodState:
         # What a call reads and then changes (a counter it bumps, a dict of counts, a list of timings it
         # appends to) is instrumentation: neither keyed nor replayed. Changed before the text encoder, a hit's
         # proof changes it too; first read after it, it cannot have shaped the encoder's input, and a hit leaves
-        # it as it is. Read before the encoder and changed after it (a cursor moved once encoded), it is state a
-        # hit could not leave as a miss does.
-        # A call that reads one and leaves it alone shows it is not that (a value set once and kept, such as
-        # a crop offset computed on the first call): from then on it is keyed like any data.
+        # it as it is. Read before the encoder and read or changed again after it (a cursor moved once encoded,
+        # a count the output is scaled by), it is state a hit could not treat as a miss does. Where no encoder
+        # was seen there is no proof: only a number (a counter) is instrumentation, the rest is keyed and
+        # replayed as any data. A call that reads one and leaves it alone shows it is not instrumentation (a
+        # value set once and kept, such as a crop offset computed on the first call): from then on it is keyed.
         changed = trace.changed()
-        changing = [*trace.mutated(), *(name for name in changed if name in trace.reads)]
+        mutated = trace.mutated()
+        changing = [*mutated, *(name for name in changed if name in trace.reads)]
         self.accumulators[:] = [name for name in self.accumulators if name not in trace.reads or name in changing]
         for name in changing:
-            if trace.encoder_reached and name not in trace.read_late and trace.changed_after_encoder(name):
+            if not trace.encoder_reached and type(trace.reads.get(name)) not in (int, float):
+                if name in mutated:
+                    return grew, f"changes self.{name} in place, which a hit could not repeat"
+                continue
+            if trace.encoder_reached and trace.read_early_and_late(
+                name, changed_late=trace.changed_after_encoder(name)
+            ):
                 return (
                     grew,
-                    f"reads self.{name} before its text encoder and changes it after: a hit could not repeat that",
+                    f"changes self.{name}, read before its text encoder and again after: a hit could not repeat it",
                 )
             if name not in self.accumulators and name not in self.data:
                 self.accumulators.append(name)
@@ -356,9 +365,9 @@ class MethodState:
                     per_call = per_call or self.configuration.get(name, ABSENT) is not value
                 elif self.configuration.get(name, ABSENT) is value:  # held since install: configuration
                     self.components[name] = value
-                elif not (trace.encoder_reached and name not in trace.read_late):
+                elif not trace.encoder_reached or name in trace.used_late:  # read after the encoder call too
                     return grew, f"reads self.{name} (a {type(value).__qualname__}), which cannot be keyed"
-                # else: read before the encoder call, so in what reached the encoder, which a hit's proof compares
+                # else: read before the encoder call only: in what reached the encoder, which a hit's proof compares
         changed = self.replayed(trace)
         why = unreplayable(changed, output)
         if why is not None:

@@ -44,6 +44,9 @@ SEALED = "prompt-embed-cache:encoder-input"
 #: Why a hit could not be proven (the ``reason`` label of ``unproven_reasons``).
 DIFFERED = "another input reached the text encoder"
 UNRECORDED = "the entry holds no encoder-input record"
+#: What a proof run expects for an entry without a record, of a method whose encodes make records (a file
+#: from another version, an entry made while a hook was being registered): no digest equals it.
+NO_RECORD = ""
 UNREADABLE = "the encoder's inputs cannot be keyed"
 #: Why a found entry was not served, yet nothing was encoded: the method returned without calling an encoder
 #: (its own cache, a precomputed input); its own result is served, counted as a bypass.
@@ -105,6 +108,11 @@ class GateRun:
     #: ``alternative(record)``: ``(True, value)`` for an entry made with that encoder input, else ``(False, None)``
     alternative: Callable[[str], tuple[bool, Any]] | None = None
     trace: Any = None  # the run's :class:`~.reads.Trace`, told when the encoder is reached
+    #: set when the hook proved the run (and, for an entry kept beside, which): a Proven that the method's
+    #: own code swallowed (a bare ``except``) still counts, and what the run went on to return is not kept
+    proven: bool = False
+    beside: Any = None
+    grew: bool = False  # the key grew while it ran (set by the caller once the run has been learned from)
 
     @property
     def why_unproven(self) -> str:
@@ -113,7 +121,7 @@ class GateRun:
             return NOT_REACHED
         if type(self.record) is Bypass:
             return UNREADABLE
-        return UNRECORDED if self.expected is None else DIFFERED
+        return UNRECORDED if self.expected in (None, NO_RECORD) else DIFFERED
 
     @property
     def kept_record(self) -> str | None:
@@ -129,20 +137,14 @@ class EncoderGate:
     offload's, the cache's own placement), and cost one thread-local read outside a run.
     """
 
-    def __init__(self, pipeline: Any, children: Callable[[], dict[str, torch.nn.Module]]) -> None:
-        self._pipeline = pipeline
-        self._children = children
+    def __init__(self, children: Callable[[], dict[str, torch.nn.Module]]) -> None:
+        self._children = children  # the pipeline's child modules now, by attribute name
         self._local = threading.local()  # .run: the GateRun of this thread, if any
         self._handles: list[Any] = []
         self._hooked: dict[str, int] = {}  # child name -> id of the module hooked
         self._children_seen: dict[str, int] = {}  # every child's id when the gate last looked
         self._lock = threading.Lock()
         self.refresh()
-
-    @property
-    def encoders(self) -> list[str]:
-        """Return the names of the child modules the gate watches."""
-        return list(self._hooked)
 
     def refresh(self) -> None:
         """Hook the text encoders the pipeline holds now (again, if a child module was replaced since)."""
@@ -151,7 +153,6 @@ class EncoderGate:
         if seen == self._children_seen:  # the common case, on every run: nothing was replaced
             return
         with self._lock:
-            self._children_seen = seen
             children = {
                 name: module
                 for name, module in every.items()
@@ -167,6 +168,7 @@ class EncoderGate:
                     hook = self._hook(path)
                     self._handles.append(part.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
             self._hooked = {name: id(module) for name, module in children.items()}
+            self._children_seen = seen  # last: until the hooks are in place, every run takes the lock here
 
     def remove(self) -> None:
         with self._lock:
@@ -192,9 +194,9 @@ class EncoderGate:
     def _hook(self, path: str) -> Callable[[torch.nn.Module, tuple, dict], None]:
         local = self._local
 
-        def before_encoder(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        def before_encoder(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
             gate_run = getattr(local, "run", None)
-            if gate_run is None or gate_run.reached:
+            if gate_run is None or gate_run.reached or kwargs is None:  # None: torch is still registering it
                 return
             gate_run.reached = True
             if gate_run.trace is not None:
@@ -203,12 +205,16 @@ class EncoderGate:
             if gate_run.expected is None:
                 return
             if record == gate_run.expected:
+                gate_run.proven = True
                 raise Proven
             if type(record) is str and gate_run.alternative is not None:
                 found, value = gate_run.alternative(record)
                 if found:  # an entry made with the very input that would reach the encoder now
+                    gate_run.proven, gate_run.beside = True, value
                     raise Proven(value)
-            if gate_run.abort_on_refute:
+            # Encoders waiting off the device: encode again, placed, unless this run already changed pipeline
+            # state, which a second run would change twice; then it goes on, the encoders placed at their forward.
+            if gate_run.abort_on_refute and not (gate_run.trace is not None and gate_run.trace.changed_state()):
                 raise Refuted
             if gate_run.on_refute is not None:
                 gate_run.on_refute()

@@ -12,6 +12,7 @@ mixed into :class:`~.method_calls.MethodCalls`, whose attributes it uses.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -20,7 +21,7 @@ from vllm_omni_prompt_cache.discovery import observed
 from vllm_omni_prompt_cache.encoder_inputs import GateRun, Proven, Refuted, seal, with_encoder_input
 from vllm_omni_prompt_cache.keys import Bypass, CallKey
 from vllm_omni_prompt_cache.proofs import LayoutProof, compare_outputs
-from vllm_omni_prompt_cache.reads import CannotTrace, Trace, current_attribute, pack, traced
+from vllm_omni_prompt_cache.reads import CannotTrace, Trace, current_attribute, is_absent, pack, traced
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
 from vllm_omni_prompt_cache.values import unaliased
 
@@ -123,6 +124,10 @@ class FirstUse:
                 with traced(self.instance) as trace:
                     gate_run.trace = trace
                     result = encode_fn(*args, **kwargs)
+        if gate_run.proven:  # the method's own code swallowed the Proven: the run's trace and result are no encode's
+            return result, trace, gate_run
+        if gate_run.kept_record is not None:
+            state.recorded = True
         with state.lock:
             writes_before = len(state.writes)
             grew, refusal = state.learn(trace, result)
@@ -134,8 +139,9 @@ class FirstUse:
             self.choose_strategy()
         if refusal is not None or (grew and not rows) or len(state.writes) > writes_before:
             raise Learned(result, trace, refusal, gate_run.kept_record)
-        if grew:  # a row: kept, and moved to a key holding what it read (keep_rows), but no file under this one
+        if grew and expected is None:  # a row: kept, and moved to a key holding what it read (keep_rows), no file
             self.store.withhold_write_through()
+        gate_run.grew = grew
         return result, trace, gate_run
 
     def prove(
@@ -158,7 +164,10 @@ class FirstUse:
             return proven.args[0] if proven.args else None, None
         except Learned as learned:  # it read or wrote what the key does not hold: served, not kept
             return None, Unproven(learned.result, None, None, learned.reason or LEARNED_REASON)
-        return None, Unproven(result, trace, gate_run.kept_record, gate_run.why_unproven)
+        if gate_run.proven:  # proven, but the method's own code swallowed the Proven and went on
+            return gate_run.beside, None
+        # A run whose key grew read state this key lacks: served, not kept beside under it.
+        return None, Unproven(result, None if gate_run.grew else trace, gate_run.kept_record, gate_run.why_unproven)
 
     def _alternative(self, found: CallKey) -> Callable[[str], tuple[bool, Any]]:
         """Return the look-up of the entry kept beside ``found``'s for another encoder input (not counted)."""
@@ -244,21 +253,30 @@ class FirstUse:
         if type(key) is Bypass:
             self.count(tally(Outcome.BYPASS, reason=key.reason))
             return result
+        if gate_run.kept_record is not None:
+            state.recorded = True
         value = seal(pack(unaliased(result, (args, kwargs)), state.replayed(trace)), gate_run.kept_record)
         self.store.serve(
             key, lambda: value, lambda outcome, reason: self.count(tally(outcome, reason=reason)), self.method
         )
         return result
 
-    def first_hit_check(self, args: tuple, kwargs: dict, served: Any) -> Any:
+    def first_hit_check(self, args: tuple, kwargs: dict, served: Any, before: Mapping[str, Any]) -> Any:
         """Encode the first hit of a method whose key was inferred again, and compare output and writes;
-        a difference serves the fresh encode and stops caching the method. Counted as an audit."""
+        a difference serves the fresh encode and stops caching the method. Counted as an audit. ``before``:
+        what the attributes the hit replayed held before it did (the encode runs on that state, as the call's)."""
         state = self.state
         with state.lock:
             if not state.check_pending:
                 return served
             state.check_pending = False
         replayed = {name: current_attribute(self.instance, name) for name in state.writes}
+        for name, value in before.items():
+            if is_absent(value):
+                with contextlib.suppress(AttributeError):
+                    delattr(self.instance, name)
+            else:
+                setattr(self.instance, name, value)
         try:
             fresh, trace, _ = self.encode_traced(args, kwargs)
         except Learned as learned:

@@ -75,7 +75,7 @@ class Installation:
         self._watch: EncoderWatch | None = None
         self.configuration = instance_attributes(pipeline)  # what the pipeline held at install (see MethodState)
         #: records what reaches the text encoders on an encode, and compares it before a hit is served
-        self.gate = EncoderGate(pipeline, lambda: child_modules(pipeline))
+        self.gate = EncoderGate(lambda: child_modules(pipeline))
 
     @property
     def encoders(self) -> list[str]:

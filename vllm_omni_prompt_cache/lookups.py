@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-from vllm_omni_prompt_cache.counters import Outcome
+from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, Outcome
 from vllm_omni_prompt_cache.entries import LRU, Departures, Entry
 from vllm_omni_prompt_cache.flights import Claim, Flight, Flights, Ticket
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
@@ -215,7 +215,7 @@ class Lookups:
             departures = self._insert(identity, entry, method) if stamp.ticket is self.ticket else []
         if flight is not None:
             flight.finish()
-        self.tiers.demote(departures, stamp)
+        self.tiers.demote(self._unchanged(departures, method), stamp)
         return stamp
 
     def _insert(self, identity: Hashable, entry: Entry, method: str) -> Departures:
@@ -248,5 +248,12 @@ class Lookups:
             self.flights.clear()
             self.ticket = Ticket(self.ticket.weights)
             stamp = self._stamp()
-        self.tiers.demote(departures, stamp)
+        self.tiers.demote(self._unchanged(departures, ENCODE_PROMPT), stamp)
         return len(departures)
+
+    def _unchanged(self, departures: Departures, method: str) -> Departures:
+        """Return the departures still as they were stored: one a caller wrote into goes nowhere (counted)."""
+        kept = [(identity, entry) for identity, entry in departures if not (entry.versions and entry.changed())]
+        if len(kept) < len(departures):
+            self._record(method, {"changed_entries": len(departures) - len(kept)})
+        return kept

@@ -25,12 +25,19 @@ import torch
 from vllm_omni_prompt_cache.audit import turn_off as turn_off_for_class
 from vllm_omni_prompt_cache.counters import PROVEN_ROW_HIT, PROVEN_WHOLE_HIT, ROW_HIT, WHOLE_HIT, Outcome, tally
 from vllm_omni_prompt_cache.discovery import MethodState
-from vllm_omni_prompt_cache.encoder_inputs import NOT_REACHED, EncoderGate, seal, unseal, with_encoder_input
+from vllm_omni_prompt_cache.encoder_inputs import (
+    NO_RECORD,
+    NOT_REACHED,
+    EncoderGate,
+    seal,
+    unseal,
+    with_encoder_input,
+)
 from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, Unproven, with_state
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.proofs import ONE_ROW, LayoutProof, compare_outputs, infer_layout, row_strength
-from vllm_omni_prompt_cache.reads import is_packed, pack, unpack
+from vllm_omni_prompt_cache.reads import current_attribute, is_packed, pack, unpack
 from vllm_omni_prompt_cache.row_batches import RowTally
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, SingleRow, UnstackableRows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
@@ -180,8 +187,14 @@ class MethodCalls(FirstUse):
         the writes its encode made. Sets ``found.proven``: None (nothing to compare), True, or False (the
         call ran instead, its result kept beside the entry)."""
         value, record = unseal(found.value)
+        if record is None and self.state.recorded:  # its encodes make records: one without is not served unproven
+            record = NO_RECORD
         if record is not None:
-            beside, unproven = self.prove(args, kwargs, found.key, record, rows=row is not None)
+            try:
+                beside, unproven = self.prove(args, kwargs, found.key, record, rows=row is not None)
+            except Exception as error:  # raised as the uncached call would; counted, not lost
+                self.count(tally(Outcome.BYPASS, reason=f"its proof run raised {type(error).__qualname__}"))
+                raise
             found.proven = unproven is None
             if unproven is not None:
                 return self._encoded_instead(args, kwargs, found, unproven, row)
@@ -265,7 +278,6 @@ class WholeCalls:
         """
         calls = self.calls
         encoded: list[Any] = []
-        outcomes: list[Outcome] = []
 
         def encode() -> Any:
             result, trace, gate_run = calls.encode_traced(args, kwargs)
@@ -273,7 +285,6 @@ class WholeCalls:
             return seal(pack(unaliased(result, (args, kwargs)), calls.state.replayed(trace)), gate_run.kept_record)
 
         def count(outcome: Outcome, reason: str | None) -> None:
-            outcomes.append(outcome)
             if outcome is Outcome.HIT:  # counted once the entry is proven (serve_found)
                 return
             calls.count(
@@ -294,12 +305,16 @@ class WholeCalls:
             value = unseal(value)[0]
             result = value[1] if is_packed(value) else value
         else:
+            state = calls.state
+            before = (
+                {name: current_attribute(calls.instance, name) for name in state.writes} if state.check_pending else {}
+            )
             found = Found(key, value, calls.whole_found(why, rows))
             result = calls.serve_found(args, kwargs, found)
             if found.proven is False:
                 return result
-            if calls.state.check_pending:
-                return calls.first_hit_check(args, kwargs, result)
+            if state.check_pending:
+                return calls.first_hit_check(args, kwargs, result, before)
         if infer and encoded and calls.proof.claim_inference():
             adopted = None
             try:
@@ -506,6 +521,8 @@ class RowCalls:
         """Return row ``index``'s entry ``value`` once proven (or the entry kept beside it for the input that reaches
         the encoder now), else the row encoded alone, kept beside it."""
         row, record = unseal(value)
+        if record is None and self.calls.state.recorded:
+            record = NO_RECORD
         if record is None:
             return row
         args, kwargs = _row_call(self.calls.signature, split, index)

@@ -112,8 +112,9 @@ class Trace:
     #: set once the call reached its first text-encoder call (see encoder_inputs.py); what it read before is
     #: in what reached the encoder, which a hit's proof compares
     encoder_reached: bool = False
-    #: attributes first read after that point: only the key can hold them
+    #: attributes first read after that point: only the key can hold them; and every attribute read after it
     read_late: set[str] = field(default_factory=set)
+    used_late: set[str] = field(default_factory=set)
     #: attributes written after that point, and the content of those read before it, as it was at that point
     written_late: set[str] = field(default_factory=set)
     identities_at_encoder: dict[str, Any] = field(default_factory=dict)
@@ -126,6 +127,14 @@ class Trace:
             name: value_identity(instance_dict.get(name, ABSENT)) for name in self.read_identities
         }
 
+    def changed_state(self) -> bool:
+        """Return True when the call has written an attribute, or changed one it read in place, so far."""
+        return bool(self.writes) or bool(self.mutated())
+
+    def read_early_and_late(self, name: str, *, changed_late: bool) -> bool:
+        """Return True when ``name`` was read before the text-encoder call and read (or ``changed_late``) after it."""
+        return name not in self.read_late and (name in self.used_late or changed_late)
+
     def changed_after_encoder(self, name: str) -> bool:
         """Return True when the call wrote ``name``, or changed it in place, after reaching its text encoder."""
         if name in self.written_late:
@@ -136,6 +145,8 @@ class Trace:
     def read(self, name: str, value: Any, *, shared: bool = False) -> None:
         """Note a read of ``name``; ``shared``: a class attribute (an object there is configuration: keyed by
         identity when its content cannot be keyed)."""
+        if self.encoder_reached:
+            self.used_late.add(name)
         if name in self.reads or name in self.writes or name.startswith(_SKIPPED):
             return
         kind = classify(name, value)
