@@ -287,9 +287,7 @@ class WholeCalls:
         def count(outcome: Outcome, reason: str | None) -> None:
             if outcome is Outcome.HIT:  # counted once the entry is proven (serve_found)
                 return
-            calls.count(
-                tally(outcome, reason=reason, whole_call=why, rows_encoded=0 if outcome is Outcome.HIT else rows or 0)
-            )
+            calls.count(tally(outcome, reason=reason, whole_call=why, rows_encoded=rows or 0))
 
         key = calls.key_builder.build_from_arguments(with_state(arguments, held))
         if type(key) is Bypass:
@@ -301,26 +299,26 @@ class WholeCalls:
             value = calls.store.serve(key, encode, count, calls.method)
         except Learned as learned:  # the key grew while encoding: kept under the key it has now
             return calls.keep_learned(args, kwargs, arguments, learned)
-        if encoded:  # this call encoded: the pipeline holds what it wrote already
-            value = unseal(value)[0]
-            result = value[1] if is_packed(value) else value
-        else:
-            state = calls.state
-            before = (
-                {name: current_attribute(calls.instance, name) for name in state.writes} if state.check_pending else {}
-            )
-            found = Found(key, value, calls.whole_found(why, rows))
-            result = calls.serve_found(args, kwargs, found)
-            if found.proven is False:
-                return result
-            if state.check_pending:
-                return calls.first_hit_check(args, kwargs, result, before)
+        if not encoded:  # an entry, another call's encode, a lower tier's file: proven first
+            return self._found(args, kwargs, Found(key, value, calls.whole_found(why, rows)))
+        value = unseal(value)[0]  # this call encoded: the pipeline holds what it wrote already
+        result = value[1] if is_packed(value) else value
         if infer and encoded and calls.proof.claim_inference():
             adopted = None
             try:
                 adopted = self._infer(arguments, encoded[0], held)
             finally:
                 calls.end_inference(adopted)
+        return result
+
+    def _found(self, args: tuple, kwargs: dict, found: Found) -> Any:
+        """Serve a call whose key found an entry (see :meth:`MethodCalls.serve_found`), its first hit checked."""
+        calls, state = self.calls, self.calls.state
+        # The first hit's check encodes on the state the call had, not on the writes the hit replays.
+        before = {name: current_attribute(calls.instance, name) for name in state.writes} if state.check_pending else {}
+        result = calls.serve_found(args, kwargs, found)
+        if found.proven is not False and state.check_pending:
+            return calls.first_hit_check(args, kwargs, result, before)
         return result
 
     def _infer(self, arguments: dict[str, Any], output: Any, held: tuple | None) -> RowLayout | None:
