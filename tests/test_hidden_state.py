@@ -410,3 +410,36 @@ def test_a_proof_the_encode_swallows_is_still_a_proof(encoder) -> None:
     cache = install_prompt_embed_cache(pipeline)
     assert run_sequence(pipeline, encoder, False) == 0
     assert cache.stats()["proven_hits"] >= 2
+
+
+def test_the_gate_looks_for_encoders_again_only_when_a_child_module_is_replaced(encoder) -> None:
+    """Each encode and each proof asks the gate to refresh; scanning every module of every child each time
+    would cost a 7B encoder's worth of module walks per hit. It rescans when a child is replaced, and hooks a
+    new text encoder then."""
+    from vllm_omni_prompt_cache.encoder_inputs import EncoderGate
+
+    pipeline = pipeline_for("ContextVar", False, encoder)
+    scans = []
+    gate = EncoderGate(lambda: scans.append(1) or dict(pipeline.named_children()))
+    walks = []
+    original = torch.nn.Module.modules
+
+    def counted_modules(module):
+        walks.append(module)
+        return original(module)
+
+    torch.nn.Module.modules = counted_modules
+    try:
+        for _ in range(3):
+            gate.refresh()
+        assert walks == []  # nothing replaced since the gate was made
+        pipeline.dit = torch.nn.Linear(4, 4)  # a child replaced, not a text encoder
+        for _ in range(3):
+            gate.refresh()
+        assert len([module for module in walks if module is pipeline.dit]) == 1  # looked at once, not per run
+    finally:
+        torch.nn.Module.modules = original
+    with gate.run() as run:
+        pipeline.text_encoder(input_ids=padded([1, 2])[0])
+    assert type(run.record) is str
+    gate.remove()

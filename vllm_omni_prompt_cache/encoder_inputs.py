@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_prompt_cache.discovery import holds_token_embedding
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, value_key
 
 #: Marks an entry whose value carries its encoder-input record: ``(SEALED, record, value)``.
@@ -153,12 +154,9 @@ class EncoderGate:
         if seen == self._children_seen:  # the common case, on every run: nothing was replaced
             return
         with self._lock:
-            children = {
-                name: module
-                for name, module in every.items()
-                if any(isinstance(part, torch.nn.Embedding) for part in module.modules())
-            }
+            children = {name: module for name, module in every.items() if holds_token_embedding(module)}
             if {name: id(module) for name, module in children.items()} == self._hooked:
+                self._children_seen = seen  # another child changed (a DiT reloaded): the hooks stand
                 return
             for handle in self._handles:
                 handle.remove()

@@ -4,7 +4,7 @@ A method's first call (for a method found by watching, or wherever several ranks
 uncached and observed (:meth:`FirstUse._learn`); every encode after is traced
 (:meth:`FirstUse.encode_traced`), and what it read beyond the method's key grows the key. A call whose
 key grew is kept under the grown key, never under the one it was looked up with. Every encode records
-what reached its first text encoder, and every hit is proven against that record before it is served
+what reached its first text encoder, and a hit of an entry with a record is proven against it before it is served
 (:meth:`FirstUse.prove`, see :mod:`.encoder_inputs`). The first hit of an inferred key is encoded again
 and compared (:meth:`FirstUse.first_hit_check`). ``FirstUse`` is
 mixed into :class:`~.method_calls.MethodCalls`, whose attributes it uses.
