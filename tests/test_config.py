@@ -177,7 +177,7 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         ROW_LAYOUTS.name: {"pkg.mod.Adapter": "token-ids"},
         METHODS.name: {"pkg.mod.Adapter": "encode_ids+_encode_negative"},
         FIND_ENCODES.name: False,
-        HOST_BYTES.name: None,
+        HOST_BYTES.name: "auto",  # the default: what a level-1 sleep drops waits in host memory
         DIRECTORY.name: None,
         DIRECTORY_BYTES.name: 16 * 2**30,
         DIRECTORY_KEY_FILE.name: None,
@@ -188,6 +188,13 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         "directory_key_id": None,
     }
     assert PromptEmbedCacheSettings.from_dict(carried, "the stage config") == settings
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "auto"), ("auto", "auto"), (" AUTO ", "auto"), ("off", None)])
+def test_the_host_tier_keeps_a_sleeps_entries_unless_turned_off_and_off_survives_the_trip(given, expected) -> None:
+    settings = resolve_prompt_embed_cache_settings(enable=True, host_bytes=given)
+    assert settings.host_bytes == expected
+    assert PromptEmbedCacheSettings.from_dict(settings.as_dict(), "the stage config").host_bytes == expected
 
 
 def test_tier_settings_parse_and_survive_the_trip(tmp_path, monkeypatch) -> None:

@@ -38,6 +38,8 @@ LEVELS = {
     "host_entries",
     "host_bytes",
     "host_max_bytes",
+    "host_max_entries",
+    "host_keeps",
     "dir_files",
     "dir_bytes",
     "dir_max_bytes",
@@ -178,8 +180,8 @@ DASHBOARD_FAMILIES = {
     ("method",): "method_queries method_hits method_misses method_rows_encoded",
     ("method", "reason"): "method_bypassed",
     "gauge": (
-        "encoder_device_bytes host_entries host_bytes host_max_bytes dir_files dir_bytes dir_max_bytes entries "
-        "bytes max_entries max_bytes"
+        "encoder_device_bytes host_entries host_bytes host_max_bytes host_max_entries dir_files dir_bytes "
+        "dir_max_bytes entries bytes max_entries max_bytes"
     ),
 }
 

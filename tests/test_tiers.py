@@ -114,6 +114,50 @@ def test_the_host_budget_evicts_the_oldest_and_refuses_what_cannot_fit() -> None
     assert (stats.host_entries, stats.host_demotions, stats.host_evictions) == (0, 0, 1)
 
 
+def test_by_default_a_sleeps_entries_wait_in_host_memory_and_evictions_do_not() -> None:
+    """The default host tier keeps what a level-1 sleep drops (the same weights come back on wake), within the
+    device tier's own limits; an entry the device tier's budget evicts is gone, as without a host tier."""
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, max_size=2)
+    outputs = [encode(pipeline, index) for index in range(3)]  # prompt 0 is evicted: not kept
+    stats = cache.snapshot()
+    assert (stats.evictions, stats.host_entries, stats.host_keeps, stats.host_max_entries) == (
+        1,
+        0,
+        "sleep_departures",
+        2,
+    )
+    release_device_memory(pipeline, "a test sleeps")
+    assert (len(cache), len(cache.host)) == (0, 2)
+    assert same(encode(pipeline, 1), outputs[1]) and same(encode(pipeline, 2), outputs[2])
+    assert pipeline.encoder_runs == 3  # both came back from host memory
+    assert same(encode(pipeline, 0), outputs[0]) and pipeline.encoder_runs == 4  # the evicted one is encoded
+
+    off = install_prompt_embed_cache(other := TokenIdTextPipeline(build_qwen2_encoder()), max_size=2, host_bytes=None)
+    encode(other, 0)
+    release_device_memory(other, "a test sleeps")
+    assert off.host is None and len(off) == 0
+    encode(other, 0)
+    assert other.encoder_runs == 2  # 'off': a sleep clears the cache, as before
+
+
+def test_a_sleeps_host_entries_stay_within_the_device_tiers_byte_budget() -> None:
+    measured = install_prompt_embed_cache(probe := TokenIdTextPipeline(build_qwen2_encoder()), max_size=1)
+    encode(probe, 0)
+    entry_bytes = measured.snapshot().bytes
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, max_size=8, max_bytes=3 * entry_bytes)
+    for index in range(3):
+        encode(pipeline, index)
+    release_device_memory(pipeline, "a test sleeps")
+    for index in range(3, 6):  # after the wake, three new prompts fill device memory again
+        encode(pipeline, index)
+    release_device_memory(pipeline, "a test sleeps again")
+    stats = cache.snapshot()
+    assert stats.host_bytes <= 3 * entry_bytes and stats.host_entries == 3  # the newest three; the oldest went
+    assert (stats.host_demotions, stats.host_evictions) == (6, 3)
+
+
 # --- directory tier ----------------------------------------------------------------------------
 
 

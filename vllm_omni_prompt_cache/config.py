@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_omni_prompt_cache.directory_trust import KEY_ENV, key_id, read_key
 from vllm_omni_prompt_cache.errors import PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.host_tier import HOST_AT_SLEEP
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -74,9 +75,9 @@ _OFF = object()  # what _host_budget returns for 'off'
 
 
 def _host_budget(value: Any) -> Any:
-    """A host-memory budget: a byte count >= 1 (units as for max_bytes) or 'off'; never unlimited."""
-    if isinstance(value, str) and value.strip().lower() == "off":
-        return _OFF
+    """A host-memory budget: 'auto', a byte count >= 1 (units as for max_bytes) or 'off'; never unlimited."""
+    if isinstance(value, str) and value.strip().lower() in ("off", HOST_AT_SLEEP):
+        return _OFF if value.strip().lower() == "off" else HOST_AT_SLEEP
     budget = _byte_budget(value) if value is not None else None
     return None if budget is _NO_LIMIT else budget
 
@@ -321,10 +322,12 @@ HOST_BYTES = Setting(
     "host_bytes",
     "--prompt-embed-cache-host-bytes",
     "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_HOST_BYTES",
-    None,
-    "a byte count >= 1, optionally with a unit (512MiB, 2GB, 1.5GiB), or 'off'",
-    "Host-memory tier: entries leaving device memory (evicted, or dropped at sleep) move to host memory "
-    "(pinned with CUDA) within this budget, and a device miss copies them back; default: off.",
+    HOST_AT_SLEEP,
+    f"'{HOST_AT_SLEEP}', a byte count >= 1, optionally with a unit (512MiB, 2GB, 1.5GiB), or 'off'",
+    "Host-memory tier: entries leaving device memory move to host memory (pinned with CUDA), and a device miss "
+    f"copies them back. '{HOST_AT_SLEEP}' (default): only the entries a level-1 sleep drops, within the device "
+    "tier's own limits; a byte count: also entries its budgets evict, within that budget; 'off': a sleep "
+    "clears the cache.",
     _host_budget,
 )
 DIRECTORY = Setting(
@@ -448,7 +451,7 @@ class PromptEmbedCacheSettings:
     row_layouts: Mapping[str, str] = field(default_factory=dict)  # class path -> layout reference
     methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # class path -> method names
     find_encodes: bool = FIND_ENCODES.default  # watch the text encoders for the methods that feed them
-    host_bytes: int | None = HOST_BYTES.default  # None: no host tier
+    host_bytes: int | str | None = HOST_BYTES.default  # None: no host tier; HOST_AT_SLEEP: a sleep's entries
     directory: str | None = DIRECTORY.default  # None: no directory tier
     directory_bytes: int | None = DIRECTORY_BYTES.default  # None: no limit
     directory_key_file: str | None = DIRECTORY_KEY_FILE.default  # None: the key env var, else unsigned
@@ -495,7 +498,8 @@ class PromptEmbedCacheSettings:
 
 def _plain(setting: Setting, value: Any) -> Any:
     if value is None and setting.default is not None:
-        return "none"  # no limit, where the default is one: None would read back as "not given"
+        # No limit (or no host tier), where the default is one: None would read back as "not given".
+        return "off" if setting is HOST_BYTES else "none"
     if setting is METHODS:
         return {class_path: "+".join(names) for class_path, names in value.items()}
     return dict(value) if isinstance(value, Mapping) else value
@@ -552,16 +556,6 @@ def _checked(settings: PromptEmbedCacheSettings, environ: Mapping[str, str] | No
                 f"(give {DIRECTORY.name}, or unset them)"
             )
     return dataclasses.replace(settings, directory_key_id=key_id(key))
-    given = [f"environment variable {KEY_ENV}"] if KEY_ENV in environ else []
-    for setting in (DIRECTORY_KEY_FILE, DIRECTORY_GROUP):
-        if getattr(settings, setting.field) is not None:
-            given.append(f"{setting.name} from {settings.sources.get(setting.name, 'the stage settings')}")
-    if key is not None or given:
-        raise PromptEmbedCacheConfigError(
-            f"{' and '.join(given)} set, but {DIRECTORY.name} is not: they apply to the directory tier only "
-            f"(give {DIRECTORY.name}, or unset them)"
-        )
-    return settings
 
 
 def resolve_prompt_embed_cache_settings(

@@ -1,10 +1,12 @@
-"""Where entries go when they leave device memory: an LRU in host memory with a byte budget.
+"""Where entries go when they leave device memory: an LRU in host memory with a budget.
 
 An entry evicted from the device tier by a budget, or dropped there because the worker goes to
-sleep, is copied to host memory (pinned when CUDA is present, so the copy back is fast) instead
-of being lost. A device miss that finds it here takes it back: the tensors return to the devices
-they came from and the entry leaves this tier (each entry lives in one in-memory tier at a time).
-On a CPU-only machine the tensors already are in host memory and nothing is copied.
+sleep, is copied to host memory (pinned when CUDA is present, so the copy back is fast) instead of
+being lost. By default only a level-1 sleep's entries come here, within the device tier's own
+limits: an RL trainer that sleeps the engine every step finds them again after the wake. A device
+miss that finds one here takes it back: the tensors return to the devices they came from and the
+entry leaves this tier (each entry lives in one in-memory tier at a time). On a CPU-only machine the
+tensors already are in host memory and nothing is copied.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from vllm_omni_prompt_cache.keys import CallKey, witness_matches
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.tiers import Keeps, Stamp
 from vllm_omni_prompt_cache.values import map_tensors
+
+#: The host tier's default budget: what device memory holds when the worker sleeps (level 1) waits in
+#: host memory, within the device tier's own limits, and comes back on first use after the wake.
+HOST_AT_SLEEP = "auto"
 
 
 class HostEntry(NamedTuple):
@@ -52,16 +58,22 @@ def to_devices(value: Any, devices: tuple[torch.device, ...]) -> Any:
 
 
 class HostTier:
-    """Thread-safe LRU of :class:`HostEntry` values within ``max_bytes``: a :class:`~.tiers.Tier` that keeps
-    the entries leaving device memory."""
+    """Thread-safe LRU of :class:`HostEntry` values within ``max_bytes`` (and ``max_entries``; None: no such
+    budget, but one of them must be given): a :class:`~.tiers.Tier` that keeps the entries leaving device
+    memory, or with ``keeps=Keeps.SLEEP_DEPARTURES`` only those a level-1 sleep drops."""
 
-    keeps = Keeps.DEPARTURES
     epoch = 0  # entries made under old weights are voided by the store's tickets (see put)
 
-    def __init__(self, max_bytes: int) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"host max_bytes must be an integer >= 1, got {max_bytes!r}")
-        self._entries: LRU[HostEntry] = LRU(None, max_bytes)
+    def __init__(
+        self, max_bytes: int | None, *, max_entries: int | None = None, keeps: Keeps = Keeps.DEPARTURES
+    ) -> None:
+        for name, budget in (("max_bytes", max_bytes), ("max_entries", max_entries)):
+            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+                raise ValueError(f"host {name} must be None or an integer >= 1, got {budget!r}")
+        if max_bytes is None and max_entries is None:
+            raise ValueError("a host tier needs a budget: max_bytes, max_entries or both")
+        self.keeps = keeps
+        self._entries: LRU[HostEntry] = LRU(max_entries, max_bytes)
         self._lock = threading.Lock()
         # Counts since the tier was made (clear() keeps them), read by the store's snapshot.
         self.hits = 0  # device misses served from here
@@ -97,7 +109,7 @@ class HostTier:
         it stale (before emptying this tier), and the entry is dropped. An entry that cannot be copied
         (no pinned memory left) is dropped too, as without this tier.
         """
-        if entry.nbytes > self.max_bytes:
+        if self.max_bytes is not None and entry.nbytes > self.max_bytes:
             with self._lock:
                 self.evictions += 1
             return
@@ -122,9 +134,14 @@ class HostTier:
             self._entries.drain()
 
     @property
-    def max_bytes(self) -> int:
-        """The byte budget."""
+    def max_bytes(self) -> int | None:
+        """The byte budget (None: none)."""
         return self._entries.max_bytes
+
+    @property
+    def max_entries(self) -> int | None:
+        """The entry budget (None: none)."""
+        return self._entries.max_entries
 
     @property
     def bytes(self) -> int:
@@ -133,4 +150,10 @@ class HostTier:
 
     def levels(self) -> dict[str, Any]:
         """Return the entries and bytes held now, and the budget, as :class:`~.stats.CacheStats` fields."""
-        return {"host_entries": len(self), "host_bytes": self.bytes, "host_max_bytes": self.max_bytes}
+        return {
+            "host_entries": len(self),
+            "host_bytes": self.bytes,
+            "host_max_bytes": self.max_bytes,
+            "host_max_entries": self.max_entries,
+            "host_keeps": self.keeps.name.lower(),
+        }

@@ -248,7 +248,7 @@ class Lookups:
             self.flights.clear()
             self.ticket = Ticket(self.ticket.weights)
             stamp = self._stamp()
-        self.tiers.demote(self._unchanged(departures, ENCODE_PROMPT), stamp)
+        self.tiers.demote(self._unchanged(departures, ENCODE_PROMPT), stamp, at_sleep=True)
         return len(departures)
 
     def _unchanged(self, departures: Departures, method: str) -> Departures:

@@ -90,10 +90,12 @@ class CacheStats:
     verify: bool = True
     #: The largest difference a passing layout check measured (relative to each row's largest value).
     layout_check_max_gap: float = 0.0
-    # The host-memory tier (max None: no host tier).
+    # The host-memory tier (keeps None: no host tier; a budget None: none of that kind).
     host_entries: int = 0
     host_bytes: int = 0
     host_max_bytes: int | None = None
+    host_max_entries: int | None = None
+    host_keeps: str | None = None  # "departures" (evictions and sleep) or "sleep_departures" (a sleep's only)
     # The directory tier (directory None: no directory tier).
     dir_files: int = 0  # under the root at this process's last rescan
     dir_bytes: int = 0  # that rescan plus this process's writes since
@@ -106,6 +108,11 @@ class CacheStats:
     #: The store's counts (every :class:`~.counters.Counters` field) by the pipeline method that made them;
     #: the counts of the same names are their sums. A method the cache wraps appears from install on.
     methods: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def host_on(self) -> bool:
+        """Whether there is a host-memory tier."""
+        return self.host_keeps is not None
 
     @property
     def calls(self) -> int:
@@ -146,11 +153,13 @@ class CacheStats:
                 methods[method] = _counts_added(methods.get(method, {}), counts)
         budgets = [each.max_bytes for each in snapshots]
         host_budgets = [each.host_max_bytes for each in snapshots]
+        host_entry_budgets = [each.host_max_entries for each in snapshots]
         on_devices = [each.encoder_device_bytes for each in snapshots if each.encoder_device_bytes is not None]
         return dataclasses.replace(
             first,  # the directory's levels are the first replica's view of a directory they share
             max_bytes=None if None in budgets else sum(budgets),
             host_max_bytes=None if None in host_budgets else sum(host_budgets),
+            host_max_entries=None if None in host_entry_budgets else sum(host_entry_budgets),
             layout_check_max_gap=max(each.layout_check_max_gap for each in snapshots),
             encoder_device_bytes=sum(on_devices) if on_devices else None,
             methods=methods,
@@ -181,10 +190,12 @@ class CacheStats:
             else ""
         )
         tiers = ""
-        if self.host_max_bytes is not None:
+        if self.host_on:
+            of_entries = "" if self.host_max_entries is None else f" of {self.host_max_entries}"
+            of_bytes = "" if self.host_max_bytes is None else f" of {self.host_max_bytes / 2**20:.1f}"
             tiers += (
-                f"; host: {self.host_hits} hits, {self.host_entries} entries, "
-                f"{self.host_bytes / 2**20:.1f} of {self.host_max_bytes / 2**20:.1f} MiB, "
+                f"; host{' (sleep only)' if self.host_keeps == 'sleep_departures' else ''}: {self.host_hits} hits, "
+                f"{self.host_entries}{of_entries} entries, {self.host_bytes / 2**20:.1f}{of_bytes} MiB, "
                 f"{self.host_evictions} evictions"
             )
         if self.directory is not None:

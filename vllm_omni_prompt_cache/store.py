@@ -36,13 +36,13 @@ from vllm_omni_prompt_cache.counters import (
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.entries import LRU
 from vllm_omni_prompt_cache.flights import Flights
-from vllm_omni_prompt_cache.host_tier import HostTier
+from vllm_omni_prompt_cache.host_tier import HOST_AT_SLEEP, HostTier
 from vllm_omni_prompt_cache.keys import CallKey
 from vllm_omni_prompt_cache.lookups import COLLISION_REASON, REENTRANT_REASON, CountCall, Lookups
 from vllm_omni_prompt_cache.residency import EncoderMoves
 from vllm_omni_prompt_cache.row_batches import RowTally, serve_rows
 from vllm_omni_prompt_cache.stats import CacheStats, tier_counts
-from vllm_omni_prompt_cache.tiers import Tiers
+from vllm_omni_prompt_cache.tiers import Keeps, Tiers
 
 __all__ = [
     "COLLISION_REASON",
@@ -89,8 +89,8 @@ class PromptEmbedCache:
         host_bytes: int | None = None,
         directory: DirectoryTier | None = None,
     ) -> None:
-        """``host_bytes``: the host-memory tier's budget (None: no host tier); ``directory``: the
-        directory tier (None: none)."""
+        """``host_bytes``: the host-memory tier's byte budget (None: no host tier; ``"auto"``: the entries a
+        level-1 sleep drops, within ``max_size`` and ``max_bytes``); ``directory``: the directory tier (None: none)."""
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_size must be an integer >= 1, got {max_size!r}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
@@ -100,7 +100,7 @@ class PromptEmbedCache:
         self.enabled = enabled
         self.verify = verify
         self._counters = MethodCounters()
-        self.host = None if host_bytes is None else HostTier(host_bytes)
+        self.host = _host_tier(host_bytes, max_size, max_bytes)
         self.directory = directory
         #: The tiers below device memory, fastest first.
         self.tiers = Tiers([tier for tier in (self.host, self.directory) if tier is not None])
@@ -319,3 +319,14 @@ class PromptEmbedCache:
         if self.encode_methods is not None:
             stats["encode_methods"] = self.encode_methods()
         return stats
+
+
+def _host_tier(host_bytes: int | str | None, max_size: int, max_bytes: int | None) -> HostTier | None:
+    """The host tier ``host_bytes`` asks for (see :class:`PromptEmbedCache`)."""
+    if host_bytes is None:
+        return None
+    if host_bytes == HOST_AT_SLEEP:
+        return HostTier(max_bytes, max_entries=max_size, keeps=Keeps.SLEEP_DEPARTURES)
+    if isinstance(host_bytes, str):
+        raise ValueError(f"host_bytes must be None, {HOST_AT_SLEEP!r} or an integer >= 1, got {host_bytes!r}")
+    return HostTier(host_bytes)

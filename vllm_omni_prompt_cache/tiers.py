@@ -26,6 +26,7 @@ class Keeps(enum.Enum):
     """Which entries a tier keeps."""
 
     DEPARTURES = "entries leaving device memory (evicted by its budgets, or dropped at sleep)"
+    SLEEP_DEPARTURES = "entries device memory dropped when the worker went to sleep (level 1)"
     ENCODES = "every encoded entry, written through"
 
 
@@ -74,6 +75,7 @@ class Tiers:
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self.tiers = tuple(tiers)
         self._victims = tuple(tier for tier in self.tiers if tier.keeps is Keeps.DEPARTURES)
+        self._sleepers = tuple(tier for tier in self.tiers if tier.keeps in (Keeps.DEPARTURES, Keeps.SLEEP_DEPARTURES))
         self._write_through = tuple(tier for tier in self.tiers if tier.keeps is Keeps.ENCODES)
         if len(self._write_through) > 1:  # the one whose epoch a flight carries
             raise ValueError("at most one tier keeps every encoded entry")
@@ -114,9 +116,10 @@ class Tiers:
         for tier in self.tiers:
             tier.release(key.identity, epoch)
 
-    def demote(self, departures: Departures, stamp: Stamp) -> None:
-        """Move entries that left device memory, under ``stamp``, to the tier that keeps them (if any)."""
-        for tier in self._victims:
+    def demote(self, departures: Departures, stamp: Stamp, *, at_sleep: bool = False) -> None:
+        """Move entries that left device memory, under ``stamp``, to the tier that keeps them (if any);
+        ``at_sleep``: device memory dropped them as the worker went to sleep (not a budget's eviction)."""
+        for tier in self._sleepers if at_sleep else self._victims:
             for identity, entry in departures:
                 if entry.keyed:  # lower tiers are looked up by CallKey only
                     tier.put(identity, entry, stamp)

@@ -28,11 +28,12 @@ split and counted on its own in one shared store.
   word; any other is checked against the uncached call on the first call of each kind before its
   rows are served.
 * Tiers below device memory: ``host_bytes`` bounds a host-memory tier that entries leaving device
-  memory move to; ``directory`` holds a file per encoded entry within ``directory_bytes`` (None: no
-  limit), namespaced by the pipeline's fingerprint (see :mod:`.fingerprint`), shared with every
-  process that uses the same directory; with ``directory_key`` its files are signed and unsigned ones
-  refused, and ``directory_group`` (a gid) shares what it creates with that group (see
-  :mod:`.directory_trust`).
+  memory move to (``"auto"``, the default: only those a level-1 sleep drops, within ``max_size`` and
+  ``max_bytes``; None: none, a sleep clears the cache); ``directory`` holds a file per encoded entry
+  within ``directory_bytes`` (None: no limit), namespaced by the pipeline's fingerprint (see
+  :mod:`.fingerprint`), shared with every process that uses the same directory; with
+  ``directory_key`` its files are signed and unsigned ones refused, and ``directory_group`` (a gid)
+  shares what it creates with that group (see :mod:`.directory_trust`).
 * ``audit``: the share of hits encoded again and compared with what was served (see :mod:`.audit`).
 * ``find_encodes``: watch the pipeline's text encoders and wrap the method that hands them their token
   ids, whatever it is called (see :mod:`.discovery`); False: ``encode_prompt`` and the declared
@@ -65,6 +66,7 @@ from vllm_omni_prompt_cache.fingerprint import (
     encoder_modules,
     pipeline_fingerprint,
 )
+from vllm_omni_prompt_cache.host_tier import HOST_AT_SLEEP
 from vllm_omni_prompt_cache.installation import (
     CACHE_ATTRIBUTE,
     INSTALLATION_ATTRIBUTE,
@@ -94,7 +96,7 @@ def install_prompt_embed_cache(
     report: Callable[[PromptEmbedCache], None] | None = None,
     row_layout: RowLayout | None = None,
     row_layouts: Mapping[str, RowLayout] | None = None,
-    host_bytes: int | None = None,
+    host_bytes: int | str | None = HOST_AT_SLEEP,
     directory: str | os.PathLike | None = None,
     directory_bytes: int | None = DIRECTORY_BYTES.default,
     methods: Mapping[str, Sequence[str]] | None = None,
@@ -132,7 +134,7 @@ def install_prompt_embed_cache(
         "unlimited" if max_bytes is None else max_bytes,
         verify,
         enabled,
-        "off" if host_bytes is None else f"{host_bytes} bytes",
+        _host_described(host_bytes),
         _directory_described(directory, directory_bytes),
         _rows_described(installation),
         "; ".join(f"{method.name} ({method.source})" for method, _, _ in wrapped) or "none yet",
@@ -262,3 +264,11 @@ def _watch_described(installation: Installation, find_encodes: bool) -> str:
     if not find_encodes:
         return "off"
     return f"watching {', '.join(installation.encoders) or 'nothing (no child module holds a token embedding)'}"
+
+
+def _host_described(host_bytes: int | str | None) -> str:
+    if host_bytes is None:
+        return "off"
+    if host_bytes == HOST_AT_SLEEP:
+        return "a level-1 sleep's entries, within the device tier's limits"
+    return f"{host_bytes} bytes"

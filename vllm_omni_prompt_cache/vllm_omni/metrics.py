@@ -69,7 +69,7 @@ LABELS = ("model_name", "stage", "replica")
 #: Levels of a snapshot: what the cache holds and may hold when it was taken.
 LEVELS = ("size", "bytes", "max_size", "max_bytes")
 #: Levels of the tiers below device memory, each a gauge family of its name (a tier that is off has no series).
-HOST_LEVELS = ("host_entries", "host_bytes", "host_max_bytes")
+HOST_LEVELS = ("host_entries", "host_bytes", "host_max_bytes", "host_max_entries")
 DIRECTORY_LEVELS = ("dir_files", "dir_bytes", "dir_max_bytes")
 #: The text encoders' bytes on the device now, when something moves them (offload, or placement on a miss).
 MOVE_LEVELS = ("encoder_device_bytes",)
@@ -81,7 +81,8 @@ GAUGES = {
     ),
     "host_entries": ("host_entries", "Entries held in the host-memory tier now."),
     "host_bytes": ("host_bytes", "Bytes held in the host-memory tier now."),
-    "host_max_bytes": ("host_max_bytes", "The host-memory tier's byte budget."),
+    "host_max_bytes": ("host_max_bytes", "The host-memory tier's byte budget (no series when it has none)."),
+    "host_max_entries": ("host_max_entries", "The host-memory tier's entry budget (no series when it has none)."),
     "dir_files": ("dir_files", "Files under the directory tier's root at this process's last scan."),
     "dir_bytes": ("dir_bytes", "Bytes of files under the directory tier's root, as this process counts."),
     "dir_max_bytes": ("dir_max_bytes", "The directory tier's byte budget (no series when unbounded)."),
@@ -146,7 +147,7 @@ def encode_snapshot(
             flat.update({f"{KEY_PREFIX}{name}:{reason}": float(count) for reason, count in value.items()})
         else:
             flat[f"{KEY_PREFIX}{name}"] = float(value)
-    if stats.host_max_bytes is not None:  # the tiers that are on
+    if stats.host_on:  # the tiers that are on
         levels = (*levels, *HOST_LEVELS)
     if stats.directory is not None:
         levels = (*levels, *DIRECTORY_LEVELS)
