@@ -130,6 +130,7 @@ def register() -> None:
             when_imported("vllm_omni.config.config_factory", settings.patch_stage_config_factory)
     if hook_points.DEPLOY_CONFIG in features:
         when_imported("vllm_omni.config.config_factory", settings.patch_deploy_config)
+        when_imported("vllm_omni.config.config_factory", settings.patch_legacy_deploy_config)
     runner.count_offload_moves = hook_points.OFFLOAD_COUNTS in features
     if hook_points.SERVE_FLAGS in features:
 

@@ -9,7 +9,9 @@ vLLM-Omni builds a diffusion stage in one of two ways, and both lose our kwargs:
   when the engine is constructed), and puts the resolved :class:`PromptEmbedCacheSettings` into
   the stage config's ``extras`` under :data:`RESOLVED_KEY`;
 * a model with a registered pipeline and deploy config (Wan2.2 ``WanPipeline``, HunyuanVideo-1.5,
-  GLM-Image, ...) goes through ``VllmOmniConfig.from_pipeline_config``, which keeps a top-level
+  GLM-Image, ...) goes through ``VllmOmniConfig.from_pipeline_config`` (0.30 and later) or
+  ``StageConfigFactory._create_legacy_from_registry`` (the engine's route on 0.27 and 0.28; 0.30
+  reaches both, and scoping twice changes nothing), which keep a top-level
   kwarg only if it is an engine argument: ``enable_prompt_embed_cache`` and
   ``prompt_embed_cache_size`` were dropped silently and our other settings refused. Its hook
   scopes them to every diffusion stage (``stage_N_...``, so a stage-scoped value still wins, and a
@@ -63,6 +65,13 @@ def patch_engine_stage_builder(module: ModuleType) -> None:
 def patch_deploy_config(module: ModuleType) -> None:
     """Make the deploy-config builder scope our settings to each diffusion stage."""
     replace_once(module.VllmOmniConfig, "from_pipeline_config", _scoping_our_settings_to_diffusion_stages)
+
+
+def patch_legacy_deploy_config(module: ModuleType) -> None:
+    """The same for the route vLLM-Omni 0.27 and 0.28 engines build registered pipelines by
+    (``create_legacy_stage_configs_from_model``), which never reaches ``from_pipeline_config``: our
+    settings stayed plain engine arguments there, and the worker's config dropped them without a word."""
+    replace_once(module.StageConfigFactory, "_create_legacy_from_registry", _scoping_on_the_legacy_route)
 
 
 def _resolved_in_caller(kwargs: dict[str, Any]) -> tuple[PromptEmbedCacheSettings, dict[str, Any]]:
@@ -120,6 +129,35 @@ def _scoping_our_settings_to_diffusion_stages(original: classmethod) -> classmet
         return original_function(cls, pipeline_cfg, *args, **kwargs)
 
     return classmethod(from_pipeline_config)
+
+
+def _scoping_on_the_legacy_route(original: classmethod) -> classmethod:
+    original_function = original.__func__
+
+    @functools.wraps(original_function)
+    def create_legacy_from_registry(cls: type, pipeline_cfg: Any, cli_overrides: Any, *args: Any, **kwargs: Any) -> Any:
+        if cli_overrides:
+            cli_overrides = scope_to_diffusion_stages(pipeline_cfg, cli_overrides)
+        stages, *rest = original_function(cls, pipeline_cfg, cli_overrides, *args, **kwargs)
+        for stage in stages or ():
+            _merge_over_yaml_extras(stage)
+        return (stages, *rest)
+
+    return classmethod(create_legacy_from_registry)
+
+
+def _merge_over_yaml_extras(stage: Any) -> None:
+    """Make a stage's ``extras`` override add to its deploy YAML's ``engine_args.extras`` (ours merged
+    setting by setting), as 0.30 and later do: 0.27 and 0.28 replace the YAML's extras with it."""
+    overrides = getattr(stage, "runtime_overrides", None)
+    yaml_args = getattr(stage, "yaml_engine_args", None)
+    if not isinstance(overrides, dict) or not isinstance(overrides.get("extras"), Mapping):
+        return
+    yaml_extras = dict(yaml_args.get("extras") or {}) if isinstance(yaml_args, Mapping) else {}
+    merged = {**yaml_extras, **overrides["extras"]}
+    if isinstance(yaml_extras.get(EXTRAS_KEY), Mapping) and isinstance(overrides["extras"].get(EXTRAS_KEY), Mapping):
+        merged[EXTRAS_KEY] = {**yaml_extras[EXTRAS_KEY], **overrides["extras"][EXTRAS_KEY]}
+    overrides["extras"] = merged
 
 
 def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
