@@ -26,6 +26,10 @@ Safety, since several replicas, restarted engines and other nodes may use one di
   is never followed; what this package creates is not writable by group or others unless a shared
   group is configured (see :mod:`.directory_trust`).
 
+An entry whose file is absent is looked up in the namespace's shards (``precompute --pack`` moves
+entry files there, many a file, see :mod:`.directory_shards`), decoded and checked as a file; a
+shard is read-only here: a bad entry in one is a miss that removes nothing.
+
 The byte budget covers this package's files under the root, every namespace; a rescan removes
 the least recently used files (a hit refreshes a file's modification time) and crashed writers'
 leftovers, and touches nothing else (see :mod:`.directory_budget`). Which namespace is in use,
@@ -53,6 +57,7 @@ import xxhash
 
 from vllm_omni_prompt_cache.directory_budget import LOW_WATER, DirectoryBudget
 from vllm_omni_prompt_cache.directory_claims import Claims, remove_file
+from vllm_omni_prompt_cache.directory_shards import ShardError, Shards
 from vllm_omni_prompt_cache.directory_trust import (
     KEY_ENV,
     PRIVATE,
@@ -84,6 +89,7 @@ UNSIGNED = "unsigned"
 SIGNATURE = "signature mismatch"
 NOT_A_FILE = "a link or not a regular file"
 TOO_LARGE = "larger than the directory's budget"
+DAMAGED_SHARD = "in a damaged shard"
 
 #: dtypes a file can hold (what safetensors stores).
 _STORABLE_DTYPES = frozenset(
@@ -383,6 +389,7 @@ class DirectoryTier(Namespaced):
         self._description = ""  # what produced the namespace's entries (its NAMESPACE.json)
         self.local_device = local_device
         self._lock = threading.Lock()
+        self._shards: dict[str, Shards] = {}  # by namespace: packed entries, read in place
         # Counts since the tier was made, read by the store's snapshot; its budget and claims count here too.
         self.hits = 0
         self.misses = 0
@@ -440,24 +447,28 @@ class DirectoryTier(Namespaced):
             return False, None
         self.budget.remove_leftovers_once(namespace)
         path = self._path(namespace, identity)
-        waited = False
+        waited = packed = False
         try:
             data = _read(path, self.budget.max_bytes, self._key)
         except _Rejected as rejected:
             self._reject((epoch, identity), path, str(rejected), claim)
             return False, None
-        except OSError:  # absent, or removed by another process meanwhile
-            data, waited = self.claims.claim_or_wait((epoch, identity), path) if claim else (None, False)
+        except OSError:  # absent (packed, or not encoded yet), or removed by another process meanwhile
+            data = self._packed(namespace, path)
+            packed = data is not None
+            if data is None:
+                data, waited = self.claims.claim_or_wait((epoch, identity), path) if claim else (None, False)
             if data is None:
                 self._count("misses")
                 return False, None
         try:
             tensors, metadata = _decode(data, namespace, identity, witness, self._key)
-        except _Rejected as rejected:
-            self._reject((epoch, identity), path, str(rejected), claim)
-            return False, None
-        except Exception:  # anything else a damaged file makes the decoder raise
-            self._reject((epoch, identity), path, UNREADABLE, claim)
+        except Exception as error:  # _Rejected, or anything else a damaged file makes the decoder raise
+            reason = str(error) if isinstance(error, _Rejected) else UNREADABLE
+            if packed:  # never removed: shards are read-only data a job prepared
+                self._packed_rejected(namespace, path, reason, (epoch, identity), claim)
+            else:
+                self._reject((epoch, identity), path, reason, claim)
             return False, None
         try:  # a valid file this process cannot place (no memory left on the device): a miss, the file stays
             devices = json.loads(metadata["devices"])
@@ -466,12 +477,41 @@ class DirectoryTier(Namespaced):
             warn_once(f"a directory entry could not be placed ({type(error).__qualname__}: {error})")
             self._count("misses")
             return False, None
-        with contextlib.suppress(OSError, NotImplementedError):
-            os.utime(path, follow_symlinks=False)  # a hit keeps the file recent for the budget's LRU
+        if not packed:
+            with contextlib.suppress(OSError, NotImplementedError):
+                os.utime(path, follow_symlinks=False)  # a hit keeps the file recent for the budget's LRU
         with self._lock:
             self.hits += 1
             self.waits += waited
         return True, _rebuild(json.loads(metadata["structure"]), placed)
+
+    def shards(self, namespace: str) -> Shards:
+        """Return the packed entries of ``namespace`` (read on first use, again when a pack changes them)."""
+        with self._lock:
+            found = self._shards.get(namespace)
+            if found is None:
+                found = self._shards[namespace] = Shards(self.root / namespace, namespace)
+            return found
+
+    def _packed(self, namespace: str, path: Path) -> bytes | None:
+        """Return the entry's bytes from the namespace's shards, or None; a damaged shard counts a rejection."""
+        try:
+            return self.shards(namespace).read(path.name)
+        except ShardError:  # said once, naming the shard
+            with self._lock:
+                self.rejections[DAMAGED_SHARD] += 1
+            return None
+
+    def _packed_rejected(
+        self, namespace: str, path: Path, reason: str, claim_key: tuple[int, Hashable], claim: bool
+    ) -> None:
+        """A packed entry whose bytes match the index but fail a file's checks: its shard serves nothing more."""
+        self.shards(namespace).reject(path.name, reason)
+        with self._lock:
+            self.rejections[DAMAGED_SHARD] += 1
+        self._count("misses")
+        if claim:
+            self.claims.try_claim(claim_key, path)
 
     def put(self, identity: Hashable, entry: Entry, stamp: Stamp) -> None:
         """Write the entry's file (replacing any; ``entry.witness``: the key's bytes), unless the tier moved
