@@ -145,7 +145,7 @@ def test_a_signed_directorys_shards_are_refused_under_another_key(tmp_path, monk
     monkeypatch.setenv("OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_KEY", "k" * 32)
     directory, namespace, outputs = filled(tmp_path, 3, directory_key=b"k" * 32)
     pack(directory, namespace)
-    signed, cache = process(tmp_path, directory_key=b"k" * 32)
+    signed, _ = process(tmp_path, directory_key=b"k" * 32)
     assert all(same(encode(signed, index), outputs[index]) for index in range(3))
     assert signed.encoder_runs == 0
     other, other_cache = process(tmp_path, directory_key=b"x" * 32)

@@ -66,7 +66,9 @@ def setting_type(setting: Setting, flag: str | None = None) -> Any:
 
 
 def _describe_default(setting: Setting) -> str:
-    if setting in (HOST_BYTES, DIRECTORY):
+    if setting is HOST_BYTES:
+        return "auto: a level-1 sleep's entries"
+    if setting is DIRECTORY:
         return "off"
     if setting in (DIRECTORY_KEY_FILE, DIRECTORY_GROUP):
         return "none"

@@ -6,9 +6,18 @@ adapter, arguments, negative prompt and device, hence the same keys. Only the ke
 so nothing here has to guess how a pipeline calls its encoder; the price is one cheap denoising
 step per prompt beside the encode.
 
-Prompt files are JSON lines. A line is what the run sends as a request's prompt: a JSON string (a
-text prompt), a list of integers (``prompt_token_ids``), or an object passed as is (``{"prompt":
-...}``, ``{"prompt_token_ids": [...], "negative_prompt_ids": [...]}``...). Blank lines are skipped.
+Prompt files are JSON lines or parquet. A JSON line is what the run sends as a request's prompt: a
+JSON string (a text prompt), a list of integers (``prompt_token_ids``), or an object passed as is
+(``{"prompt": ...}``, ``{"prompt_token_ids": [...], "negative_prompt_ids": [...]}``...); blank lines
+are skipped. With ``--prompt-column`` a line's object gives that field instead (UniRL's rows:
+``{"prompt_id", "prompt", "metadata"}``). A parquet file (verl-omni's datasets) gives its
+``--prompt-column`` (default ``prompt``): a string, token ids, or a chat-message list, whose last
+``user`` message's text is taken; ``--negative-prompt-column`` adds each row's negative prompt.
+
+Datasets on shared storage: ``--pack`` moves the namespace's entry files into shards read in place
+(see :mod:`~vllm_omni_prompt_cache.directory_shards`). ``--parity-sample N`` then encodes N of the
+file's stored prompts again through a second engine that audits every hit (the stored entry against
+a fresh encode) and exits 1 on any difference, or on a sampled prompt the directory did not serve.
 
 Resuming: after each batch whose files were all written, the digests of its prompts are appended
 to a ledger inside the model's namespace directory (so new weights start a new ledger); a later
@@ -21,15 +30,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from vllm_omni_prompt_cache.config import DIRECTORY, DIRECTORY_BYTES, ENABLE
+from vllm_omni_prompt_cache.config import AUDIT, DIRECTORY, DIRECTORY_BYTES, ENABLE
+from vllm_omni_prompt_cache.directory_shards import SHARD_BYTES, PackReport, ShardError, pack
 from vllm_omni_prompt_cache.stats import CacheStats
 from vllm_omni_prompt_cache.vllm_omni.cli_args import positive_int, setting_type
 from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, open_engine, worker_values
@@ -40,6 +51,27 @@ DEFAULT_SAMPLING = {"num_inference_steps": 1}
 
 class PromptFileError(ValueError):
     """A prompt file line that is not a prompt."""
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """What a parity check found: stored entries against fresh encodes of a sample of stored prompts."""
+
+    sampled: int  # prompts sent
+    audits: int  # hits encoded again and compared
+    mismatches: int  # of those, entries that differed from the fresh encode
+    encodes: int  # encode calls the directory could not serve (prompts that were not stored)
+
+    @property
+    def passed(self) -> bool:
+        return self.sampled > 0 and self.audits > 0 and self.mismatches == 0 and self.encodes == 0
+
+    def summary(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        return (
+            f"parity {verdict}: {self.sampled} stored prompts sent again, {self.audits} served entries compared with "
+            f"a fresh encode, {self.mismatches} differed, {self.encodes} encodes the directory did not serve"
+        )
 
 
 @dataclass(frozen=True)
@@ -58,9 +90,28 @@ class PrecomputeReport:
     namespace: str
     ledger: Path
     unrecorded: int = 0  # prompts of batches with failed writes: not in the ledger, sent again next time
+    packed: PackReport | None = None  # what --pack did
+    parity: ParityReport | None = None  # what --parity-sample found
+
+    @property
+    def failed(self) -> bool:
+        """Whether some prompt is not in the directory, or a stored entry differs from a fresh encode."""
+        return bool(self.dir_write_errors or self.unrecorded or (self.parity is not None and not self.parity.passed))
 
     def summary(self) -> str:
         """Return the report as the command prints it."""
+        lines = [self._encoded()]
+        if self.packed is not None:
+            lines.append(
+                f"pack: {self.packed.packed} entry files moved into {self.packed.shards_written} new shards "
+                f"({self.packed.entries} entries in {self.packed.shards} shards now, "
+                f"{self.packed.unindexed_removed} shards of an interrupted pack removed)"
+            )
+        if self.parity is not None:
+            lines.append(self.parity.summary())
+        return "\n".join(lines)
+
+    def _encoded(self) -> str:
         return (
             f"precompute: {self.prompts} prompts, {self.skipped} already done, {self.sent} sent; "
             f"{self.encodes} encodes ({self.rows_encoded} rows), {self.dir_hits} found in the directory, "
@@ -70,10 +121,23 @@ class PrecomputeReport:
         )
 
 
-def read_prompts(path: str | Path) -> list[Any]:
-    """Return the file's prompts in order, each once; raise :class:`PromptFileError` naming a bad line."""
+def read_prompts(
+    path: str | Path, *, prompt_column: str | None = None, negative_prompt_column: str | None = None
+) -> list[Any]:
+    """Return the file's prompts in order, each once; raise :class:`PromptFileError` naming a bad line, row,
+    or column (see the module for what a file may hold)."""
+    rows = _parquet_rows if str(path).endswith(".parquet") else _json_lines
     prompts: list[Any] = []
     seen: set[str] = set()
+    for prompt in rows(Path(path), prompt_column, negative_prompt_column):
+        digest = prompt_digest(prompt)
+        if digest not in seen:
+            seen.add(digest)
+            prompts.append(prompt)
+    return prompts
+
+
+def _json_lines(path: Path, prompt_column: str | None, negative_prompt_column: str | None) -> Iterator[Any]:
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -82,17 +146,73 @@ def read_prompts(path: str | Path) -> list[Any]:
                 value = json.loads(line)
             except json.JSONDecodeError as error:
                 raise PromptFileError(f"{path}:{number}: not JSON ({error.msg})") from None
-            prompt = _as_prompt(value)
-            if prompt is None:
-                raise PromptFileError(
-                    f"{path}:{number}: expected a JSON string (a text prompt), a list of integers (token ids) "
-                    f'or an object (a request prompt, e.g. {{"prompt_token_ids": [...]}}), got {line.strip()[:60]!r}'
-                )
-            digest = prompt_digest(prompt)
-            if digest not in seen:
-                seen.add(digest)
-                prompts.append(prompt)
-    return prompts
+            where = f"{path}:{number}"
+            if prompt_column is None and negative_prompt_column is None:
+                prompt = _as_prompt(value)
+                if prompt is None:
+                    raise PromptFileError(
+                        f"{where}: expected a JSON string (a text prompt), a list of integers (token ids) or an "
+                        f'object (a request prompt, e.g. {{"prompt_token_ids": [...]}}), got {line.strip()[:60]!r}'
+                    )
+                yield prompt
+                continue
+            if not isinstance(value, dict):
+                raise PromptFileError(f"{where}: --prompt-column needs a JSON object a line, got {line.strip()[:60]!r}")
+            yield _from_columns(value, where, prompt_column or "prompt", negative_prompt_column)
+
+
+def _parquet_rows(path: Path, prompt_column: str | None, negative_prompt_column: str | None) -> Iterator[Any]:
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise PromptFileError(
+            f"{path}: reading parquet needs pyarrow (pip install pyarrow, or this package's [parquet] extra)"
+        ) from None
+    try:
+        table = parquet.read_table(path)
+    except Exception as error:
+        raise PromptFileError(f"{path}: not a parquet file ({type(error).__qualname__}: {error})") from None
+    columns = [name for name in (prompt_column or "prompt", negative_prompt_column) if name is not None]
+    missing = [name for name in columns if name not in table.column_names]
+    if missing:
+        raise PromptFileError(f"{path}: no column {missing[0]!r}; its columns: {', '.join(table.column_names)}")
+    for number, row in enumerate(table.select(columns).to_pylist()):
+        yield _from_columns(row, f"{path} row {number}", prompt_column or "prompt", negative_prompt_column)
+
+
+def _from_columns(row: dict, where: str, prompt_column: str, negative_prompt_column: str | None) -> Any:
+    """The request prompt a row's columns give (see the module)."""
+    if prompt_column not in row:
+        raise PromptFileError(f"{where}: no {prompt_column!r} field (--prompt-column)")
+    prompt = _cell(row[prompt_column], where, prompt_column)
+    if negative_prompt_column is None:
+        return prompt if isinstance(prompt, (dict, str)) else {"prompt_token_ids": prompt}
+    if negative_prompt_column not in row:
+        raise PromptFileError(f"{where}: no {negative_prompt_column!r} field (--negative-prompt-column)")
+    negative = _cell(row[negative_prompt_column], where, negative_prompt_column)
+    if isinstance(prompt, str) and isinstance(negative, str):
+        return {"prompt": prompt, "negative_prompt": negative}
+    if isinstance(prompt, list) and isinstance(negative, list):
+        return {"prompt_token_ids": prompt, "negative_prompt_ids": negative}
+    raise PromptFileError(f"{where}: {prompt_column!r} and {negative_prompt_column!r} must both be text or token ids")
+
+
+def _cell(value: Any, where: str, column: str) -> Any:
+    """A text, token ids or request object from one cell: a chat-message list gives its last user message's text."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(type(item) is int for item in value):
+        return value
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        users = [item.get("content") for item in value if item.get("role") == "user"]
+        if users and isinstance(users[-1], str) and users[-1]:
+            return users[-1]
+    if isinstance(value, dict) and value:
+        return value
+    raise PromptFileError(
+        f"{where}: column {column!r} holds {str(value)[:60]!r}: expected a text, token ids, a chat-message list "
+        "with a user message, or a request object"
+    )
 
 
 def _as_prompt(value: Any) -> Any:
@@ -135,11 +255,17 @@ async def precompute(
     sampling: dict[str, Any] | None = None,
     engine_args: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
+    pack_shards: bool = False,
+    shard_bytes: int = SHARD_BYTES,
+    parity_sample: int = 0,
+    parity_seed: int = 0,
 ) -> PrecomputeReport:
     """Encode ``prompts`` into the directory tier through a real ``AsyncOmni`` engine; return what it did.
 
     ``progress(n)`` is called once the engine is up (``n``: prompts a ledger names), then as each
-    batch of ``n`` prompts finishes.
+    batch of ``n`` prompts finishes. ``pack_shards``: then move the namespace's entry files into shards
+    of ``shard_bytes``; ``parity_sample``: then send that many of the stored prompts (drawn with
+    ``parity_seed``) through a second engine that audits every hit.
     """
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -173,12 +299,20 @@ async def precompute(
             if now.dir_write_errors == last.dir_write_errors and now.dir_off_reason is None:
                 with open(ledger, "a", encoding="utf-8", opener=_no_group_write) as record:
                     record.write("".join(f"{prompt_digest(prompt)}\n" for prompt in batch))
+                done.update(prompt_digest(prompt) for prompt in batch)
             else:  # some of its files may be missing: a later run sends the batch again
                 unrecorded += len(batch)
             last = now
             if progress is not None:
                 progress(len(batch))
         added = last.since(before)
+    stored = [prompt for prompt in prompts if prompt_digest(prompt) in done]  # the ledger names them
+    packed = pack(Path(tiers[0]["root"]) / namespace, namespace, shard_bytes=shard_bytes) if pack_shards else None
+    parity = None
+    if parity_sample:
+        chosen = random.Random(parity_seed).sample(stored, min(parity_sample, len(stored)))
+        kwargs = {**engine_kwargs(model, directory, directory_bytes, engine_args or {}), AUDIT.name: 1.0}
+        parity = await _parity(kwargs, chosen, params, batch_size)
     return PrecomputeReport(
         prompts=len(prompts),
         skipped=len(prompts) - len(pending),
@@ -192,6 +326,23 @@ async def precompute(
         namespace=namespace,
         ledger=ledger,
         unrecorded=unrecorded,
+        packed=packed,
+        parity=parity,
+    )
+
+
+async def _parity(kwargs: dict[str, Any], prompts: Sequence[Any], params: Any, batch_size: int) -> ParityReport:
+    """Send ``prompts`` through an engine that audits every hit; return what the audits found."""
+    async with open_engine(kwargs) as engine:
+        before = await cache_stats(engine) or CacheStats()  # after the start-up warm-up's encode
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            await asyncio.gather(
+                *(_send(engine, prompt, params, f"parity-{start + i}") for i, prompt in enumerate(batch))
+            )
+        added = (await cache_stats(engine) or CacheStats()).since(before)
+    return ParityReport(
+        sampled=len(prompts), audits=added.audits, mismatches=added.audit_mismatches, encodes=added.misses
     )
 
 
@@ -207,7 +358,21 @@ def add_arguments(parser: Any) -> None:
     """Add the subcommand's flags."""
     parser.add_argument("--model", required=True, help="the model directory or id the run serves")
     parser.add_argument(
-        "--prompts", required=True, type=Path, help="a JSON-lines prompt file (one prompt a line, as described above)"
+        "--prompts",
+        required=True,
+        type=Path,
+        help="a JSON-lines prompt file (one prompt a line) or a parquet dataset (a .parquet file), as described above",
+    )
+    parser.add_argument(
+        "--prompt-column",
+        type=_column_name("--prompt-column"),
+        help="the field (JSON lines: of each line's object) or parquet column holding the prompt; parquet default: "
+        "prompt. A chat-message list gives its last user message's text",
+    )
+    parser.add_argument(
+        "--negative-prompt-column",
+        type=_column_name("--negative-prompt-column"),
+        help="the field or column holding each row's negative prompt (default: none)",
     )
     parser.add_argument(
         "--cache-dir",
@@ -237,6 +402,62 @@ def add_arguments(parser: Any) -> None:
         help='JSON object of the AsyncOmni keyword arguments the run uses (e.g. {"custom_pipeline_args": ...})',
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help="then move the namespace's entry files into shards read in place (many entries a file, an index): "
+        "for shared filesystems; a later run packs what it added",
+    )
+    parser.add_argument(
+        "--shard-bytes",
+        type=_shard_bytes,
+        default=SHARD_BYTES,
+        help="most bytes a shard holds with --pack: a byte count >= 1, optionally with a unit (512MiB, 2GB); "
+        "default 1GiB",
+    )
+    parser.add_argument(
+        "--parity-sample",
+        type=positive_int,
+        default=None,
+        help="then encode this many of the stored prompts again (drawn at random) and compare each served entry "
+        "with the fresh encode; exit 1 on any difference or on a prompt the directory did not serve",
+    )
+    parser.add_argument(
+        "--parity-seed", type=_seed, default=0, help="the random draw of --parity-sample (an integer >= 0; default 0)"
+    )
+
+
+def _shard_bytes(text: str) -> int:
+    import argparse
+
+    from vllm_omni_prompt_cache.config import MAX_BYTES
+
+    try:
+        value = MAX_BYTES.parse(text, "command-line flag --shard-bytes")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).replace(MAX_BYTES.name, "--shard-bytes")) from None
+    if value is None:
+        raise argparse.ArgumentTypeError(f"invalid --shard-bytes {text!r}: a shard needs a size, not 'none'")
+    return value
+
+
+def _seed(text: str) -> int:
+    import argparse
+
+    if not text.strip().isdecimal():
+        raise argparse.ArgumentTypeError(f"invalid --parity-seed {text!r}: expected an integer >= 0")
+    return int(text)
+
+
+def _column_name(flag: str) -> Callable[[str], str]:
+    import argparse
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"invalid {flag} {text!r}: expected a field or column name")
+        return text.strip()
+
+    return parse
 
 
 def _json_object(flag: str) -> Callable[[str], dict[str, Any]]:
@@ -259,7 +480,9 @@ def run(args: Any) -> int:
     import sys
 
     try:
-        prompts = read_prompts(args.prompts)
+        prompts = read_prompts(
+            args.prompts, prompt_column=args.prompt_column, negative_prompt_column=args.negative_prompt_column
+        )
     except (OSError, PromptFileError) as error:
         print(f"precompute: {error}", file=sys.stderr)
         return 2
@@ -284,10 +507,17 @@ def run(args: Any) -> int:
                 sampling=args.sampling_params,
                 engine_args=args.engine_args,
                 progress=None if args.no_progress else advance,
+                pack_shards=args.pack,
+                shard_bytes=args.shard_bytes,
+                parity_sample=args.parity_sample or 0,
+                parity_seed=args.parity_seed,
             )
         )
+    except ShardError as error:
+        print(f"precompute: {error}", file=sys.stderr)
+        return 1
     finally:
         if bar is not None:
             bar.close()
     print(report.summary())
-    return 1 if report.dir_write_errors or report.unrecorded else 0  # some prompts are not in the directory
+    return 1 if report.failed else 0  # some prompts are not in the directory, or a stored entry differs
