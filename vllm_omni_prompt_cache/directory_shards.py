@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ INDEX = "index.json"
 LOCK = "pack.lock"
 #: The default most bytes a shard holds (a shard may hold one entry larger than that).
 SHARD_BYTES = 2**30
+#: Seconds between two looks at the index file: a pack another process ran is seen within this.
+INDEX_CHECK_S = 1.0
 _SHARD_NAME = re.compile(r"^shard-(\d{5,})\.pack$")
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{40}\.safetensors$")
 
@@ -93,7 +96,9 @@ def read_index(directory: Path, namespace: str) -> dict[str, Located]:
 class Shards:
     """The packed entries of one namespace directory, read in place; thread-safe.
 
-    The index is read on first use and again when its file changes (a pack ran meanwhile).
+    The index is read on first use and again when its file changes (a pack ran meanwhile; looked at
+    no more than every :data:`INDEX_CHECK_S` seconds). Each shard is opened once and kept open, so
+    a read is one ``pread``: no metadata operation per entry.
     """
 
     def __init__(self, directory: Path, namespace: str) -> None:
@@ -102,6 +107,8 @@ class Shards:
         self._lock = threading.Lock()
         self._index: dict[str, Located] = {}
         self._index_stamp: tuple[int, int] | None = None
+        self._index_checked = -INDEX_CHECK_S  # monotonic time of the last look at the index file
+        self._open: dict[str, int] = {}  # shard file name -> its open descriptor
         self._damaged: dict[str, str] = {}  # shard file name -> why it serves nothing
 
     def __len__(self) -> int:
@@ -113,15 +120,10 @@ class Shards:
         located = self._current_index().get(name)
         if located is None or located.shard in self._damaged:
             return None
-        path = self.directory / located.shard
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            data = os.pread(self._descriptor(located.shard), located.length, located.offset)
         except OSError as error:
-            raise self.damaged(located.shard, f"cannot be opened ({error.strerror})") from None
-        try:
-            data = os.pread(fd, located.length, located.offset)
-        finally:
-            os.close(fd)
+            raise self.damaged(located.shard, f"cannot be read ({error.strerror})") from None
         if len(data) != located.length:
             raise self.damaged(
                 located.shard,
@@ -131,6 +133,24 @@ class Shards:
         if _digest(data) != located.digest:
             raise self.damaged(located.shard, f"the bytes of entry {name} differ from the index's digest")
         return data
+
+    def _descriptor(self, shard: str) -> int:
+        with self._lock:
+            fd = self._open.get(shard)
+            if fd is None:
+                fd = self._open[shard] = os.open(self.directory / shard, os.O_RDONLY | os.O_NOFOLLOW)
+            return fd
+
+    def close(self) -> None:
+        """Close every shard this reader holds open (the next read opens them again)."""
+        with self._lock:
+            for fd in self._open.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._open.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
     def reject(self, name: str, why: str) -> None:
         """Entry ``name`` read whole but failed a file's checks (``why``): its shard serves nothing more."""
@@ -149,10 +169,14 @@ class Shards:
         return error
 
     def _current_index(self) -> dict[str, Located]:
-        path = self.directory / INDEX
+        now = time.monotonic()
+        with self._lock:
+            if now - self._index_checked < INDEX_CHECK_S:
+                return self._index
+            self._index_checked = now
         try:
-            status = os.stat(path)
-            stamp = (status.st_mtime_ns, status.st_size)
+            status = os.stat(self.directory / INDEX)
+            stamp = (status.st_mtime_ns, status.st_size, status.st_ino)
         except OSError:
             stamp = None
         with self._lock:
@@ -163,6 +187,11 @@ class Shards:
                     logger.error("Prompt-embed cache: %s; no shard of it is used.", error)
                     self._index = {}
                 self._index_stamp = stamp
+                self._damaged.clear()  # a new pack: shards are judged again
+                for fd in self._open.values():
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                self._open.clear()
             return self._index
 
 

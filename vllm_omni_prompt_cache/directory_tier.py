@@ -26,9 +26,10 @@ Safety, since several replicas, restarted engines and other nodes may use one di
   is never followed; what this package creates is not writable by group or others unless a shared
   group is configured (see :mod:`.directory_trust`).
 
-An entry whose file is absent is looked up in the namespace's shards (``precompute --pack`` moves
-entry files there, many a file, see :mod:`.directory_shards`), decoded and checked as a file; a
-shard is read-only here: a bad entry in one is a miss that removes nothing.
+An entry is looked up in the namespace's shards first (``precompute --pack`` moves entry files
+there, many a file, see :mod:`.directory_shards`), then as a file of its own; a packed entry is
+decoded and checked as a file. A shard is read-only here: a bad entry in one is a miss that
+removes nothing.
 
 The byte budget covers this package's files under the root, every namespace; a rescan removes
 the least recently used files (a hit refreshes a file's modification time) and crashed writers'
@@ -447,20 +448,20 @@ class DirectoryTier(Namespaced):
             return False, None
         self.budget.remove_leftovers_once(namespace)
         path = self._path(namespace, identity)
-        waited = packed = False
-        try:
-            data = _read(path, self.budget.max_bytes, self._key)
-        except _Rejected as rejected:
-            self._reject((epoch, identity), path, str(rejected), claim)
-            return False, None
-        except OSError:  # absent (packed, or not encoded yet), or removed by another process meanwhile
-            data = self._packed(namespace, path)
-            packed = data is not None
-            if data is None:
-                data, waited = self.claims.claim_or_wait((epoch, identity), path) if claim else (None, False)
-            if data is None:
-                self._count("misses")
+        waited = False
+        data = self._packed(namespace, path)  # first: a packed entry costs no open of a file of its own
+        packed = data is not None
+        if data is None:
+            try:
+                data = _read(path, self.budget.max_bytes, self._key)
+            except _Rejected as rejected:
+                self._reject((epoch, identity), path, str(rejected), claim)
                 return False, None
+            except OSError:  # absent, or removed by another process meanwhile
+                data, waited = self.claims.claim_or_wait((epoch, identity), path) if claim else (None, False)
+                if data is None:
+                    self._count("misses")
+                    return False, None
         try:
             tensors, metadata = _decode(data, namespace, identity, witness, self._key)
         except Exception as error:  # _Rejected, or anything else a damaged file makes the decoder raise
