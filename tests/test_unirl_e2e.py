@@ -174,7 +174,7 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_every_setting_in_omni_extra_arrives_at_the_worker(tmp_path, route) -> None:
+def test_every_setting_in_omni_extra_arrives_at_the_worker(tmp_path, route, record_release_fact) -> None:
     """On 0.27 and 0.28 the deploy-config route dropped every setting but vLLM-Omni's own two, silently."""
     given = every_setting(tmp_path)
     assert set(given) == {setting.name for setting in SETTINGS}  # a new setting must be added here
@@ -184,6 +184,10 @@ def test_every_setting_in_omni_extra_arrives_at_the_worker(tmp_path, route) -> N
     assert all(source != "default" for source in resolved["sources"].values()), resolved["sources"]
     assert resolved[DIRECTORY.name] == str(tmp_path / "tier")
     assert resolved[DIRECTORY_KEY_FILE.name] == str(tmp_path / "directory.key")
+    arrived = sum(source != "default" for source in resolved["sources"].values())
+    record_release_fact(
+        f"UniRL route ({route}): settings given in omni_extra that reached the worker", f"{arrived}/{len(SETTINGS)}"
+    )
 
 
 @pytest.mark.parametrize("route", ROUTES)
