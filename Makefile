@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(UV_INSTALL) -e '.[vllm-omni,demo,dev]'
 	touch $@
 
-.PHONY: install demo test releases releases-ends lint bench
+.PHONY: install demo test releases releases-ci lint bench
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -35,9 +35,9 @@ test: $(VENV)/.installed
 releases: $(VENV)/.installed
 	$(VENV)/bin/nox
 
-# The oldest and the newest release only (what CI runs beside `make test`).
-releases-ends: $(VENV)/.installed
-	$(VENV)/bin/nox -t ends
+# The oldest release, UniRL's pin (0.28.0) and the newest (what CI runs beside `make test`).
+releases-ci: $(VENV)/.installed
+	$(VENV)/bin/nox -t ci
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -39,12 +39,14 @@ def _tested_releases() -> dict[str, str]:
 RELEASES = _tested_releases()
 
 
-#: CI runs these beside the whole suite: the oldest and the newest release (``nox -t ends``).
-ENDS = (next(iter(RELEASES)), list(RELEASES)[-1])
+#: CI runs these beside the whole suite (``nox -t ci``): the oldest release (verl-omni's pin), UniRL's
+#: pin (whose deploy-config route no other release shares with it but the oldest) and the newest.
+UNIRL_PIN = "0.28.0"
+CI_RELEASES = (next(iter(RELEASES)), UNIRL_PIN, list(RELEASES)[-1])
 
 
 @nox.session(python="3.11")
-@nox.parametrize("vllm_omni", [nox.param(release, tags=["ends"] if release in ENDS else []) for release in RELEASES])
+@nox.parametrize("vllm_omni", [nox.param(release, tags=["ci"] * (release in CI_RELEASES)) for release in RELEASES])
 def releases(session: nox.Session, vllm_omni: str) -> None:
     """Install one vLLM-Omni release with its vLLM; run ``check`` and the release-sensitive tests there."""
     session.install("-e", ".[dev,demo]", f"vllm=={RELEASES[vllm_omni]}", f"vllm-omni=={vllm_omni}")
