@@ -49,6 +49,7 @@ def test_the_encoder_placed_only_for_a_miss_is_off_the_device_between_requests_a
     """Ours with and without ``prompt_embed_cache_encoder_on_miss``: the same latents; with it the encoder's
     bytes on the device are 0 between requests, also after a level-1 sleep and wake and a second step."""
     spec = tiny_spec()
+    new_prompts = tiny_spec(prompts=("a paper boat on a puddle", "a kite above a beach"))
     plain = run(offload_rollout(spec, "ours"))
     kwargs = {**engine_kwargs(spec, "ours", 16, None), ENCODER_ON_MISS.name: True, "enable_sleep_mode": True}
 
@@ -61,21 +62,25 @@ def test_the_encoder_placed_only_for_a_miss_is_off_the_device_between_requests_a
             await engine.wake_up()
             seen["step 2"] = await send_rollout(engine, spec)
             seen["after step 2"] = await worker_value(engine, "get_prompt_embed_cache_stats")
+            await send_rollout(engine, new_prompts)  # misses after the wake: the encoder is placed for them
+            seen["after step 3"] = await worker_value(engine, "get_prompt_embed_cache_stats")
         return seen
 
     seen = run(two_steps_with_sleep())
     assert plain.placer is None  # nothing moves the encoder without offload or the setting
     assert same_latents(seen["step 1"].latents, plain.latents)
     assert same_latents(seen["step 2"].latents, plain.latents)
-    first, second = seen["after step 1"], seen["after step 2"]
-    for stats in (first, second):
+    first, second, third = seen["after step 1"], seen["after step 2"], seen["after step 3"]
+    for stats in (first, second, third):
         assert stats["encoder_placer"] == "on a miss"
         assert stats["encoder_device_bytes"] == 0
         assert stats["encoder_placements"] == stats["encoder_evictions"]
-    # Start-up's warm-up and step 1's 3 rows each placed it once; sleep emptied the device tier, so
-    # step 2 encoded its 3 rows again.
+    # Start-up's warm-up and step 1's 3 rows each placed it once. The sleep moved the entries to host
+    # memory (the default host tier), so step 2 placed it for nothing; step 3's two new prompts, once each.
     assert first["encoder_placements"] == 1 + len(spec.prompts) + 1
-    assert second["encoder_placements"] - first["encoder_placements"] == len(spec.prompts) + 1
+    assert second["encoder_placements"] == first["encoder_placements"]
+    assert second["host_hits"] - first["host_hits"] == len(spec.prompts) + 1
+    assert third["encoder_placements"] - second["encoder_placements"] == len(new_prompts.prompts)
 
 
 @pytest.mark.engine

@@ -109,6 +109,9 @@ class Shards:
         self._index_stamp: tuple[int, int] | None = None
         self._index_checked = -INDEX_CHECK_S  # monotonic time of the last look at the index file
         self._open: dict[str, int] = {}  # shard file name -> its open descriptor
+        #: Descriptors of shards an older index named: a read may still be using one, so they stay open
+        #: until :meth:`close` (a closed number could be reused by another file under that read).
+        self._retired: list[int] = []
         self._damaged: dict[str, str] = {}  # shard file name -> why it serves nothing
 
     def __len__(self) -> int:
@@ -142,12 +145,13 @@ class Shards:
             return fd
 
     def close(self) -> None:
-        """Close every shard this reader holds open (the next read opens them again)."""
+        """Close every shard this reader holds open; only when no read is under way (at the end of its life)."""
         with self._lock:
-            for fd in self._open.values():
+            for fd in [*self._open.values(), *self._retired]:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             self._open.clear()
+            self._retired.clear()
 
     def __del__(self) -> None:
         self.close()
@@ -188,10 +192,8 @@ class Shards:
                     self._index = {}
                 self._index_stamp = stamp
                 self._damaged.clear()  # a new pack: shards are judged again
-                for fd in self._open.values():
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                self._open.clear()
+                self._retired.extend(self._open.values())
+                self._open = {}
             return self._index
 
 
