@@ -15,7 +15,7 @@ import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.directory_shards import INDEX, SHARDS, ShardError, pack, read_index, verify
-from vllm_omni_prompt_cache.directory_tier import DAMAGED_SHARD
+from vllm_omni_prompt_cache.directory_tier import DAMAGED_SHARD, REFUSED_PACKED
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
 PROMPTS = [torch.tensor([[3, 1, 4, 1, 5, 9, i]]) for i in range(12)]
@@ -120,8 +120,9 @@ def test_a_damaged_shard_names_itself_and_serves_nothing(tmp_path, caplog, damag
     assert len(problems) == 1 and str(shard) in problems[0]
 
 
-def test_a_shard_whose_entry_fails_the_file_checks_serves_nothing_more(tmp_path) -> None:
-    """Bytes that match the index but not the entry's own checks (the index rewritten to match) are refused."""
+def test_a_packed_entry_that_fails_the_file_checks_is_refused_alone(tmp_path) -> None:
+    """Bytes that match the index but not the entry's own checks (the index rewritten to match) are refused;
+    the shard's other entries still serve."""
     directory, namespace, outputs = filled(tmp_path, 2)
     pack(directory, namespace)
     shard = directory / SHARDS / "shard-00000.pack"
@@ -138,11 +139,62 @@ def test_a_shard_whose_entry_fails_the_file_checks_serves_nothing_more(tmp_path)
     pipeline, cache = process(tmp_path)
     served = [encode(pipeline, index) for index in range(2)]
     assert all(same(served[index], outputs[index]) for index in range(2))
-    assert cache.snapshot().dir_rejections[DAMAGED_SHARD] >= 1
+    stats = cache.snapshot()
+    assert (stats.dir_rejections, stats.dir_hits, pipeline.encoder_runs) == ({REFUSED_PACKED: 1}, 1, 1)
 
 
-def test_a_signed_directorys_shards_are_refused_under_another_key(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_KEY", "k" * 32)
+def test_files_written_again_after_a_shard_was_damaged_are_packed_anew(tmp_path) -> None:
+    """A damaged shard's prompts are encoded again and written as files; the next pack keeps their new bytes
+    (it must not take them for leftovers of the first pack) and a new process hits them all."""
+    directory, namespace, outputs = filled(tmp_path, 4)
+    pack(directory, namespace)
+    shard = directory / SHARDS / "shard-00000.pack"
+    shard.write_bytes(shard.read_bytes()[:10])  # truncated: nothing of it serves
+    damaged, _ = process(tmp_path)
+    for index in range(4):
+        encode(damaged, index)
+    assert damaged.encoder_runs == 4 and len(entry_files(directory)) == 4  # written again, as files
+    report = pack(directory, namespace)
+    assert (report.packed, report.files_removed, report.entries) == (4, 4, 4)
+    fresh, cache = process(tmp_path)
+    assert all(same(encode(fresh, index), outputs[index]) for index in range(4))
+    assert (fresh.encoder_runs, cache.snapshot().dir_hits, cache.snapshot().dir_rejections) == (0, 4, {})
+
+
+def test_a_pack_reads_no_link_and_writes_nothing_others_may_change(tmp_path) -> None:
+    directory, namespace, _ = filled(tmp_path, 2)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not an entry")
+    (directory / ("0" * 40 + ".safetensors")).symlink_to(secret)
+    report = pack(directory, namespace)
+    assert report.packed == 2  # the link was not followed
+    assert b"not an entry" not in (directory / SHARDS / "shard-00000.pack").read_bytes()
+    for path in (directory / SHARDS, directory / SHARDS / INDEX, directory / SHARDS / "shard-00000.pack"):
+        assert path.stat().st_mode & 0o022 == 0, path
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ["../../elsewhere.pack", 0, 10, "0" * 32],
+        ["shard-00000.pack", -1, 10, "0" * 32],
+        ["shard-00000.pack", 0, 2**40, "0" * 32],
+        ["shard-00000.pack", 0, 10, "not a digest"],
+        ["shard-00000.pack", 0],
+    ],
+)
+def test_an_index_naming_anything_but_a_shard_range_is_refused_naming_it(tmp_path, entry) -> None:
+    directory, namespace, _ = filled(tmp_path, 1)
+    pack(directory, namespace)
+    index_path = directory / SHARDS / INDEX
+    index = json.loads(index_path.read_text())
+    index["entries"]["a" * 40 + ".safetensors"] = entry
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ShardError, match=f"{index_path}: entry"):
+        read_index(directory / SHARDS, namespace)
+
+
+def test_a_signed_directorys_shards_are_refused_under_another_key(tmp_path) -> None:
     directory, namespace, outputs = filled(tmp_path, 3, directory_key=b"k" * 32)
     pack(directory, namespace)
     signed, _ = process(tmp_path, directory_key=b"k" * 32)
@@ -166,3 +218,42 @@ def test_one_pack_at_a_time_and_an_index_of_another_namespace_is_refused(tmp_pat
         read_index(directory / SHARDS, "0" * 32)
     with pytest.raises(ValueError, match="shard_bytes"):
         pack(directory, namespace, shard_bytes=0)
+
+
+def test_readers_during_later_packs_never_find_a_shard_damaged(tmp_path) -> None:
+    """Four threads read packed entries while two more packs run: a new index keeps the descriptors of the
+    shards it still names, so no read fails or marks a healthy shard damaged."""
+    import threading
+
+    from vllm_omni_prompt_cache.directory_shards import Shards
+
+    directory, namespace, _ = filled(tmp_path, 4)
+    pack(directory, namespace)
+    names = list(read_index(directory / SHARDS, namespace))
+    expected = {name: Shards(directory, namespace).read(name) for name in names}
+    shards = Shards(directory, namespace)
+    problems: list[object] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            for name in names:
+                try:
+                    if shards.read(name, fresh=True) != expected[name]:
+                        problems.append(name)
+                except ShardError as error:
+                    problems.append(error)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    writer, _ = process(tmp_path)
+    for index in range(4, 10):
+        encode(writer, index)
+        if index in (6, 9):
+            pack(directory, namespace)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert problems == []
+    assert len(read_index(directory / SHARDS, namespace)) == 10

@@ -82,11 +82,13 @@ def train(rollout: unirl.UniRLRollout, syncs: tuple[str, ...] = ("transformer",)
     return seen
 
 
-def rollout_of(tmp_path: Path, route: str, omni_extra: dict, pipeline_class: str = unirl.PIPELINE_CLASS) -> Any:
+def rollout_of(
+    tmp_path: Path, route: str, omni_extra: dict, pipeline_class: str = unirl.PIPELINE_CLASS, **yaml_settings: Any
+) -> Any:
     return unirl.UniRLRollout(
         str(ensure_tiny_qwen_image()),
         omni_extra,
-        deploy_config=deploy_config(tmp_path, route, pipeline_class),
+        deploy_config=deploy_config(tmp_path, route, pipeline_class, **yaml_settings),
         pipeline_class=pipeline_class,
     )
 
@@ -198,3 +200,16 @@ def test_a_bad_value_in_omni_extra_is_refused_naming_the_setting(tmp_path, route
     with pytest.raises(PromptEmbedCacheConfigError) as raised:
         rollout_of(tmp_path, route, {**CACHE_ON, setting: value}).close()
     assert f"invalid {setting}={value!r}" in str(raised.value)
+
+
+def test_the_deploy_yamls_own_settings_and_extras_stay_beside_those_of_omni_extra(tmp_path) -> None:
+    """On 0.27 and 0.28 a stage's extras override replaced the YAML's extras: ours are merged setting by setting."""
+    with rollout_of(
+        tmp_path, "deploy config", {**CACHE_ON, MAX_BYTES.name: "3MiB"}, **{VERIFY.name: "off", AUDIT.name: 0.5}
+    ) as rollout:
+        resolved = rollout.worker("resolved_cache_settings")
+    assert (resolved[MAX_BYTES.name], resolved[VERIFY.name], resolved[AUDIT.name]) == (3 * 2**20, False, 0.5)
+    assert resolved["sources"][VERIFY.name].startswith("diffusion stage config")
+    # and the caller's value wins over the YAML's, as vLLM-Omni's own precedence has it
+    with rollout_of(tmp_path, "deploy config", {**CACHE_ON, AUDIT.name: 0.25}, **{AUDIT.name: 0.5}) as rollout:
+        assert rollout.worker("resolved_cache_settings")[AUDIT.name] == 0.25

@@ -28,8 +28,8 @@ Safety, since several replicas, restarted engines and other nodes may use one di
 
 An entry is looked up in the namespace's shards first (``precompute --pack`` moves entry files
 there, many a file, see :mod:`.directory_shards`), then as a file of its own; a packed entry is
-decoded and checked as a file. A shard is read-only here: a bad entry in one is a miss that
-removes nothing.
+decoded and checked as a file. A shard is read-only here: a damaged one serves nothing more, a
+packed entry that fails a file's checks is refused alone; neither is removed.
 
 The byte budget covers this package's files under the root, every namespace; a rescan removes
 the least recently used files (a hit refreshes a file's modification time) and crashed writers'
@@ -91,6 +91,7 @@ SIGNATURE = "signature mismatch"
 NOT_A_FILE = "a link or not a regular file"
 TOO_LARGE = "larger than the directory's budget"
 DAMAGED_SHARD = "in a damaged shard"
+REFUSED_PACKED = "packed, and failed a file's checks"
 
 #: dtypes a file can hold (what safetensors stores).
 _STORABLE_DTYPES = frozenset(
@@ -390,14 +391,14 @@ class DirectoryTier(Namespaced):
         self._description = ""  # what produced the namespace's entries (its NAMESPACE.json)
         self.local_device = local_device
         self._lock = threading.Lock()
-        self._shards: dict[str, Shards] = {}  # by namespace: packed entries, read in place
+        self._shards: Shards | None = None  # the current namespace's packed entries, read in place
         # Counts since the tier was made, read by the store's snapshot; its budget and claims count here too.
         self.hits = 0
         self.misses = 0
         self.waits = 0  # hits that waited for another process's encode of the same entry
         self.writes = 0
         self.write_errors = 0  # writes that failed or were refused (too large for the budget)
-        self.rejections: Counter[str] = Counter()  # files removed on read, by reason
+        self.rejections: Counter[str] = Counter()  # files removed on read, packed entries refused, by reason
         self.evictions = 0  # files removed to stay within max_bytes
         self.leftovers_removed = 0  # crashed writers' temporary and claim files removed
         self.stale_claims = 0  # claims of a gone (or silent) process, taken over
@@ -457,8 +458,11 @@ class DirectoryTier(Namespaced):
             except _Rejected as rejected:
                 self._reject((epoch, identity), path, str(rejected), claim)
                 return False, None
-            except OSError:  # absent, or removed by another process meanwhile
-                data, waited = self.claims.claim_or_wait((epoch, identity), path) if claim else (None, False)
+            except OSError:  # absent, or removed by another process meanwhile (a pack may just have moved it)
+                data = self._packed(namespace, path, fresh=True)
+                packed = data is not None
+                if data is None and claim:
+                    data, waited = self.claims.claim_or_wait((epoch, identity), path)
                 if data is None:
                     self._count("misses")
                     return False, None
@@ -487,17 +491,19 @@ class DirectoryTier(Namespaced):
         return True, _rebuild(json.loads(metadata["structure"]), placed)
 
     def shards(self, namespace: str) -> Shards:
-        """Return the packed entries of ``namespace`` (read on first use, again when a pack changes them)."""
+        """Return the packed entries of ``namespace`` (read on first use, again when a pack changes them); those
+        of an earlier namespace (older weights) are closed, as nothing reads them again."""
         with self._lock:
-            found = self._shards.get(namespace)
-            if found is None:
-                found = self._shards[namespace] = Shards(self.root / namespace, namespace)
-            return found
+            if self._shards is None or self._shards.namespace != namespace:
+                if self._shards is not None:
+                    self._shards.close()
+                self._shards = Shards(self.root / namespace, namespace)
+            return self._shards
 
-    def _packed(self, namespace: str, path: Path) -> bytes | None:
+    def _packed(self, namespace: str, path: Path, *, fresh: bool = False) -> bytes | None:
         """Return the entry's bytes from the namespace's shards, or None; a damaged shard counts a rejection."""
         try:
-            return self.shards(namespace).read(path.name)
+            return self.shards(namespace).read(path.name, fresh=fresh)
         except ShardError:  # said once, naming the shard
             with self._lock:
                 self.rejections[DAMAGED_SHARD] += 1
@@ -506,10 +512,11 @@ class DirectoryTier(Namespaced):
     def _packed_rejected(
         self, namespace: str, path: Path, reason: str, claim_key: tuple[int, Hashable], claim: bool
     ) -> None:
-        """A packed entry whose bytes match the index but fail a file's checks: its shard serves nothing more."""
-        self.shards(namespace).reject(path.name, reason)
+        """A packed entry whose bytes match the index but fail a file's checks: that entry is refused (never
+        removed: shards are read-only data), the rest of its shard still serves."""
+        self.shards(namespace).refuse(path.name, reason)
         with self._lock:
-            self.rejections[DAMAGED_SHARD] += 1
+            self.rejections[REFUSED_PACKED] += 1
         self._count("misses")
         if claim:
             self.claims.try_claim(claim_key, path)

@@ -107,8 +107,15 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     *_points(DEPLOY_CONFIG, "vllm_omni.config.config_factory", None, "VllmOmniConfig"),
     *_points(DEPLOY_CONFIG, "vllm_omni.config.omni_config", "VllmOmniConfig", "from_pipeline_config"),
     # The engine's own route on 0.27 and 0.28 (``create_legacy_stage_configs_from_model``), which never
-    # reaches ``from_pipeline_config``; 0.30 and later reach both.
-    *_points(DEPLOY_CONFIG, "vllm_omni.config.config_factory", "StageConfigFactory", "_create_legacy_from_registry"),
+    # reaches ``from_pipeline_config``. 0.30 and later keep the function but build stages through
+    # ``from_pipeline_config``; a release without it has no such route to hook.
+    HookPoint(
+        DEPLOY_CONFIG,
+        "vllm_omni.config.config_factory",
+        "StageConfigFactory",
+        "_create_legacy_from_registry",
+        optional=True,
+    ),
     # Module offload's moves, counted on each hook instance (see offload.py).
     *_points(OFFLOAD_COUNTS, OFFLOADER, "SequentialOffloadHook", "_to_gpu", "_to_cpu"),
     *_points(SERVE_FLAGS, "vllm_omni.entrypoints.cli.serve", "OmniServeCommand", "subparser_init", "validate"),

@@ -10,8 +10,8 @@ vLLM-Omni builds a diffusion stage in one of two ways, and both lose our kwargs:
   the stage config's ``extras`` under :data:`RESOLVED_KEY`;
 * a model with a registered pipeline and deploy config (Wan2.2 ``WanPipeline``, HunyuanVideo-1.5,
   GLM-Image, ...) goes through ``VllmOmniConfig.from_pipeline_config`` (0.30 and later) or
-  ``StageConfigFactory._create_legacy_from_registry`` (the engine's route on 0.27 and 0.28; 0.30
-  reaches both, and scoping twice changes nothing), which keep a top-level
+  ``StageConfigFactory._create_legacy_from_registry`` (the engine's route on 0.27 and 0.28; were
+  both to run, scoping twice changes nothing), which keep a top-level
   kwarg only if it is an engine argument: ``enable_prompt_embed_cache`` and
   ``prompt_embed_cache_size`` were dropped silently and our other settings refused. Its hook
   scopes them to every diffusion stage (``stage_N_...``, so a stage-scoped value still wins, and a
@@ -147,11 +147,14 @@ def _scoping_on_the_legacy_route(original: classmethod) -> classmethod:
 
 
 def _merge_over_yaml_extras(stage: Any) -> None:
-    """Make a stage's ``extras`` override add to its deploy YAML's ``engine_args.extras`` (ours merged
-    setting by setting), as 0.30 and later do: 0.27 and 0.28 replace the YAML's extras with it."""
+    """Make an ``extras`` override that carries our settings add to the stage's deploy YAML
+    ``engine_args.extras`` (ours merged setting by setting), as 0.30 merges them: 0.27 and 0.28 replace
+    the YAML's extras with the override. A user's own extras overrides keep their release's meaning."""
     overrides = getattr(stage, "runtime_overrides", None)
     yaml_args = getattr(stage, "yaml_engine_args", None)
     if not isinstance(overrides, dict) or not isinstance(overrides.get("extras"), Mapping):
+        return
+    if EXTRAS_KEY not in overrides["extras"]:
         return
     yaml_extras = dict(yaml_args.get("extras") or {}) if isinstance(yaml_args, Mapping) else {}
     merged = {**yaml_extras, **overrides["extras"]}
