@@ -46,7 +46,9 @@ CI_RELEASES = (next(iter(RELEASES)), UNIRL_PIN, list(RELEASES)[-1])
 
 
 @nox.session(python="3.11")
-@nox.parametrize("vllm_omni", [nox.param(release, tags=["ci"] * (release in CI_RELEASES)) for release in RELEASES])
+@nox.parametrize(
+    "vllm_omni", [nox.param(release, tags=["ci"] if release in CI_RELEASES else []) for release in RELEASES]
+)
 def releases(session: nox.Session, vllm_omni: str) -> None:
     """Install one vLLM-Omni release with its vLLM; run ``check`` and the release-sensitive tests there."""
     session.install("-e", ".[dev,demo]", f"vllm=={RELEASES[vllm_omni]}", f"vllm-omni=={vllm_omni}")

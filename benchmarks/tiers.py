@@ -141,9 +141,12 @@ def main() -> None:
         scratch = Path(scratch)
         directory = scratch / "embeddings"
         tiers = {
-            "no tier (cache only)": {},
+            # The host tier's default keeps a sleep's entries: "off" measures the cache alone, and the
+            # directory tier alone.
+            "no tier (cache only)": {"prompt_embed_cache_host_bytes": "off"},
             "host tier (64 MiB)": {"prompt_embed_cache_host_bytes": "64MiB"},
-            "directory tier": {"prompt_embed_cache_dir": str(directory)},
+            "default host tier (a sleep's entries)": {},
+            "directory tier": {"prompt_embed_cache_host_bytes": "off", "prompt_embed_cache_dir": str(directory)},
         }
         results = {name: asyncio.run(three_steps(tier)) for name, tier in tiers.items()}
         say("### Three rollout steps, sleep and wake between them; step 3 repeats step 1\n")

@@ -248,8 +248,17 @@ def test_precompute_names_a_missing_parquet_column_and_reads_unirl_rows(tmp_path
     assert "no column 'caption'; its columns: prompt, data_source" in capfd.readouterr().err
     lines = tmp_path / "unirl.jsonl"
     lines.write_text('{"prompt_id": 1, "prompt": "a red fox", "metadata": {}}\n{"prompt_id": 2, "caption": "x"}\n')
-    assert cli.main(["precompute", "--model", "m", "--prompts", str(lines), "--cache-dir", "d", "--prompt-column",
-                     "prompt"]) == 2  # fmt: skip
+    assert cli.main(["precompute", "--model", "m", "--prompts", str(lines), "--cache-dir", str(tmp_path / "d"),
+                     "--prompt-column", "prompt"]) == 2  # fmt: skip
     assert f"{lines}:2: no 'prompt' field (--prompt-column)" in capfd.readouterr().err
     lines.write_text('{"prompt_id": 1, "prompt": "a red fox", "metadata": {}}\n')
     assert read_prompts(lines, prompt_column="prompt") == ["a red fox"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needs"), [("--shard-bytes", "1GiB", "--pack"), ("--parity-seed", "3", "--parity-sample")]
+)
+def test_precompute_refuses_a_flag_that_would_change_nothing(tmp_path, capfd, flag, value, needs) -> None:
+    argv = ["precompute", "--model", "m", "--prompts", "p.jsonl", "--cache-dir", str(tmp_path / "d"), flag, value]
+    assert cli.main(argv) == 2
+    assert f"precompute: {flag} applies with {needs} only" in capfd.readouterr().err

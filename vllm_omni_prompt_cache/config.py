@@ -76,8 +76,9 @@ _OFF = object()  # what _host_budget returns for 'off'
 
 def _host_budget(value: Any) -> Any:
     """A host-memory budget: 'auto', a byte count >= 1 (units as for max_bytes) or 'off'; never unlimited."""
-    if isinstance(value, str) and value.strip().lower() in ("off", HOST_AT_SLEEP):
-        return _OFF if value.strip().lower() == "off" else HOST_AT_SLEEP
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("off", HOST_AT_SLEEP):
+        return _OFF if text == "off" else HOST_AT_SLEEP
     budget = _byte_budget(value) if value is not None else None
     return None if budget is _NO_LIMIT else budget
 

@@ -111,8 +111,8 @@ class CacheStats:
 
     @property
     def host_on(self) -> bool:
-        """Whether there is a host-memory tier."""
-        return self.host_keeps is not None
+        """Whether there is a host-memory tier (a snapshot rebuilt from /metrics levels has its budgets only)."""
+        return self.host_keeps is not None or self.host_max_bytes is not None or self.host_max_entries is not None
 
     @property
     def calls(self) -> int:

@@ -86,11 +86,13 @@ class PromptEmbedCache:
         *,
         max_bytes: int | None = None,
         verify: bool = True,
-        host_bytes: int | None = None,
+        host_bytes: int | str | None = None,
         directory: DirectoryTier | None = None,
     ) -> None:
         """``host_bytes``: the host-memory tier's byte budget (None: no host tier; ``"auto"``: the entries a
-        level-1 sleep drops, within ``max_size`` and ``max_bytes``); ``directory``: the directory tier (None: none)."""
+        level-1 sleep drops, within ``max_size`` and ``max_bytes``); ``directory``: the directory tier (None: none).
+        The store alone keeps upstream's constructor (no tier unless asked); the installs that put it in a
+        worker default to ``"auto"``, where sleeps happen."""
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_size must be an integer >= 1, got {max_size!r}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):

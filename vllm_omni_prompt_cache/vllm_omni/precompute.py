@@ -91,22 +91,26 @@ class PrecomputeReport:
     ledger: Path
     unrecorded: int = 0  # prompts of batches with failed writes: not in the ledger, sent again next time
     packed: PackReport | None = None  # what --pack did
+    pack_error: str | None = None  # why --pack failed (its entry files are left as they were)
     parity: ParityReport | None = None  # what --parity-sample found
 
     @property
     def failed(self) -> bool:
         """Whether some prompt is not in the directory, or a stored entry differs from a fresh encode."""
-        return bool(self.dir_write_errors or self.unrecorded or (self.parity is not None and not self.parity.passed))
+        parity_failed = self.parity is not None and not self.parity.passed
+        return bool(self.dir_write_errors or self.unrecorded or self.pack_error or parity_failed)
 
     def summary(self) -> str:
         """Return the report as the command prints it."""
         lines = [self._encoded()]
         if self.packed is not None:
             lines.append(
-                f"pack: {self.packed.packed} entry files moved into {self.packed.shards_written} new shards "
-                f"({self.packed.entries} entries in {self.packed.shards} shards now, "
-                f"{self.packed.unindexed_removed} shards of an interrupted pack removed)"
+                f"pack: {self.packed.packed} entry files moved into {self.packed.shards_written} new shards, "
+                f"{self.packed.files_removed} files removed ({self.packed.entries} entries in {self.packed.shards} "
+                f"shards now, {self.packed.unindexed_removed} shards of an interrupted pack removed)"
             )
+        if self.pack_error is not None:
+            lines.append(f"pack FAILED: {self.pack_error}")
         if self.parity is not None:
             lines.append(self.parity.summary())
         return "\n".join(lines)
@@ -307,7 +311,13 @@ async def precompute(
                 progress(len(batch))
         added = last.since(before)
     stored = [prompt for prompt in prompts if prompt_digest(prompt) in done]  # the ledger names them
-    packed = pack(Path(tiers[0]["root"]) / namespace, namespace, shard_bytes=shard_bytes) if pack_shards else None
+    packed = pack_error = None
+    if pack_shards:
+        shards_of = Path(tiers[0]["root"]) / namespace
+        try:
+            packed = pack(shards_of, namespace, shard_bytes=shard_bytes)
+        except (ShardError, OSError) as error:  # the entry files stay as they were; the report still prints
+            pack_error = f"pack of {shards_of} failed: {error}"
     parity = None
     if parity_sample:
         chosen = random.Random(parity_seed).sample(stored, min(parity_sample, len(stored)))
@@ -327,6 +337,7 @@ async def precompute(
         ledger=ledger,
         unrecorded=unrecorded,
         packed=packed,
+        pack_error=pack_error,
         parity=parity,
     )
 
@@ -411,7 +422,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--shard-bytes",
         type=_shard_bytes,
-        default=SHARD_BYTES,
+        default=None,
         help="most bytes a shard holds with --pack: a byte count >= 1, optionally with a unit (512MiB, 2GB); "
         "default 1GiB",
     )
@@ -423,7 +434,10 @@ def add_arguments(parser: Any) -> None:
         "with the fresh encode; exit 1 on any difference or on a prompt the directory did not serve",
     )
     parser.add_argument(
-        "--parity-seed", type=_seed, default=0, help="the random draw of --parity-sample (an integer >= 0; default 0)"
+        "--parity-seed",
+        type=_seed,
+        default=None,
+        help="the random draw of --parity-sample (an integer >= 0; default 0)",
     )
 
 
@@ -434,10 +448,12 @@ def _shard_bytes(text: str) -> int:
 
     try:
         value = MAX_BYTES.parse(text, "command-line flag --shard-bytes")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error).replace(MAX_BYTES.name, "--shard-bytes")) from None
+    except ValueError:
+        value = None
     if value is None:
-        raise argparse.ArgumentTypeError(f"invalid --shard-bytes {text!r}: a shard needs a size, not 'none'")
+        raise argparse.ArgumentTypeError(
+            f"invalid --shard-bytes {text!r}: expected a byte count >= 1, optionally with a unit (512MiB, 2GB)"
+        )
     return value
 
 
@@ -479,6 +495,13 @@ def run(args: Any) -> int:
     """Run the subcommand; return its exit code."""
     import sys
 
+    for flag, value, needs, given in (
+        ("--shard-bytes", args.shard_bytes, "--pack", args.pack),
+        ("--parity-seed", args.parity_seed, "--parity-sample", args.parity_sample is not None),
+    ):
+        if value is not None and not given:  # a flag that would change nothing is not silently ignored
+            print(f"precompute: {flag} applies with {needs} only", file=sys.stderr)
+            return 2
     try:
         prompts = read_prompts(
             args.prompts, prompt_column=args.prompt_column, negative_prompt_column=args.negative_prompt_column
@@ -508,9 +531,9 @@ def run(args: Any) -> int:
                 engine_args=args.engine_args,
                 progress=None if args.no_progress else advance,
                 pack_shards=args.pack,
-                shard_bytes=args.shard_bytes,
+                shard_bytes=args.shard_bytes or SHARD_BYTES,
                 parity_sample=args.parity_sample or 0,
-                parity_seed=args.parity_seed,
+                parity_seed=args.parity_seed or 0,
             )
         )
     except ShardError as error:
