@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.config import MAX_BYTES
+from vllm_omni_prompt_cache.demo.machine import cpu_summary
 from vllm_omni_prompt_cache.directory_shards import SHARDS, pack
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
@@ -87,13 +87,6 @@ def files_under(directory: Path) -> tuple[int, int]:
     return len(paths), sum(path.stat().st_size for path in paths)
 
 
-def cpu() -> str:
-    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "?")
-    flags = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {flag}" in text]
-    return f"{model} ({', '.join(flags)})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=10_000)
@@ -123,7 +116,7 @@ def main() -> None:
     )
     print(
         f"{args.entries} entries (tiny Qwen2 encoder, 11-token prompts), written in {written_s:.1f} s, packed in "
-        f"{pack_s:.2f} s; page cache warm; CPU: {cpu()}\n"
+        f"{pack_s:.2f} s; page cache warm; CPU: {cpu_summary()}\n"
     )
     print(
         "| layout | files in the namespace | MiB | read per entry, median (us) | mean (us) | directory hits | "

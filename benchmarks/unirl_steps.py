@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from vllm_omni_prompt_cache.demo.machine import cpu_summary
 
 CACHE_ON = {"enable_prompt_embed_cache": True, "prompt_embed_cache_size": 32}
 SETUPS: dict[str, dict[str, Any]] = {
@@ -70,13 +70,6 @@ def run_setup(name: str, args: argparse.Namespace, deploy_config: str | None) ->
     return seen
 
 
-def cpu() -> str:
-    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "?")
-    flags = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {flag}" in text]
-    return f"{model} ({', '.join(flags)}), {platform.machine()}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="training steps (even: the second half repeats)")
@@ -112,7 +105,8 @@ def main() -> None:
     versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("vllm-omni", "vllm", "torch"))
     print(
         f"UniRL loop, {args.route} route, {args.model} model: {args.steps} steps x {args.prompts} prompts x "
-        f"{args.group_size} siblings, 64x64, 2 denoising steps, CFG; {args.rounds} rounds; {versions}; CPU: {cpu()}\n"
+        f"{args.group_size} siblings, 64x64, 2 denoising steps, CFG; {args.rounds} rounds; {versions}; "
+        f"CPU: {cpu_summary()}\n"
     )
     steps = " | ".join(f"step {i + 1}" for i in range(args.steps))
     print(f"| set-up | text-encoder runs per step | {steps} (median s) | sleep + sync + wake (median s) |")
