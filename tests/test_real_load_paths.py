@@ -21,7 +21,6 @@ pytest.importorskip("vllm_omni", reason="the real load paths need the vllm-omni 
 
 from vllm.config import set_current_vllm_config
 from vllm_omni.config.omni_config import BaseVllmOmniStageConfig
-from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
 from vllm_omni.config.resolver import resolve_omni_config
 from vllm_omni.config.stage_config import PipelineConfig, StageExecutionType, StagePipelineConfig
 from vllm_omni.diffusion.data import OmniDiffusionConfig
@@ -50,6 +49,7 @@ from vllm_omni_prompt_cache.config import (
     PromptEmbedCacheConfigError,
 )
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
+from vllm_omni_prompt_cache.tiny.qwen_image import register_one_stage_pipeline
 from vllm_omni_prompt_cache.vllm_omni import plugin
 from vllm_omni_prompt_cache.vllm_omni.settings import EXTRAS_KEY, stage_settings
 
@@ -216,17 +216,7 @@ PIPELINE_KEY = "prompt_cache_real_load_paths_single_stage"
 
 def register_single_stage_pipeline() -> None:
     """A one-stage diffusion pipeline, so a deploy config applies to a model directory without an HF config."""
-    if PIPELINE_KEY in OMNI_PIPELINES:
-        return
-    stage = StagePipelineConfig(
-        stage_id=0,
-        model_stage="diffusion",
-        execution_type=StageExecutionType.DIFFUSION,
-        final_output=True,
-        final_output_type="image",
-        model_arch="QwenImagePipeline",
-    )
-    register_pipeline(PipelineConfig(model_type=PIPELINE_KEY, model_arch="QwenImagePipeline", stages=(stage,)))
+    register_one_stage_pipeline(PIPELINE_KEY)
 
 
 def deploy_yaml(extras: str, engine_args: str = "") -> str:

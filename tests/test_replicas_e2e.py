@@ -15,7 +15,7 @@ import pytest
 from engine_support import run, tiny_spec
 
 from vllm_omni_prompt_cache.demo.rollout import run_mode, send_rollout
-from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype
+from vllm_omni_prompt_cache.tiny.qwen_image import checkpoint_dtype, register_one_stage_pipeline
 from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION
 from vllm_omni_prompt_cache.vllm_omni.balancer import routing_stats
 from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_values
@@ -70,20 +70,7 @@ stages:
 
 def register_single_stage_pipeline() -> None:
     """Register a one-stage Qwen-Image pipeline, so vLLM-Omni applies a deploy config to the tiny model."""
-    from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
-    from vllm_omni.config.stage_config import PipelineConfig, StageExecutionType, StagePipelineConfig
-
-    if SINGLE_STAGE_KEY in OMNI_PIPELINES:
-        return
-    stage = StagePipelineConfig(
-        stage_id=0,
-        model_stage="diffusion",
-        execution_type=StageExecutionType.DIFFUSION,
-        final_output=True,
-        final_output_type="image",
-        model_arch="QwenImagePipeline",
-    )
-    register_pipeline(PipelineConfig(model_type=SINGLE_STAGE_KEY, model_arch="QwenImagePipeline", stages=(stage,)))
+    register_one_stage_pipeline(SINGLE_STAGE_KEY)
 
 
 def test_single_node_replicas_from_a_deploy_config_are_routed_by_prompt(tmp_path) -> None:

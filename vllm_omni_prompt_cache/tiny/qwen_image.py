@@ -148,6 +148,28 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     return target
 
 
+def register_one_stage_pipeline(key: str) -> None:
+    """Register a one-stage Qwen-Image diffusion pipeline under ``key`` (once per process).
+
+    vLLM-Omni applies a deploy config's stages only to a registered pipeline, and a tiny model's
+    directory names none, so tests and stand-ins that hand it a deploy config register one first.
+    """
+    from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
+    from vllm_omni.config.stage_config import PipelineConfig, StageExecutionType, StagePipelineConfig
+
+    if key in OMNI_PIPELINES:
+        return
+    stage = StagePipelineConfig(
+        stage_id=0,
+        model_stage="diffusion",
+        execution_type=StageExecutionType.DIFFUSION,
+        final_output=True,
+        final_output_type="image",
+        model_arch="QwenImagePipeline",
+    )
+    register_pipeline(PipelineConfig(model_type=key, model_arch="QwenImagePipeline", stages=(stage,)))
+
+
 def check_model_dir(path: str | os.PathLike) -> Path:
     """Return ``path`` if it holds a readable diffusers Qwen-Image checkpoint; raise a clear error if not."""
     directory = Path(path)

@@ -39,6 +39,7 @@ import xxhash
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
+from vllm_omni_prompt_cache.tiny.qwen_image import register_one_stage_pipeline
 from vllm_omni_prompt_cache.tiny.worker_extension import TextEncoderCountersExtension
 
 PIPELINE_CLASS = f"{__name__}.UniRLQwenImagePipeline"
@@ -195,20 +196,7 @@ def omni_kwargs(omni_extra: Mapping[str, Any], *, mode: str | None = None, sleep
 def register_pipeline_key() -> None:
     """Register a one-stage image pipeline under :data:`PIPELINE_KEY`, as UniRL's ``pipeline_configs.py``
     registers ``unirl_rl_image_diffusion`` (in the process that builds the stage configs)."""
-    from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
-    from vllm_omni.config.stage_config import PipelineConfig, StageExecutionType, StagePipelineConfig
-
-    if PIPELINE_KEY in OMNI_PIPELINES:
-        return
-    stage = StagePipelineConfig(
-        stage_id=0,
-        model_stage="diffusion",
-        execution_type=StageExecutionType.DIFFUSION,
-        final_output=True,
-        final_output_type="image",
-        model_arch="QwenImagePipeline",
-    )
-    register_pipeline(PipelineConfig(model_type=PIPELINE_KEY, model_arch="QwenImagePipeline", stages=(stage,)))
+    register_one_stage_pipeline(PIPELINE_KEY)
 
 
 def deploy_config_text(pipeline_class: str = PIPELINE_CLASS, *, stage_settings: Mapping[str, Any] = ()) -> str:
