@@ -1,5 +1,6 @@
-"""What a cached call costs with the proposed upstream module, side by side with vLLM-Omni 0.30's own
-module and this package's plugin, in one process (the numbers ``upstream/PR.md`` quotes).
+"""What a cached call costs with the upstream series' module (after PR 1, and after the whole series),
+side by side with vLLM-Omni 0.30's own module and this package's plugin, in one process (the numbers
+``upstream/README.md`` quotes).
 
     python benchmarks/upstream_hit_path.py [--rounds 60] [--pr5195-module PATH] [--write FILE]
 
@@ -23,6 +24,7 @@ import importlib.util
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -34,7 +36,6 @@ import torch
 from vllm_omni_prompt_cache.demo.machine import cpu_summary
 
 ROOT = Path(__file__).resolve().parent.parent
-PROPOSED = ROOT / "upstream" / "vllm_omni" / "diffusion" / "cache" / "prompt_embed_cache.py"
 PROMPT = "a photo of a red fox standing on a snowy hill at dawn, highly detailed"
 
 
@@ -67,7 +68,12 @@ def implementations(pr_module: Path | None) -> dict[str, Callable[[Pipeline], ob
     modules = {"vLLM-Omni 0.30 module": upstream_cache_module()}
     if pr_module is not None:
         modules["vLLM-Omni #5195 module"] = _load(pr_module, "pr5195_prompt_embed_cache")
-    modules["proposed module"] = _load(PROPOSED, "proposed_prompt_embed_cache")
+    series = _load(ROOT / "upstream" / "check" / "run_series.py", "upstream_run_series")
+    package = Path(importlib.util.find_spec("vllm_omni").origin).parent
+    last = len(series.series_steps())
+    for number, label in ((1, "series PR 1 module"), (last, f"series PR {last} module (whole series)")):
+        path = series.step_module(package, Path(tempfile.mkdtemp(prefix=f"series-pr{number}-")), number)
+        modules[label] = _load(path, f"series_pr{number}_prompt_embed_cache")
     variants: dict[str, Callable[[Pipeline], object]] = {"no cache (bare call)": lambda pipeline: None}
     for name, module in modules.items():
         variants[name] = lambda pipeline, m=module: m.install_prompt_embed_cache(pipeline, max_size=8)

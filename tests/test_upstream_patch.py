@@ -1,46 +1,30 @@
-"""The upstream change in ``upstream/``: its check script on a copy of the installed vLLM-Omni 0.30, and
-upstream's public contract, which the proposed module, the stock module and this plugin all keep."""
+"""The upstream series in ``upstream/series``: ``upstream/check.sh`` on a copy of the installed vLLM-Omni
+(each PR applied on its predecessor, its tests and a rollout through the real engine at every step), the
+PR texts, and upstream's public contract, which the stock module, every step and this plugin keep."""
 
 from __future__ import annotations
 
 import ast
-import hashlib
 import importlib.metadata
 import importlib.util
-import inspect
 import os
 import re
-import shutil
 import subprocess
 import sys
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
 
-pytest.importorskip("vllm_omni", reason="the upstream change is checked against the vllm-omni extra")
+pytest.importorskip("vllm_omni", reason="the upstream series is checked against the vllm-omni extra")
 
 from vllm_omni_prompt_cache.vllm_omni import bindings
 
-UPSTREAM = Path(__file__).resolve().parent.parent / "upstream"
-PROPOSED = UPSTREAM / "vllm_omni" / "diffusion" / "cache" / "prompt_embed_cache.py"
+ROOT = Path(__file__).resolve().parent.parent
+UPSTREAM = ROOT / "upstream"
 CHECK = UPSTREAM / "check.sh"
-ENV_VARS = (
-    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE",
-    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_SIZE",
-    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_MAX_BYTES",
-)
-
-
-def _installed_package() -> Path:
-    return Path(importlib.util.find_spec("vllm_omni").origin).parent
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+RESULTS = ROOT / "benchmarks" / "results" / "upstream_series.md"
 
 
 def _load(path: Path, name: str) -> ModuleType:
@@ -50,33 +34,45 @@ def _load(path: Path, name: str) -> ModuleType:
     return module
 
 
+SERIES = _load(UPSTREAM / "check" / "run_series.py", "upstream_run_series")
 CHECK_PLUGIN = _load(UPSTREAM / "check" / "check_plugin.py", "upstream_check_plugin")
+CONTRACT = _load(UPSTREAM / "check" / "test_public_contract.py", "upstream_public_contract")
+STEPS = SERIES.series_steps()
+STEP_OF_CHANGED = {name: number for number, tests in CHECK_PLUGIN.CHANGED["vLLM-Omni 0.30"].items() for name in tests}
 
 
-def _run_check(target: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHON=sys.executable)
-    return subprocess.run(["bash", str(CHECK), str(target)], capture_output=True, text=True, env=env, timeout=600)
+def _installed_package() -> Path:
+    return Path(importlib.util.find_spec("vllm_omni").origin).parent
+
+
+def _run_check(*arguments: str) -> subprocess.CompletedProcess:
+    command = ["bash", str(CHECK), "--python", sys.executable, *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=1500, env=dict(os.environ))
 
 
 def _stand_in_upstream_tests(body_of: dict[str, str]) -> str:
-    """Write a file shaped like upstream's 0.30 test file: the tests the check expects to change, each
-    with the given body (default: an assertion that fails on the proposed module). Not upstream's
-    code: only its test names, which the check recognises a version by."""
-    default = "assert _hashable(torch.zeros(2)) is _NOT_HASHABLE"
+    """A file shaped like upstream's 0.30 test file: the tests the check expects a PR to change, each
+    with a body that holds before that PR and fails on an assertion from it on (or the body given).
+    Not upstream's code: only its test names, by which the check recognises the version."""
+    before = {
+        1: "assert _hashable(torch.zeros(2)) is _NOT_HASHABLE",
+        3: "assert _hashable(value) == value if value is not None else _hashable(np.float64(1.5)) == 1.5",
+    }
     lines = [
+        "import numpy as np",
         "import pytest",
         "import torch",
         "from vllm_omni.diffusion.cache.prompt_embed_cache import _NOT_HASHABLE, _hashable",
     ]
     classes: dict[str, list[str]] = {}
-    for name in CHECK_PLUGIN.CHANGED["vLLM-Omni 0.30"]:
+    for name, step in STEP_OF_CHANGED.items():
         cls, test = name.split("::")
         test = test.split("[")[0]
         if f"def {test}(" in "".join(classes.get(cls, [])):
             continue
         parametrize = "    @pytest.mark.parametrize('value', [0, 1, -5, 3.14, True, False])\n" if "[" in name else ""
-        args = "self, value" if "[" in name else "self"
-        body = body_of.get(test, default)
+        args = "self, value" if "[" in name else "self, value=None"
+        body = body_of.get(test, before[step])
         classes.setdefault(cls, []).append(f"{parametrize}    def {test}({args}):\n        {body}\n")
     for cls, tests in classes.items():
         lines.append(f"\n\nclass {cls}:\n" + "\n".join(tests))
@@ -84,128 +80,111 @@ def _stand_in_upstream_tests(body_of: dict[str, str]) -> str:
 
 
 @dataclass
-class CheckRuns:
-    """check.sh run three times on one copy of the installed package, and what was seen after the first run."""
-
-    copy: Path
-    installed_before: str  # the installed module's hash before anything ran
-    first: subprocess.CompletedProcess  # on the wheel's tree as copied
-    module_after_first: str  # the copy's module's hash after the first run
-    worker_after_first: str  # the copy's worker's source after the first run
-    installed_after_first: str
-    second: subprocess.CompletedProcess  # with a stand-in upstream test file, every listed test failing
-    third: subprocess.CompletedProcess  # with one listed test passing and one failing on an import
-
-
-def check_three_times(scratch: Path) -> CheckRuns:
-    """Copy the installed package and run check.sh on the copy three times (the test's steps, in order)."""
-    installed = _installed_package()
-    installed_module = installed / "diffusion" / "cache" / "prompt_embed_cache.py"
-    before = _sha(installed_module)
-    copy = scratch / "vllm_omni"
-    # With its compiled bytecode (copytree keeps the sources' times, so it stays valid): the four
-    # interpreters that import the copy need not compile it again, and the two files check.sh
-    # replaces get new times, so Python compiles those afresh.
-    shutil.copytree(installed, copy)
-    first = _run_check(copy)
-    seen_after_first = (
-        _sha(copy / "diffusion" / "cache" / "prompt_embed_cache.py"),
-        (copy / "diffusion" / "worker" / "diffusion_worker.py").read_text(),
-        _sha(installed_module),
-    )
-    upstream_tests = copy.parent / "tests" / "diffusion" / "cache" / "test_prompt_embed_cache.py"
-    upstream_tests.parent.mkdir(parents=True, exist_ok=True)  # check.sh makes it; not if the first run failed early
-    upstream_tests.write_text(_stand_in_upstream_tests({}))
-    second = _run_check(copy)
-    upstream_tests.write_text(
-        _stand_in_upstream_tests(
-            {"test_numpy_scalar_is_unwrapped": "pass", "test_numpy_ndarray_is_not_hashable": "import no_such_module"}
-        )
-    )
-    third = _run_check(copy)
-    return CheckRuns(copy, before, first, *seen_after_first, second, third)
+class SeriesRun:
+    result: subprocess.CompletedProcess
+    lines: dict[str, str]  # "stock" or a step's label -> the line check.sh printed for it
 
 
 @pytest.fixture(scope="module")
-def check_runs(tmp_path_factory: pytest.TempPathFactory) -> CheckRuns:
-    """The three runs of check.sh, once for the module: both tests below read them."""
-    return check_three_times(tmp_path_factory.mktemp("upstream"))
+def series_run(tmp_path_factory: pytest.TempPathFactory) -> SeriesRun:
+    """check.sh on a copy of the installed package: every PR, a 2 x 4 rollout at each step, and a
+    stand-in of upstream's test file whose listed tests must turn into expected failures on time."""
+    stand_in = tmp_path_factory.mktemp("upstream") / "test_prompt_embed_cache.py"
+    stand_in.write_text(_stand_in_upstream_tests({}))
+    result = _run_check("--rollout", "2x4x2", "--upstream-tests", str(stand_in))
+    lines = {}
+    for line in result.stdout.splitlines():
+        match = re.match(r"vLLM-Omni [^,]+, (stock|PR \d+ [a-z-]+): ", line)
+        if match:
+            lines[match.group(1)] = line
+    return SeriesRun(result, lines)
 
 
-def test_check_script_on_a_copy_of_the_installed_package(check_runs) -> None:
-    """The three runs of check.sh run in this order before the assertions (see ``check_three_times``);
-    what the first left in the copy is read right after it."""
-    result, before = check_runs.first, check_runs.installed_before
+@pytest.mark.engine
+def test_check_applies_and_tests_every_pr_on_its_predecessor(series_run: SeriesRun) -> None:
+    result = series_run.result
+    assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
+    assert list(series_run.lines) == ["stock", *(step.label for step in STEPS)]
+    version = importlib.metadata.version("vllm-omni")
+    for step in STEPS:
+        line = series_run.lines[step.label]
+        assert line.startswith(f"vLLM-Omni {version}, {step.label}: applied, no fuzz"), line
+        assert re.search(r"; tests \d+ passed", line) and " failed" not in line, line
+        changed = sum(1 for name, number in STEP_OF_CHANGED.items() if number <= step.number)
+        if changed:
+            assert f"{changed} xfailed" in line and f"0.30 version, {changed} tests changed" in line, line
+        else:
+            assert "xfailed" not in line, line
 
-    # A wheel's tree: no upstream test file, ours only.
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    summary = result.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"\d+ passed, 1 skipped in [\d.]+s", summary), summary  # skipped: the CUDA test
-    assert "running ours only" in output
-    assert check_runs.module_after_first == _sha(PROPOSED)
-    assert "clear_prompt_embed_cache()" in check_runs.worker_after_first
-    assert check_runs.installed_after_first == before  # the installed package every other test imports is untouched
 
-    # Run again with a file where upstream's is: the worker is already patched, and the listed tests
-    # are recognised as the 0.30 version's and must fail on an assertion.
-    result = check_runs.second
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    assert "already has the sleep change" in output
-    assert "the vLLM-Omni 0.30 version, 13 tests changed" in output
-    assert re.search(r" 13 xfailed in ", result.stdout), result.stdout[-2000:]
+@pytest.mark.engine
+def test_the_first_pr_alone_brings_the_rollout_to_one_encode_per_prompt(series_run: SeriesRun) -> None:
+    """2 prompts x 4 siblings with a shared negative prompt: 16 encodes uncached, 3 distinct texts."""
+    stock = series_run.lines["stock"]
+    assert "no cache 16 encodes; stock cache rollout: 16 encodes, 0 hits, 0 misses, 16 bypassed" in stock, stock
+    first = series_run.lines[STEPS[0].label]
+    assert "rollout: 3 encodes (before this PR 16), 13 hits, 3 misses, 0 bypassed" in first, first
+    for step in STEPS:
+        assert "latents identical to no cache 8/8" in series_run.lines[step.label]
 
-    # A listed test that passes, or fails on something else than an assertion, fails the run.
-    result = check_runs.third
-    assert result.returncode != 0
-    # "FAILED <node id>", with " - <reason>" after it where pytest does not truncate (CI=true)
+
+@pytest.mark.engine
+def test_sleep_empties_the_cache_from_the_second_pr_on(series_run: SeriesRun) -> None:
+    entries_after_sleep = {
+        step.number: re.search(r"sleep\(level=1\): (\d+) -> (\d+) entries", series_run.lines[step.label]).groups()
+        for step in STEPS
+    }
+    kept, _ = entries_after_sleep[1]
+    assert entries_after_sleep[1] == (kept, kept) and int(kept) > 0  # PR 1 alone: sleep keeps the entries
+    assert all(after == "0" for number, (_, after) in entries_after_sleep.items() if number >= 2)
+
+
+def test_a_changed_upstream_test_that_passes_or_errors_fails_the_check(tmp_path: Path) -> None:
+    stand_in = tmp_path / "test_prompt_embed_cache.py"
+    stand_in.write_text(
+        _stand_in_upstream_tests(
+            {"test_tensor_is_not_hashable": "pass", "test_numpy_ndarray_is_not_hashable": "import no_such_module"}
+        )
+    )
+    result = _run_check("--upto", "1", "--rollout", "none", "--upstream-tests", str(stand_in))
+    assert result.returncode == 1, result.stdout[-3000:]
     failed = {line.split()[1].split("::")[-1] for line in result.stdout.splitlines() if line.startswith("FAILED ")}
-    assert failed == {"test_numpy_scalar_is_unwrapped", "test_numpy_ndarray_is_not_hashable"}, result.stdout[-3000:]
+    assert failed == {"test_tensor_is_not_hashable", "test_numpy_ndarray_is_not_hashable"}, result.stdout[-3000:]
     assert "[XPASS(strict)] meaning changed" in result.stdout
     assert "ModuleNotFoundError: No module named 'no_such_module'" in result.stdout
 
 
-def rollout_on_the_checked_copy(copy: Path, scratch: Path) -> tuple[subprocess.CompletedProcess, str | None]:
-    """Run ``benchmarks/upstream_rollout.py`` on the checked copy; return the run and its table (None if unwritten)."""
-    table = scratch / "rollout.md"
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "upstream_rollout.py"
-    arguments = [str(copy), "--prompts", "2", "--group-size", "4", "--steps", "2", "--write", str(table)]
-    run = subprocess.run(
-        [sys.executable, str(script), *arguments],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ),
-    )
-    return run, table.read_text() if table.is_file() else None
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--rollout", "abc"], "--rollout 'abc': expected PROMPTSxSIBLINGS"),
+        (["--rollout", "0x16"], "--rollout '0x16'"),
+        (["--upto", "9"], "--upto 9: the series has PRs 1.."),
+        (["--upstream-tests", "/no/such/file.py"], "--upstream-tests /no/such/file.py: no such file"),
+    ],
+)
+def test_check_refuses_bad_arguments(arguments: list[str], message: str) -> None:
+    result = _run_check(*arguments)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
-@pytest.mark.engine
-def test_the_proposed_module_serves_a_rollout_through_the_real_engine(check_runs, tmp_path) -> None:
-    """vLLM-Omni's own runner installs the proposed module (plugin off); the patched worker clears it on sleep."""
-    assert check_runs.first.returncode == 0
-    run, report = rollout_on_the_checked_copy(check_runs.copy, tmp_path)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    # 2 prompts x 4 siblings, each with the shared negative prompt: 16 calls, 3 distinct prompts.
-    assert "| none | 16 | 16 | - | - | - |" in report
-    assert "| proposed module | 3 | 3 | 13 | 3 | 0 |" in report
-    assert "identical to the uncached run: 8 of 8 requests" in report
-    assert re.search(r"to 0 entries \(0 bytes\)", report), report
+def test_the_installed_package_is_never_changed(tmp_path: Path) -> None:
+    installed = _installed_package() / "diffusion" / "cache" / "prompt_embed_cache.py"
+    before = installed.read_bytes()
+    module = SERIES.step_module(_installed_package(), tmp_path, len(STEPS))
+    assert module.read_bytes() != before and installed.read_bytes() == before
 
 
-@pytest.mark.parametrize("kind", ["installed", "not a package"])
-def test_check_script_refuses_what_it_must_not_change(tmp_path: Path, kind: str) -> None:
-    target = _installed_package() if kind == "installed" else tmp_path
-    result = _run_check(target)
-    assert result.returncode == 2
-    assert ("installed package" if kind == "installed" else "is not a vllm_omni package directory") in result.stderr
+def test_the_first_pr_is_small() -> None:
+    """The fix alone: well under 200 changed lines in the module (the issue's aim)."""
+    added, removed = SERIES.changed_lines(STEPS[0].patch)[SERIES.MODULE]
+    assert added + removed < 200
 
 
-def test_the_proposed_module_needs_nothing_vllm_does_not_install() -> None:
+def test_every_step_needs_nothing_vllm_does_not_install(tmp_path: Path) -> None:
     from packaging.requirements import Requirement
 
-    tree = ast.parse(PROPOSED.read_text())
+    tree = ast.parse(SERIES.step_module(_installed_package(), tmp_path, len(STEPS)).read_text())
     imported = {
         alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
     }
@@ -218,126 +197,59 @@ def test_the_proposed_module_needs_nothing_vllm_does_not_install() -> None:
     assert {"numpy", "torch", "blake3"} <= required  # xxhash is optional: blake3 stands in without it
 
 
-def test_pr_description_explains_every_changed_upstream_test() -> None:
-    description = (UPSTREAM / "PR.md").read_text()
-    for changed in CHECK_PLUGIN.CHANGED.values():
-        for name in changed:
-            assert name.split("[")[0] in description, name
-            if "[" in name:
-                assert f"`[{name.split('[')[1]}`" in description, name
+def test_each_pr_text_follows_the_template_and_lists_the_upstream_tests_it_changes() -> None:
+    for step in STEPS:
+        text = (step.patch.parent / "PR.md").read_text()
+        headings = re.findall(r"^## (.+)$", text, flags=re.M)
+        assert headings[:3] == ["Purpose", "Test Plan", "Test Result"], (step.label, headings)
+        assert text.startswith("# ["), step.label  # a title with one of vLLM-Omni's prefixes
+        for version in CHECK_PLUGIN.CHANGED.values():
+            for name in version.get(step.number, {}):
+                assert name.split("[")[0] in text, (step.label, name)
+
+
+def test_pr_texts_quote_only_what_the_recorded_check_printed() -> None:
+    """Each PR text's Test Result quotes check.sh lines; each must be a line of the recorded full run."""
+    recorded = RESULTS.read_text()
+    for step in STEPS:
+        text = (step.patch.parent / "PR.md").read_text()
+        result = text.split("## Test Result", 1)[1]
+        quoted = [line for block in re.findall(r"```text\n(.*?)```", result, flags=re.S) for line in block.splitlines()]
+        assert quoted, step.label
+        for line in quoted:
+            assert line in recorded, (step.label, line)
 
 
 # Upstream's public contract, held by every implementation a pipeline may be given.
 
+_IMPLEMENTATIONS = ["stock", *(f"PR {step.number}" for step in STEPS), "plugin"]
 
-@pytest.fixture(params=["stock 0.30", "proposed", "plugin"])
-def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    if request.param == "stock 0.30":
+
+@pytest.fixture(params=_IMPLEMENTATIONS)
+def implementation(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    if request.param == "stock":
         return bindings.upstream_cache_module()
-    if request.param == "proposed":
-        return _load(PROPOSED, "proposed_prompt_embed_cache")
-    from vllm_omni.plugins import load_omni_general_plugins
+    if request.param == "plugin":
+        from vllm_omni.plugins import load_omni_general_plugins
 
-    load_omni_general_plugins()  # the plugin rebinds the real module's names to this package's
-    import vllm_omni.diffusion.cache.prompt_embed_cache as module
+        load_omni_general_plugins()  # the plugin rebinds the real module's names to this package's
+        import vllm_omni.diffusion.cache.prompt_embed_cache as module
 
-    return module
-
-
-#: Each pipeline's encode count, kept outside it: an instrument, not state its encode reads (this
-#: package keys an encode on the pipeline state it reads, and a counter on the instance would be such state).
-_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        return module
+    number = int(request.param.split()[1])
+    path = SERIES.step_module(_installed_package(), tmp_path_factory.mktemp(f"pr{number}"), number)
+    return _load(path, f"upstream_series_pr{number}_prompt_embed_cache")
 
 
-class _Pipeline:
-    @property
-    def calls(self) -> int:
-        return _CALLS.get(self, 0)
-
-    def encode_prompt(self, prompt, device=None, num_images_per_prompt: int = 1, prompt_embeds=None):
-        _CALLS[self] = self.calls + 1
-        return torch.full((num_images_per_prompt, 2), float(len(prompt)))
+@pytest.fixture
+def tensor_keys(request: pytest.FixtureRequest) -> bool:
+    return request.node.callspec.params["implementation"] != "stock"
 
 
-def test_public_names_and_signatures(implementation: ModuleType) -> None:
-    install = inspect.signature(implementation.install_prompt_embed_cache).parameters
-    assert list(install)[:4] == ["pipeline", "max_size", "enabled", "model_tag"]
-    assert (install["max_size"].default, install["enabled"].default, install["model_tag"].default) == (32, True, None)
-    assert all(p.default is not p.empty for name, p in install.items() if name != "pipeline")
-    resolve = inspect.signature(implementation.resolve_prompt_embed_cache_config).parameters
-    assert list(resolve) == ["enable", "max_size"]
-    assert list(inspect.signature(implementation.uninstall_prompt_embed_cache).parameters) == ["pipeline"]
-    assert implementation._CACHE_MISS is not None
-
-
-def test_store_contract(implementation: ModuleType) -> None:
-    cache = implementation.PromptEmbedCache(max_size=2)
-    miss = implementation._CACHE_MISS
-    assert cache.get("a") is miss
-    cache.put("a", None)  # a cached None is a hit
-    assert cache.get("a") is None
-    cache.put("b", 2)
-    cache.get("a")  # "a" becomes most recent
-    cache.put("c", 3)  # evicts "b"
-    assert cache.get("b") is miss and cache.get("c") == 3
-    cache.put("c", 4)
-    assert cache.get("c") == 4
-    stats = cache.stats()
-    assert {"size", "max_size", "hits", "misses", "bypassed"} <= set(stats)
-    assert (stats["size"], stats["max_size"], stats["hits"], stats["misses"]) == (2, 2, 4, 2)
-    with cache._lock:  # how upstream's wrapper counts a bypass
-        cache.bypassed += 1
-    cache.clear()
-    assert cache.stats()["size"] == 0 and cache.stats()["hits"] == 4 and cache.stats()["bypassed"] == 1
-    for bad in (0, -1):
-        with pytest.raises(ValueError):
-            implementation.PromptEmbedCache(max_size=bad)
-
-
-def test_wrapper_contract(implementation: ModuleType) -> None:
-    assert implementation.install_prompt_embed_cache(object()) is None
-    pipeline = _Pipeline()
-    cache = implementation.install_prompt_embed_cache(pipeline, max_size=4, model_tag="t")
-    assert implementation.install_prompt_embed_cache(pipeline, max_size=16) is cache and cache.max_size == 4
-    first = pipeline.encode_prompt("a red fox")
-    assert torch.equal(pipeline.encode_prompt(prompt="a red fox"), first)
-    pipeline.encode_prompt("a red fox", prompt_embeds=torch.zeros(1))  # precomputed: bypassed
-    assert (pipeline.calls, cache.stats()["hits"], cache.stats()["bypassed"]) == (2, 1, 1)
-    cache.enabled = False
-    pipeline.encode_prompt("a red fox")
-    assert pipeline.calls == 3 and cache.stats()["hits"] == 1
-    implementation.uninstall_prompt_embed_cache(pipeline)
-    pipeline.encode_prompt("a red fox")
-    assert pipeline.calls == 4 and getattr(pipeline, "_prompt_embed_cache", None) is None
-    implementation.uninstall_prompt_embed_cache(_Pipeline())  # not wrapped: nothing to do
-
-
-def test_config_contract(implementation: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    resolve = implementation.resolve_prompt_embed_cache_config
-    assert resolve() == (False, 32)
-    assert resolve(enable=True, max_size=8) == (True, 8)
-    monkeypatch.setenv("OMNI_DIFFUSION_PROMPT_EMBED_CACHE", "off")
-    monkeypatch.setenv("OMNI_DIFFUSION_PROMPT_EMBED_CACHE_SIZE", "7")
-    assert resolve(enable=True, max_size=99) == (False, 7)
-
-
-def test_token_id_tensors_hit_except_on_the_stock_module(implementation: ModuleType, request) -> None:
-    """The behaviour the change is for: K fresh id tensors of one prompt, one encode."""
-
-    class TokenIdPipeline:
-        calls = 0
-
-        def encode_prompt(self, prompt_ids, attention_mask=None):
-            TokenIdPipeline.calls += 1
-            return prompt_ids.float() * attention_mask
-
-    pipeline = TokenIdPipeline()
-    cache = implementation.install_prompt_embed_cache(pipeline)
-    ids = torch.tensor([[5, 6, 7, 0]])
-    for _ in range(8):
-        pipeline.encode_prompt(ids.clone(), attention_mask=(ids != 0).clone())
-    stock = request.node.callspec.params["implementation"] == "stock 0.30"
-    assert TokenIdPipeline.calls == (8 if stock else 1)
-    assert cache.stats()["bypassed"] == (8 if stock else 0)
+test_public_names_and_signatures = CONTRACT.test_public_names_and_signatures
+test_store_contract = CONTRACT.test_store_contract
+test_wrapper_contract = CONTRACT.test_wrapper_contract
+test_an_encode_that_counts_its_calls_on_self_is_cached = CONTRACT.test_an_encode_that_counts_its_calls_on_self_is_cached
+test_config_contract = CONTRACT.test_config_contract
+test_token_id_tensors_hit_where_tensors_are_keyed = CONTRACT.test_token_id_tensors_hit_where_tensors_are_keyed
+_no_cache_env = CONTRACT._no_cache_env
