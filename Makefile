@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(UV_INSTALL) -e '.[vllm-omni,demo,dev]'
 	touch $@
 
-.PHONY: install demo test releases releases-ci lint bench
+.PHONY: install demo test releases releases-ci upstream-check lint bench
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -38,6 +38,12 @@ releases: $(VENV)/.installed
 # The oldest release, UniRL's pin (0.28.0) and the newest (what CI runs beside `make test`).
 releases-ci: $(VENV)/.installed
 	$(VENV)/bin/nox -t ci
+
+# The upstream series (upstream/README.md), PR by PR, on copies of the 0.30.0 wheel (.venv) and the
+# 0.32.0rc1 one (.nox, from `make releases-ci`): by default an 8 x 16 rollout at every step.
+UPSTREAM_CHECK_ARGS ?=
+upstream-check: $(VENV)/.installed
+	upstream/check.sh $(UPSTREAM_CHECK_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -57,6 +57,7 @@ class Pipeline:
 def _load(path: Path, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 

@@ -30,6 +30,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "upstream_series.md"
 def _load(path: Path, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 
@@ -143,7 +144,13 @@ def test_a_changed_upstream_test_that_passes_or_errors_fails_the_check(tmp_path:
     stand_in = tmp_path / "test_prompt_embed_cache.py"
     stand_in.write_text(
         _stand_in_upstream_tests(
-            {"test_tensor_is_not_hashable": "pass", "test_numpy_ndarray_is_not_hashable": "import no_such_module"}
+            {
+                "test_tensor_is_not_hashable": "pass",  # passes where PR 1 changed its meaning
+                # holds on the stock module, errors (not an assertion) once tensors are keyed
+                "test_numpy_ndarray_is_not_hashable": (
+                    "assert _hashable(torch.zeros(2)) is _NOT_HASHABLE or __import__('no_such_module')"
+                ),
+            }
         )
     )
     result = _run_check("--upto", "1", "--rollout", "none", "--upstream-tests", str(stand_in))
@@ -166,6 +173,25 @@ def test_a_changed_upstream_test_that_passes_or_errors_fails_the_check(tmp_path:
 def test_check_refuses_bad_arguments(arguments: list[str], message: str) -> None:
     result = _run_check(*arguments)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_the_second_pr_applies_and_passes_without_the_first(tmp_path: Path) -> None:
+    """The clear before sleep is #6952's change: it must stand on the stock module alone."""
+    root = SERIES.build_tree(_installed_package(), tmp_path / "tree", [STEPS[1]])
+    environment = dict(os.environ, VLLM_OMNI_PROMPT_CACHE_PLUGIN="0", PYTHONPATH=str(root))
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore::pytest.PytestUnknownMarkWarning",
+    ]
+    result = subprocess.run([*command, "tests"], capture_output=True, text=True, cwd=root, env=environment, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert re.search(r"\b4 passed\b", result.stdout), result.stdout[-1000:]
 
 
 def test_the_installed_package_is_never_changed(tmp_path: Path) -> None:

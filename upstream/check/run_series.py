@@ -164,7 +164,11 @@ def run_tests(python: str, root: Path, step: int, upstream_tests: Path | None) -
         CHECK_STEP=str(step),
         PYTHONPATH=os.pathsep.join([str(root), str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
-    command = [python, "-m", "pytest", "-p", "check_plugin", "-p", "no:cacheprovider", "-q", "-rfExX"]
+    # An empty config in the tree: no project's addopts (xdist workers, its own plugins) reach the run.
+    config = root / "pytest-series.ini"
+    config.write_text("[pytest]\n")
+    command = [python, "-m", "pytest", "-c", str(config), "--rootdir", str(root)]
+    command += ["-p", "check_plugin", "-p", "no:cacheprovider", "-q", "-rfExX"]
     command += ["-W", "ignore::pytest.PytestUnknownMarkWarning", *tests, str(CONTRACT_TESTS)]
     if upstream_tests is not None:
         command.append(str(upstream_tests))
