@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(UV_INSTALL) -e '.[vllm-omni,demo,dev]'
 	touch $@
 
-.PHONY: install demo test releases releases-ci upstream-check lint bench
+.PHONY: install demo test releases releases-ci upstream-check lint bench docs-table
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -44,6 +44,10 @@ releases-ci: $(VENV)/.installed
 UPSTREAM_CHECK_ARGS ?=
 upstream-check: $(VENV)/.installed
 	upstream/check.sh $(UPSTREAM_CHECK_ARGS)
+
+# The settings table of docs/user-guide.md, made from config.SETTINGS (tests/test_config.py checks it is current).
+docs-table: $(VENV)/.installed
+	$(VENV)/bin/python -c "from vllm_omni_prompt_cache.config import write_settings_table as w; w('docs/user-guide.md')"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

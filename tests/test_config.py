@@ -19,10 +19,10 @@ from vllm_omni_prompt_cache.config import (
     MAX_SIZE,
     METHODS,
     ROW_LAYOUTS,
-    SETTINGS,
     VERIFY,
     PromptEmbedCacheConfigError,
     PromptEmbedCacheSettings,
+    carried_settings,
     resolve_prompt_embed_cache_config,
     resolve_prompt_embed_cache_settings,
 )
@@ -30,7 +30,7 @@ from vllm_omni_prompt_cache.config import (
 
 @pytest.fixture(autouse=True)
 def no_cache_env(monkeypatch) -> None:
-    for setting in SETTINGS:
+    for setting in carried_settings():
         monkeypatch.delenv(setting.env, raising=False)
 
 
@@ -281,3 +281,79 @@ def test_methods_parse_from_the_environment_over_the_keyword(monkeypatch) -> Non
     monkeypatch.setenv(METHODS.env, "garbage")
     with pytest.raises(PromptEmbedCacheConfigError, match=f"from environment variable {METHODS.env}: expected"):
         resolve_prompt_embed_cache_settings()
+
+
+# --- one schema: every surface is made from config.SETTINGS -------------------------------------------
+
+
+def test_the_docs_table_is_made_from_the_settings() -> None:
+    """docs/user-guide.md's table is config.settings_table() as it is now (`make docs-table` writes it)."""
+    from pathlib import Path
+
+    from vllm_omni_prompt_cache.config import TABLE_END, TABLE_START, settings_table
+
+    guide = (Path(__file__).parents[1] / "docs" / "user-guide.md").read_text()
+    written = guide.partition(TABLE_START)[2].partition(TABLE_END)[0].strip()
+    assert written == settings_table(), "docs/user-guide.md's settings table is stale: run `make docs-table`"
+
+
+def test_install_takes_upstreams_keywords_and_one_settings_object() -> None:
+    import inspect
+
+    from vllm_omni_prompt_cache import install_prompt_embed_cache
+
+    parameters = list(inspect.signature(install_prompt_embed_cache).parameters)
+    assert parameters == ["pipeline", "max_size", "enabled", "model_tag", "settings"]
+
+
+def test_a_new_setting_is_one_entry_and_reaches_kwargs_flags_env_and_the_worker(monkeypatch) -> None:
+    """One line of table, and the setting is an AsyncOmni kwarg, a serve flag, an env var, an attribute of
+    the settings object, a column of the docs table, and travels to the worker."""
+    import argparse
+
+    from vllm_omni_prompt_cache import config
+    from vllm_omni_prompt_cache.config import Setting, settings_table
+    from vllm_omni_prompt_cache.vllm_omni import settings as carried
+    from vllm_omni_prompt_cache.vllm_omni.cli_args import add_prompt_cache_arguments
+
+    knob = Setting(
+        "prompt_embed_cache_knob",
+        "knob",
+        "--prompt-embed-cache-knob",
+        "OMNI_KNOB",
+        3,
+        "1-9",
+        "A knob.",
+        lambda v: int(v) if str(v).isdigit() and 1 <= int(v) <= 9 else None,
+        metavar="K",
+    )
+    monkeypatch.setattr(config, "SETTINGS", (*config.SETTINGS, knob))  # the one line
+
+    assert PromptEmbedCacheSettings().knob == 3  # its default, on the settings object
+    resolved, kept = carried._resolved_in_caller({"prompt_embed_cache_knob": 7, "model": "m"})  # AsyncOmni kwargs
+    assert resolved.knob == 7 and resolved.sources["prompt_embed_cache_knob"].endswith("prompt_embed_cache_knob")
+    assert "prompt_embed_cache_knob" not in kept  # not handed to vLLM-Omni, which would refuse it
+    assert resolve_prompt_embed_cache_settings(knob="5", environ={}).knob == 5
+    assert resolve_prompt_embed_cache_settings(knob="5", environ={"OMNI_KNOB": "8"}).knob == 8  # the env var wins
+    with pytest.raises(PromptEmbedCacheConfigError, match=r"prompt_embed_cache_knob='0' from environment.*1-9"):
+        resolve_prompt_embed_cache_settings(environ={"OMNI_KNOB": "0"})
+    parser = argparse.ArgumentParser()
+    add_prompt_cache_arguments(parser)
+    assert vars(parser.parse_args(["--prompt-embed-cache-knob", "4"]))["prompt_embed_cache_knob"] == 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prompt-embed-cache-knob", "abc"])
+    assert "| `prompt_embed_cache_knob` | `--prompt-embed-cache-knob K` | `OMNI_KNOB` | 1-9 | 3 |" in settings_table()
+    travelled = PromptEmbedCacheSettings.from_dict(resolved.as_dict(), "a stage config")
+    assert travelled.knob == 7 and travelled == resolved
+    assert resolved.replace(knob=9).knob == 9
+
+
+def test_settings_given_in_code_only_do_not_travel() -> None:
+    settings = PromptEmbedCacheSettings(enabled=True, digest=lambda buffer: b"0" * 16)
+    assert "digest" not in {setting.field for setting in carried_settings()}
+    with pytest.raises(PromptEmbedCacheConfigError, match="digest is given in code only"):
+        settings.as_dict()
+    with pytest.raises(PromptEmbedCacheConfigError, match="invalid digest=3 from keyword argument"):
+        PromptEmbedCacheSettings(digest=3)
+    with pytest.raises(TypeError, match="unknown prompt-embed cache setting"):
+        PromptEmbedCacheSettings(max_sise=3)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.directory_shards import INDEX, SHARDS, ShardError, pack, read_index, verify
 from vllm_omni_prompt_cache.directory_tier import DAMAGED_SHARD, REFUSED_PACKED
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
@@ -28,7 +29,9 @@ def encode(pipeline: TokenIdTextPipeline, index: int) -> tuple[torch.Tensor, tor
 
 def process(root: Path, **kwargs):
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
-    return pipeline, install_prompt_embed_cache(pipeline, max_size=32, directory=root, **kwargs)
+    return pipeline, install_prompt_embed_cache(
+        pipeline, max_size=32, settings=PromptEmbedCacheSettings(enabled=True, directory=root, **kwargs)
+    )
 
 
 def filled(root: Path, count: int = 8, **kwargs) -> tuple[Path, str, list]:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError, PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.encoder_inputs import DIFFERED
 from vllm_omni_prompt_cache.methods import find_encode_methods, resolve_declared_methods
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
@@ -104,7 +104,9 @@ def test_method_keys_never_meet_encode_prompt_keys(encoder) -> None:
 
     pipeline = TwoMethods(encoder)
     path = f"{TwoMethods.__module__}.{TwoMethods.__qualname__}"
-    install_prompt_embed_cache(pipeline, methods={path: ("embed_pooled",)})
+    install_prompt_embed_cache(
+        pipeline, settings=PromptEmbedCacheSettings(enabled=True, methods={path: ("embed_pooled",)})
+    )
     full = pipeline.encode_prompt("a fox")
     pooled = pipeline.embed_pooled("a fox")
     assert full.dim() == 3 and pooled.dim() == 2
@@ -230,7 +232,7 @@ def test_an_encode_method_nobody_listed_is_found_by_watching_the_encoder(encoder
 
 def test_finding_encodes_can_be_turned_off(encoder) -> None:
     pipeline = RenamedAdapter(encoder)
-    cache = install_prompt_embed_cache(pipeline, find_encodes=False)
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, find_encodes=False))
     assert cache is None  # no encode_prompt, nothing declared: nothing to wrap
 
 

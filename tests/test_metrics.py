@@ -18,6 +18,7 @@ CollectorRegistry = prometheus_client.CollectorRegistry
 
 from store_calls import get_or_compute_rows, record_bypass, record_whole_call  # noqa: E402
 
+from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings  # noqa: E402
 from vllm_omni_prompt_cache.keys import CallKeyBuilder  # noqa: E402
 from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache  # noqa: E402
 from vllm_omni_prompt_cache.vllm_omni.metrics import (  # noqa: E402  (after the skip)
@@ -253,7 +254,7 @@ def test_the_tiers_below_device_memory_have_their_own_series(tmp_path) -> None:
     encoder = build_qwen2_encoder()
     ids = [torch.tensor([[1, 2, token]]) for token in range(3)]
     writer = TokenIdTextPipeline(encoder)
-    install_prompt_embed_cache(writer, max_size=8, directory=tmp_path)
+    install_prompt_embed_cache(writer, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
     for each in ids:
         writer.encode_prompt(each, torch.ones_like(each))
     damaged = sorted(tmp_path.glob("*/*.safetensors"))[0]
@@ -261,7 +262,9 @@ def test_the_tiers_below_device_memory_have_their_own_series(tmp_path) -> None:
     data[-5] ^= 0x40  # one bit of the last tensor
     damaged.write_bytes(bytes(data))
     pipeline = TokenIdTextPipeline(encoder)
-    cache = install_prompt_embed_cache(pipeline, max_size=1, host_bytes=2**20, directory=tmp_path)
+    cache = install_prompt_embed_cache(
+        pipeline, max_size=1, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=2**20, directory=tmp_path)
+    )
     for each in (*ids, ids[0]):  # three from files or encoded again (the damaged one), then one from host memory
         pipeline.encode_prompt(each, torch.ones_like(each))
     registry = CollectorRegistry()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache
+from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.method_calls import RowCalls, WholeCalls
 from vllm_omni_prompt_cache.proofs import GAP_TOLERANCE, compare_outputs, infer_layout
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, build_qwen2_encoder
@@ -191,7 +192,11 @@ def test_the_strategy_is_chosen_at_install_and_changes_only_when_a_layout_is_ado
 
     wrong = TilingPipeline(encoder)
     interleaving = copies_layout("interleave", "interleaved copies")
-    install_prompt_embed_cache(wrong, max_size=16, row_layouts={path(TilingPipeline): interleaving})
+    install_prompt_embed_cache(
+        wrong,
+        max_size=16,
+        settings=PromptEmbedCacheSettings(enabled=True, row_layouts={path(TilingPipeline): interleaving}),
+    )
     calls = wrong._prompt_embed_cache_installation.methods["encode_prompt"]
     assert type(calls.strategy) is RowCalls and calls.strategy.layout is interleaving
     wrong.encode_prompt(*collate([a, b]), copies=2)  # the check refutes it: whole calls from now on
@@ -225,7 +230,11 @@ def test_a_repeated_row_is_covered_by_a_check_on_distinct_trimmed_rows(encoder) 
 def test_a_wrong_user_declaration_is_caught_on_first_use_and_never_served(encoder, caplog) -> None:
     pipeline, reference = TilingPipeline(encoder), TilingPipeline(encoder)
     interleaving = copies_layout("interleave", "interleaved copies")
-    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layouts={path(TilingPipeline): interleaving})
+    cache = install_prompt_embed_cache(
+        pipeline,
+        max_size=16,
+        settings=PromptEmbedCacheSettings(enabled=True, row_layouts={path(TilingPipeline): interleaving}),
+    )
     rows = token_rows(2, seed=7)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
         outputs = [pipeline.encode_prompt(*collate(rows), copies=2) for _ in range(3)]
@@ -243,7 +252,11 @@ def test_a_wrong_user_declaration_is_caught_on_first_use_and_never_served(encode
 def test_a_right_user_declaration_serves_rows_after_one_check(encoder) -> None:
     pipeline = TilingPipeline(encoder)
     tiling = copies_layout("tile", "tiled copies")
-    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layouts={path(TilingPipeline): tiling})
+    cache = install_prompt_embed_cache(
+        pipeline,
+        max_size=16,
+        settings=PromptEmbedCacheSettings(enabled=True, row_layouts={path(TilingPipeline): tiling}),
+    )
     a, b, c = token_rows(3, seed=8)
     pipeline.encode_prompt(*collate([a, b]), copies=2)
     pipeline.encode_prompt(*collate([c, a]), copies=2)
@@ -282,7 +295,9 @@ def test_a_check_whose_rows_could_not_tell_the_mask_order_apart_covers_nothing_b
 def test_a_row_call_that_raises_refutes_an_unchecked_layout_and_the_call_is_served(encoder) -> None:
     pipeline = TeamPipeline(encoder)
     wrong = RowLayout(rows=("input_ids",), outputs=(RowOutput(), RowOutput()), name="ids without their mask")
-    cache = install_prompt_embed_cache(pipeline, max_size=16, row_layouts={path(TeamPipeline): wrong})
+    cache = install_prompt_embed_cache(
+        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layouts={path(TeamPipeline): wrong})
+    )
     rows = token_rows(2, seed=12)
     embeds, _ = pipeline.encode_prompt(*collate(rows))  # each row's ids beside the whole batch's mask
     assert torch.equal(embeds, TeamPipeline(encoder).encode_prompt(*collate(rows))[0])

@@ -44,9 +44,9 @@ from vllm_omni_prompt_cache.config import (
     MAX_SIZE,
     METHODS,
     ROW_LAYOUTS,
-    SETTINGS,
     VERIFY,
     PromptEmbedCacheConfigError,
+    carried_settings,
 )
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.qwen_image import register_one_stage_pipeline
@@ -321,7 +321,7 @@ def test_a_typo_in_deploy_config_extras_names_the_key_and_the_allowed_names(tmp_
         stage_settings(od_config)
     message = str(raised.value)
     assert "['prompt_embed_cache_max_byte']" in message
-    assert message.endswith(f"expected {', '.join(setting.name for setting in SETTINGS)}")
+    assert message.endswith(f"expected {', '.join(setting.name for setting in carried_settings())}")
 
 
 def test_enabling_in_deploy_config_extras_is_refused_with_the_reason(tmp_path: Path) -> None:

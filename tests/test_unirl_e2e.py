@@ -33,9 +33,9 @@ from vllm_omni_prompt_cache.config import (
     MAX_SIZE,
     METHODS,
     ROW_LAYOUTS,
-    SETTINGS,
     VERIFY,
     PromptEmbedCacheConfigError,
+    carried_settings,
 )
 from vllm_omni_prompt_cache.tiny import unirl
 from vllm_omni_prompt_cache.tiny.qwen_image import SAMPLE_NEGATIVE_PROMPT, SAMPLE_PROMPTS, ensure_tiny_qwen_image
@@ -179,7 +179,7 @@ EXPECTED = {
 def test_every_setting_in_omni_extra_arrives_at_the_worker(tmp_path, route, record_release_fact) -> None:
     """On 0.27 and 0.28 the deploy-config route dropped every setting but vLLM-Omni's own two, silently."""
     given = every_setting(tmp_path)
-    assert set(given) == {setting.name for setting in SETTINGS}  # a new setting must be added here
+    assert set(given) == {setting.name for setting in carried_settings()}  # a new setting must be added here
     with rollout_of(tmp_path, route, given) as rollout:
         resolved = rollout.worker("resolved_cache_settings")
     assert {name: resolved[name] for name in EXPECTED} == EXPECTED
@@ -188,7 +188,8 @@ def test_every_setting_in_omni_extra_arrives_at_the_worker(tmp_path, route, reco
     assert resolved[DIRECTORY_KEY_FILE.name] == str(tmp_path / "directory.key")
     arrived = sum(source != "default" for source in resolved["sources"].values())
     record_release_fact(
-        f"UniRL route ({route}): settings given in omni_extra that reached the worker", f"{arrived}/{len(SETTINGS)}"
+        f"UniRL route ({route}): settings given in omni_extra that reached the worker",
+        f"{arrived}/{len(carried_settings())}",
     )
 
 

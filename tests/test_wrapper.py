@@ -15,6 +15,7 @@ from vllm_omni_prompt_cache import (
     install_prompt_embed_cache,
     uninstall_prompt_embed_cache,
 )
+from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.method_calls import DISABLED_REASON
 from vllm_omni_prompt_cache.store import COLLISION_REASON
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
@@ -106,7 +107,7 @@ def test_a_declared_layout_that_is_not_a_row_layout_keys_calls_whole(encoder, ca
     pipeline = Misdeclared(encoder)
     declared = {} if declared_on_class else {"row_layout": "token-ids"}
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache"):
-        cache = install_prompt_embed_cache(pipeline, **declared)
+        cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, **declared))
     (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("vllm_omni_prompt_cache")]
     assert warning.endswith("is a str, not a RowLayout; calls are keyed whole.")
     first, second = prompt_token_ids(2, seed=4)
@@ -230,7 +231,9 @@ def test_forced_digest_collisions_never_return_a_wrong_embedding(encoder) -> Non
     reference = TokenIdTextPipeline(encoder)
     pipeline = TokenIdTextPipeline(encoder)
     # Every tensor digests to the same 16 bytes: all ids collide on identity.
-    cache = install_prompt_embed_cache(pipeline, max_size=64, digest=lambda buffer: bytes(16))
+    cache = install_prompt_embed_cache(
+        pipeline, max_size=64, settings=PromptEmbedCacheSettings(enabled=True, digest=lambda buffer: bytes(16))
+    )
     token_ids = prompt_token_ids(20, seed=3)
     wrong = 0
     for _ in range(3):
@@ -325,7 +328,11 @@ def test_byte_budget_holds_through_the_wrapper(pipeline) -> None:
     embeds, out_mask = pipeline.encode_prompt(ids, mask)
     per_entry = embeds.untyped_storage().nbytes() + out_mask.untyped_storage().nbytes() + ids.numel() * 8 + mask.numel()
     pipeline = TokenIdTextPipeline(pipeline.text_encoder)
-    cache = install_prompt_embed_cache(pipeline, max_size=100, max_bytes=2 * per_entry + per_entry // 2)
+    cache = install_prompt_embed_cache(
+        pipeline,
+        max_size=100,
+        settings=PromptEmbedCacheSettings(enabled=True, max_bytes=2 * per_entry + per_entry // 2),
+    )
     for ids_list in prompt_token_ids(6, seed=5):
         pipeline.encode_prompt(*collate(ids_list))
         assert cache.stats()["bytes"] <= cache.max_bytes

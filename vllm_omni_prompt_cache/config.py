@@ -9,7 +9,7 @@ value came from and what is allowed; nothing is silently ignored.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_prompt_cache.directory_trust import KEY_ENV, key_id, read_key
+from vllm_omni_prompt_cache.directory_trust import KEY_ENV, MIN_KEY_BYTES, key_id, read_key
 from vllm_omni_prompt_cache.errors import PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.host_tier import HOST_AT_SLEEP
+from vllm_omni_prompt_cache.rows import RowLayout
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -154,8 +155,9 @@ _CLASS_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
 _LAYOUT_REFERENCE = re.compile(r"^([a-z0-9][a-z0-9-]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
 
 
-def _row_layouts(value: Any) -> dict[str, str] | None:
-    """Parse ``CLASS=LAYOUT[,CLASS=LAYOUT...]`` (or a mapping): class paths to layout references."""
+def _row_layouts(value: Any) -> dict[str, Any] | None:
+    """Parse ``CLASS=LAYOUT[,CLASS=LAYOUT...]`` (or a mapping): class paths to layout references, or, given in
+    code, to :class:`~.rows.RowLayout` objects."""
     if isinstance(value, Mapping):
         pairs = list(value.items())
     elif isinstance(value, str):
@@ -167,9 +169,11 @@ def _row_layouts(value: Any) -> dict[str, str] | None:
         return None
     layouts: dict[str, str] = {}
     for class_path, reference in pairs:
-        if not isinstance(class_path, str) or not isinstance(reference, str):
+        if not isinstance(class_path, str) or not _CLASS_PATH.match(class_path) or class_path in layouts:
             return None
-        if not _CLASS_PATH.match(class_path) or not _LAYOUT_REFERENCE.match(reference) or class_path in layouts:
+        if not isinstance(reference, RowLayout) and not (
+            isinstance(reference, str) and _LAYOUT_REFERENCE.match(reference)
+        ):
             return None
         layouts[class_path] = reference
     return layouts
@@ -208,18 +212,54 @@ def _methods(value: Any) -> dict[str, tuple[str, ...]] | None:
     return declared
 
 
+def _function(value: Any) -> Any:
+    return value if callable(value) else None
+
+
+def _key_bytes(value: Any) -> bytes | None:
+    return value if isinstance(value, bytes) and len(value) >= MIN_KEY_BYTES else None
+
+
 @dataclass(frozen=True)
 class Setting:
-    """One setting: its names as a keyword argument, a serve flag and an env var, and its parser."""
+    """One setting: its names as a keyword argument, a serve flag and an env var, its parser, and how --help
+    and the docs table show it. Everything a setting is made into (the kwargs, flags and env vars read, the
+    settings object's attribute, ``install_prompt_embed_cache``'s use of it, the docs table) is read from here.
+
+    A setting without an env var (``env=None``) is given in code only: a function or an object that cannot
+    travel to another process (a digest function, a row layout object); it has no flag and no kwarg.
+    """
 
     name: str  # AsyncOmni / Omni keyword argument and OmniDiffusionConfig field
     field: str  # the PromptEmbedCacheSettings attribute that holds it
-    flag: str
-    env: str
+    flag: str | None
+    env: str | None
     default: Any
-    allowed: str  # what a user may write, for error messages and --help
+    allowed: str  # what a user may write, for error messages, --help and the docs table
     help: str
     convert: Callable[[Any], Any] = field(repr=False, default=lambda value: value)  # None: not allowed
+    metavar: str | None = None  # the flag's value, as --help shows it; None: a boolean flag (--x / --no-x)
+    shown_default: str | None = None  # the default as --help and the docs say it; None: from the value
+    plain: Callable[[Any], Any] | None = field(repr=False, default=None)  # its value as plain data, if not itself
+    none_written: str = "none"  # how None is written where the default is not None ("none": no limit)
+
+    @property
+    def carried(self) -> bool:
+        """Return True for a setting users give (kwarg, flag, env var), which travels to the worker."""
+        return self.env is not None
+
+    @property
+    def described_default(self) -> str:
+        """Return the default as --help and the docs table say it."""
+        if self.shown_default is not None:
+            return self.shown_default
+        if self.default is None:
+            return "no limit"
+        if isinstance(self.default, bool):
+            return "on" if self.default else "off"
+        if isinstance(self.default, dict):
+            return "none"
+        return str(self.default)
 
     def parse(self, value: Any, source: str) -> Any:
         """Return ``value`` validated; raise naming this setting, ``source`` and what is allowed."""
@@ -227,6 +267,14 @@ class Setting:
         if parsed is None:
             raise PromptEmbedCacheConfigError(f"invalid {self.name}={value!r} from {source}: expected {self.allowed}")
         return None if parsed is _NO_LIMIT or parsed is _OFF else parsed
+
+    def plain_value(self, value: Any) -> Any:
+        """Return ``value`` as plain data that :meth:`parse` reads back (None would read as "not given")."""
+        if value is None and self.default is not None:
+            return self.none_written
+        if self.plain is not None:
+            return self.plain(value)
+        return dict(value) if isinstance(value, Mapping) else value
 
 
 ENABLE = Setting(
@@ -248,6 +296,7 @@ MAX_SIZE = Setting(
     "an integer >= 1 (number of cached encode_prompt results)",
     "Most encode_prompt results kept (LRU).",
     _positive_int,
+    metavar="N",
 )
 MAX_BYTES = Setting(
     "prompt_embed_cache_max_bytes",
@@ -258,6 +307,7 @@ MAX_BYTES = Setting(
     "a byte count >= 1, optionally with a unit (512MiB, 2GB, 1.5GiB), or 'none' for no limit",
     "Most bytes of cached tensors (embeddings plus verification bytes); default: no limit.",
     _byte_budget,
+    metavar="BYTES",
 )
 VERIFY = Setting(
     "prompt_embed_cache_verify",
@@ -278,6 +328,7 @@ BACKEND = Setting(
     f"one of {', '.join(BACKENDS)}",
     "Which cache to install: this package's content-keyed one, or vLLM-Omni's own (to compare them).",
     _backend,
+    metavar="{" + ",".join(BACKENDS) + "}",
 )
 
 ROW_LAYOUTS = Setting(
@@ -291,6 +342,7 @@ ROW_LAYOUTS = Setting(
     "or pkg.module:NAME of a RowLayout; each class once",
     "Row layouts for pipeline classes you cannot edit; each is checked against the uncached call on first use.",
     _row_layouts,
+    metavar="CLASS=LAYOUT[,...]",
 )
 
 METHODS = Setting(
@@ -304,6 +356,8 @@ METHODS = Setting(
     "Encode methods to cache besides encode_prompt, for pipeline classes you cannot edit (each keyed, "
     "row-split and counted like encode_prompt; a method must depend only on its arguments).",
     _methods,
+    metavar="CLASS=METHOD[+METHOD][,...]",
+    plain=lambda declared: {class_path: "+".join(names) for class_path, names in declared.items()},
 )
 
 FIND_ENCODES = Setting(
@@ -330,6 +384,9 @@ HOST_BYTES = Setting(
     "tier's own limits; a byte count: also entries its budgets evict, within that budget; 'off': a sleep "
     "clears the cache.",
     _host_budget,
+    metavar="BYTES",
+    shown_default="auto: a level-1 sleep's entries",
+    none_written="off",
 )
 DIRECTORY = Setting(
     "prompt_embed_cache_dir",
@@ -341,6 +398,8 @@ DIRECTORY = Setting(
     "Directory tier: every encoded entry is also written there as a safetensors file, namespaced by the "
     "model's fingerprint; replicas, restarted engines and other nodes on that directory share them. Default: off.",
     _directory,
+    metavar="DIR",
+    shown_default="off",
 )
 DIRECTORY_BYTES = Setting(
     "prompt_embed_cache_dir_bytes",
@@ -351,6 +410,8 @@ DIRECTORY_BYTES = Setting(
     "a byte count >= 1, optionally with a unit (512MiB, 2GB, 1.5GiB), or 'none' for no limit",
     "Most bytes of files in the directory tier (least recently used files go first).",
     _byte_budget,
+    metavar="BYTES",
+    shown_default="16GiB",
 )
 
 DIRECTORY_KEY_FILE = Setting(
@@ -363,6 +424,8 @@ DIRECTORY_KEY_FILE = Setting(
     "Sign every file of the directory tier with this key (HMAC-SHA256) and refuse files without a valid "
     "signature. The key itself may instead be given in OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_KEY. Default: unsigned.",
     _key_file,
+    metavar="FILE",
+    shown_default="none",
 )
 DIRECTORY_GROUP = Setting(
     "prompt_embed_cache_dir_group",
@@ -374,6 +437,8 @@ DIRECTORY_GROUP = Setting(
     "Create the directory tier's directories and files for this group (directories 2770, files 0660) so "
     "its members share them; default: no group or other write.",
     _group,
+    metavar="GROUP",
+    shown_default="none",
 )
 
 ENCODER_ON_MISS = Setting(
@@ -398,8 +463,53 @@ AUDIT = Setting(
     "Re-encode this share of hits and compare with what was served; a difference serves the fresh encode "
     "and turns the cache off for that pipeline class, with a warning. Default: off.",
     _fraction,
+    metavar="FRACTION",
+    shown_default="off",
 )
 
+# Given in code only (no flag, no env var, no kwarg): functions and objects that stay in the process.
+DIGEST = Setting(
+    "digest",
+    "digest",
+    None,
+    None,
+    None,
+    "a function from a buffer of tensor bytes to bytes",
+    "Replaces xxh3-128 as the digest of tensor bytes (tests use a weak one to force collisions).",
+    _function,
+)
+REPORT = Setting(
+    "report",
+    "report",
+    None,
+    None,
+    None,
+    "a function of the cache",
+    "Runs after each call with the cache (the vLLM-Omni worker's rate-limited statistics log line).",
+    _function,
+)
+ROW_LAYOUT = Setting(
+    "row_layout",
+    "row_layout",
+    None,
+    None,
+    None,
+    "a RowLayout",
+    "encode_prompt's row layout, its author's word: its rows are served without a first-use check (anything else "
+    "is refused with a warning when the cache is installed, and calls are keyed whole).",
+)
+DIRECTORY_KEY = Setting(
+    "directory_key",
+    "directory_key",
+    None,
+    None,
+    None,
+    f"bytes, {MIN_KEY_BYTES} or more",
+    f"The directory tier's signing key itself (a worker reads it from {DIRECTORY_KEY_FILE.name} or {KEY_ENV}).",
+    _key_bytes,
+)
+
+#: Every setting, in the order --help and the docs table show them.
 SETTINGS: tuple[Setting, ...] = (
     ENABLE,
     MAX_SIZE,
@@ -416,7 +526,20 @@ SETTINGS: tuple[Setting, ...] = (
     DIRECTORY_GROUP,
     ENCODER_ON_MISS,
     AUDIT,
+    DIGEST,
+    REPORT,
+    ROW_LAYOUT,
+    DIRECTORY_KEY,
 )
+
+
+def carried_settings() -> tuple[Setting, ...]:
+    """Return the settings users give (kwargs, flags, env vars): those that travel to the worker."""
+    return tuple(setting for setting in SETTINGS if setting.carried)
+
+
+def _by_field() -> dict[str, Setting]:
+    return {setting.field: setting for setting in SETTINGS}
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
@@ -436,38 +559,80 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
 KEY_ID = "directory_key_id"
 
 
-@dataclass(frozen=True)
 class PromptEmbedCacheSettings:
-    """Every setting resolved once, with where each value came from (for logs and errors).
+    """Every setting resolved once, with where each value came from (for logs and errors): one attribute per
+    entry of :data:`SETTINGS`, by its ``field`` (``settings.max_bytes``), its default where not given.
 
     This one value travels whole from the engine's constructor to the diffusion worker
-    (:meth:`as_dict` / :meth:`from_dict`: plain values, so any stage config can carry it).
+    (:meth:`as_dict` / :meth:`from_dict`: plain values, so any stage config can carry it), and is what
+    :func:`~.wrapper.install_prompt_embed_cache` takes. Immutable: :meth:`replace` makes a changed copy.
     """
 
-    enabled: bool = ENABLE.default
-    max_size: int = MAX_SIZE.default
-    max_bytes: int | None = MAX_BYTES.default
-    verify: bool = VERIFY.default
-    backend: str = BACKEND.default
-    row_layouts: Mapping[str, str] = field(default_factory=dict)  # class path -> layout reference
-    methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # class path -> method names
-    find_encodes: bool = FIND_ENCODES.default  # watch the text encoders for the methods that feed them
-    host_bytes: int | str | None = HOST_BYTES.default  # None: no host tier; HOST_AT_SLEEP: a sleep's entries
-    directory: str | None = DIRECTORY.default  # None: no directory tier
-    directory_bytes: int | None = DIRECTORY_BYTES.default  # None: no limit
-    directory_key_file: str | None = DIRECTORY_KEY_FILE.default  # None: the key env var, else unsigned
-    directory_group: int | None = DIRECTORY_GROUP.default  # None: files of this user only
-    encoder_on_miss: bool = ENCODER_ON_MISS.default  # text encoders on the device only while a miss encodes
-    audit: float = AUDIT.default  # share of hits re-encoded and compared (0: none)
-    sources: Mapping[str, str] = field(default_factory=dict)
-    #: A name of the directory's signing key that says nothing of it (None: no key), so a worker that
-    #: reads another key, or none, from its own environment refuses to start instead of signing nothing.
-    directory_key_id: str | None = None
+    __slots__ = ("_values", "directory_key_id", "sources")
+
+    def __init__(
+        self,
+        *,
+        sources: Mapping[str, str] | None = None,
+        directory_key_id: str | None = None,
+        **values: Any,
+    ) -> None:
+        by_field = _by_field()
+        unknown = set(values) - set(by_field)
+        if unknown:
+            raise TypeError(f"unknown prompt-embed cache setting(s) {sorted(unknown)}: expected {', '.join(by_field)}")
+        for name, value in values.items():  # code-only values are checked here: no other source checks them
+            setting = by_field[name]
+            if not setting.carried and value is not None:
+                setting.parse(value, "keyword argument")
+        resolved = {
+            name: values[name] if name in values else copy.copy(setting.default) for name, setting in by_field.items()
+        }
+        object.__setattr__(self, "_values", resolved)
+        object.__setattr__(self, "sources", dict(sources or {}))
+        object.__setattr__(self, "directory_key_id", directory_key_id)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return object.__getattribute__(self, "_values")[name]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} has no setting {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable: use replace({name}=...)")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PromptEmbedCacheSettings):
+            return NotImplemented
+        return (self._values, self.sources, self.directory_key_id) == (
+            other._values,
+            other.sources,
+            other.directory_key_id,
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mappings among its values
+
+    def __repr__(self) -> str:
+        given = ", ".join(f"{name}={value!r}" for name, value in self._values.items())
+        return f"{type(self).__name__}({given})"
+
+    def replace(self, **changes: Any) -> PromptEmbedCacheSettings:
+        """Return a copy with ``changes`` (by field; ``sources`` and ``directory_key_id`` too)."""
+        sources = changes.pop("sources", self.sources)
+        key_id_now = changes.pop("directory_key_id", self.directory_key_id)
+        return PromptEmbedCacheSettings(**{**self._values, **changes}, sources=sources, directory_key_id=key_id_now)
 
     def as_dict(self) -> dict[str, Any]:
-        """Return the settings as plain values keyed by setting name, plus their sources."""
+        """Return the settings as plain values keyed by setting name, plus their sources. Raises for a
+        setting given in code only (a function, an object), which cannot travel."""
+        for setting in SETTINGS:
+            if not setting.carried and self._values[setting.field] is not None:
+                raise PromptEmbedCacheConfigError(
+                    f"{setting.name} is given in code only and cannot travel to another process; install the "
+                    "cache with it in the process that holds the pipeline"
+                )
         return {
-            **{setting.name: _plain(setting, getattr(self, setting.field)) for setting in SETTINGS},
+            **{setting.name: setting.plain_value(self._values[setting.field]) for setting in carried_settings()},
             "sources": dict(self.sources),
             KEY_ID: self.directory_key_id,
         }
@@ -475,15 +640,15 @@ class PromptEmbedCacheSettings:
     @classmethod
     def from_dict(cls, carried: Mapping[str, Any], source: str) -> PromptEmbedCacheSettings:
         """Return the settings :meth:`as_dict` wrote, validating each value again (it crossed a boundary)."""
-        unknown = set(carried) - {setting.name for setting in SETTINGS} - {"sources", KEY_ID}
+        names = [setting.name for setting in carried_settings()]
+        unknown = set(carried) - set(names) - {"sources", KEY_ID}
         if unknown:
             raise PromptEmbedCacheConfigError(
-                f"unknown prompt-embed cache setting(s) {sorted(unknown)} in {source}: "
-                f"expected {', '.join(setting.name for setting in SETTINGS)}"
+                f"unknown prompt-embed cache setting(s) {sorted(unknown)} in {source}: expected {', '.join(names)}"
             )
         values = {
             setting.field: setting.parse(carried[setting.name], f"{source} {setting.name}")
-            for setting in SETTINGS
+            for setting in carried_settings()
             if carried.get(setting.name) is not None
         }
         settings = _checked(cls(**values, sources=dict(carried.get("sources") or {})))
@@ -497,15 +662,6 @@ class PromptEmbedCacheSettings:
         return settings
 
 
-def _plain(setting: Setting, value: Any) -> Any:
-    if value is None and setting.default is not None:
-        # No limit (or no host tier), where the default is one: None would read back as "not given".
-        return "off" if setting is HOST_BYTES else "none"
-    if setting is METHODS:
-        return {class_path: "+".join(names) for class_path, names in value.items()}
-    return dict(value) if isinstance(value, Mapping) else value
-
-
 def resolve_settings(
     given: Mapping[str, Any],
     *,
@@ -516,16 +672,17 @@ def resolve_settings(
 
     Each setting: its env var, else the given value, else its default.
     """
-    unknown = set(given) - {setting.name for setting in SETTINGS}
+    settings = carried_settings()
+    unknown = set(given) - {setting.name for setting in settings}
     if unknown:
         raise PromptEmbedCacheConfigError(
             f"unknown prompt-embed cache setting(s) {sorted(unknown)} from {source}: "
-            f"expected {', '.join(setting.name for setting in SETTINGS)}"
+            f"expected {', '.join(setting.name for setting in settings)}"
         )
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for setting in SETTINGS:
+    for setting in settings:
         if setting.env in environ:
             origin = f"environment variable {setting.env}"
             values[setting.field] = setting.parse(environ[setting.env], origin)
@@ -556,36 +713,27 @@ def _checked(settings: PromptEmbedCacheSettings, environ: Mapping[str, str] | No
                 f"{' and '.join(given)} set, but {DIRECTORY.name} is not: they apply to the directory tier only "
                 f"(give {DIRECTORY.name}, or unset them)"
             )
-    return dataclasses.replace(settings, directory_key_id=key_id(key))
+    return settings.replace(directory_key_id=key_id(key))
 
 
 def resolve_prompt_embed_cache_settings(
     *,
-    enable: bool | str | None = None,
-    max_size: int | str | None = None,
-    max_bytes: int | str | None = None,
-    verify: bool | str | None = None,
-    backend: str | None = None,
-    row_layouts: Mapping[str, str] | str | None = None,
-    methods: Mapping[str, str] | str | None = None,
-    find_encodes: bool | str | None = None,
-    host_bytes: int | str | None = None,
-    directory: str | os.PathLike | None = None,
-    directory_bytes: int | str | None = None,
-    directory_key_file: str | os.PathLike | None = None,
-    directory_group: str | int | None = None,
-    encoder_on_miss: bool | str | None = None,
-    audit: float | str | None = None,
     source: str = "keyword argument",
     environ: Mapping[str, str] | None = None,
+    **given: Any,
 ) -> PromptEmbedCacheSettings:
-    """Return every setting resolved: env var, else the given value (None = not given), else default."""
-    given = {ENABLE.name: enable, MAX_SIZE.name: max_size, MAX_BYTES.name: max_bytes, VERIFY.name: verify}
-    given.update({BACKEND.name: backend, ROW_LAYOUTS.name: row_layouts, HOST_BYTES.name: host_bytes})
-    given.update({DIRECTORY.name: directory, DIRECTORY_BYTES.name: directory_bytes, METHODS.name: methods})
-    given.update({DIRECTORY_KEY_FILE.name: directory_key_file, DIRECTORY_GROUP.name: directory_group})
-    given.update({ENCODER_ON_MISS.name: encoder_on_miss, AUDIT.name: audit, FIND_ENCODES.name: find_encodes})
-    return resolve_settings(given, source=source, environ=environ)
+    """Return every setting resolved: env var, else the given value (None = not given), else default.
+
+    ``given``: values by the settings' field names (``max_bytes=...``, ``directory=...``), ``enable`` for
+    :data:`ENABLE` as :func:`resolve_prompt_embed_cache_config` names it.
+    """
+    by_keyword = {setting.field: setting for setting in carried_settings()}
+    by_keyword["enable"] = by_keyword.pop(ENABLE.field)
+    unknown = set(given) - set(by_keyword)
+    if unknown:
+        raise TypeError(f"unknown setting(s) {sorted(unknown)}: expected {', '.join(by_keyword)}")
+    named = {by_keyword[keyword].name: value for keyword, value in given.items()}
+    return resolve_settings(named, source=source, environ=environ)
 
 
 def resolve_prompt_embed_cache_config(
@@ -595,3 +743,35 @@ def resolve_prompt_embed_cache_config(
     """Return ``(enabled, max_size)`` with upstream's signature and env vars, but strict validation."""
     settings = resolve_prompt_embed_cache_settings(enable=enable, max_size=max_size)
     return settings.enabled, settings.max_size
+
+
+#: Where docs/user-guide.md holds :func:`settings_table` (the lines between them are replaced whole).
+TABLE_START = "<!-- settings table: made from config.SETTINGS by `make docs-table`; edit there -->"
+TABLE_END = "<!-- end of the settings table -->"
+
+
+def settings_table() -> str:
+    """Return the Markdown table of every carried setting: kwarg, serve flag, env var, allowed, default."""
+    rows = ["| kwarg | serve flag | env var | allowed | default |", "|---|---|---|---|---|"]
+    for setting in carried_settings():
+        if setting.metavar is None:
+            flag = f"`{setting.flag}` / `--no-{setting.flag.removeprefix('--')}`"
+        else:
+            flag = f"`{setting.flag} {setting.metavar}`"
+        allowed = setting.allowed.replace("|", "\\|")
+        rows.append(f"| `{setting.name}` | {flag} | `{setting.env}` | {allowed} | {setting.described_default} |")
+    rows.append(
+        f"| (none: the key itself) | (none: a flag's value shows in `ps`) | `{KEY_ENV}` | the signing key, "
+        f"{MIN_KEY_BYTES} bytes or more; not with the key file | unsigned |"
+    )
+    return "\n".join(rows)
+
+
+def write_settings_table(path: str | os.PathLike) -> None:
+    """Replace the table between :data:`TABLE_START` and :data:`TABLE_END` in ``path`` by :func:`settings_table`."""
+    text = Path(path).read_text()
+    before, start, rest = text.partition(TABLE_START)
+    _, end, after = rest.partition(TABLE_END)
+    if not start or not end:
+        raise ValueError(f"{path} has no {TABLE_START!r} ... {TABLE_END!r} to write the settings table between")
+    Path(path).write_text(f"{before}{TABLE_START}\n{settings_table()}\n{TABLE_END}{after}")

@@ -38,7 +38,6 @@ SIGNATURE_FIELD = "signature"
 #: Modes of what this package creates: without a shared group, and with one.
 PRIVATE_DIRECTORY_MODE, PRIVATE_FILE_MODE = 0o755, 0o644
 GROUP_DIRECTORY_MODE, GROUP_FILE_MODE = 0o2770, 0o660
-_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 def read_key(key_file: str | None, source: str, environ: Mapping[str, str] | None = None) -> bytes | None:

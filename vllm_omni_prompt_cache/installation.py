@@ -1,7 +1,8 @@
 """One wrapped pipeline's state, and the function that replaces each of its encode methods.
 
-:class:`Installation` is the one object the cache sets on a pipeline besides upstream's two
-attributes (``_prompt_embed_cache``, ``_prompt_embed_cache_original_fn``): the store, each wrapped
+:class:`Installation` is what the cache sets on a pipeline besides upstream's two attributes
+(``_prompt_embed_cache``, ``_prompt_embed_cache_original_fn``) and, where the text encoders are placed on a
+miss, the placement (:data:`~.residency.PLACEMENT_ATTRIBUTE`): the store, each wrapped
 method's original, layout proof and state, and the encoder watch that finds more methods while the
 pipeline runs (see :mod:`.discovery`). Each wrapped method's calls are served by a
 :class:`~.method_calls.MethodCalls`, entered through :func:`_cached`.

@@ -265,13 +265,17 @@ def row_layout_for(pipeline: Any) -> RowLayout | None:
     return find_row_layout(pipeline, {})[0]
 
 
-def resolve_declared_layouts(references: Mapping[str, str], source: str) -> dict[str, RowLayout]:
-    """Return the user's layouts by class path: each reference a proven layout's name or ``module:NAME``.
+def resolve_declared_layouts(references: Mapping[str, str | RowLayout], source: str) -> dict[str, RowLayout]:
+    """Return the user's layouts by class path: each reference a proven layout's name or ``module:NAME`` (or,
+    given in code, the layout itself).
 
     Raises PromptEmbedCacheConfigError naming the setting, ``source`` and what is allowed.
     """
     layouts: dict[str, RowLayout] = {}
     for class_path, reference in references.items():
+        if isinstance(reference, RowLayout):  # given in code: the layout itself
+            layouts[class_path] = reference
+            continue
         where = f"invalid {ROW_LAYOUTS.name} entry {class_path}={reference} from {source}"
         if ":" not in reference:
             proven = PROVEN_LAYOUTS.get(reference)

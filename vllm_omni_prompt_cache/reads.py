@@ -85,7 +85,7 @@ _INFRASTRUCTURE: tuple[type, ...] = (
 def classify(name: str, value: Any) -> str | None:
     """Return how an instance attribute read stands in a key: COMPONENT, DATA, or None (code: not at all).
 
-    DATA values that cannot be keyed are found by keying them (see :meth:`MethodState.unkeyable`).
+    Whether a DATA value can be keyed is found by keying it (see :meth:`MethodState.learn`).
     """
     if isinstance(value, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, *_INFRASTRUCTURE)):
         return None

@@ -10,7 +10,8 @@ see :mod:`.reads`), the store (budgets, verification, single-flight, bypass reas
 the declared ones, and those found by watching the text encoders (see :mod:`.discovery`), each keyed,
 split and counted on its own in one shared store.
 
-:func:`install_prompt_embed_cache`'s settings:
+:func:`install_prompt_embed_cache`'s settings (``max_size`` and ``enabled`` as keywords, as upstream's; each
+of the others an attribute of the one :class:`~.config.PromptEmbedCacheSettings` it takes):
 
 * Methods: ``encode_prompt``, and ``methods[class path]`` (a user's declarations, for classes they
   cannot edit; the path is ``module.qualname`` where the class is defined, as
@@ -48,14 +49,14 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.audit import off_reason as audit_off_reason
-from vllm_omni_prompt_cache.config import DIRECTORY_BYTES
+from vllm_omni_prompt_cache.config import ROW_LAYOUTS, PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.directory_trust import Modes
@@ -74,9 +75,9 @@ from vllm_omni_prompt_cache.installation import (
     Installation,
     restore,
 )
+from vllm_omni_prompt_cache.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.methods import EncodeMethod, find_encode_methods
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
-from vllm_omni_prompt_cache.rows import RowLayout
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 
 __all__ = ["PLACEMENT_ATTRIBUTE", "install_prompt_embed_cache", "uninstall_prompt_embed_cache"]
@@ -87,39 +88,45 @@ logger = logging.getLogger(__name__)
 def install_prompt_embed_cache(
     pipeline: Any,
     *,
-    max_size: int = 32,
-    enabled: bool = True,
+    max_size: int | None = None,
+    enabled: bool | None = None,
     model_tag: str | None = None,
-    max_bytes: int | None = None,
-    verify: bool = True,
-    digest: Callable[[Any], bytes] | None = None,
-    report: Callable[[PromptEmbedCache], None] | None = None,
-    row_layout: RowLayout | None = None,
-    row_layouts: Mapping[str, RowLayout] | None = None,
-    host_bytes: int | str | None = HOST_AT_SLEEP,
-    directory: str | os.PathLike | None = None,
-    directory_bytes: int | None = DIRECTORY_BYTES.default,
-    methods: Mapping[str, Sequence[str]] | None = None,
-    directory_key: bytes | None = None,
-    directory_group: int | None = None,
-    audit: float = 0.0,
-    find_encodes: bool = True,
+    settings: PromptEmbedCacheSettings | None = None,
 ) -> PromptEmbedCache | None:
-    """Wrap ``pipeline``'s encode methods with one content-keyed cache; return the cache or None (see the module)."""
+    """Wrap ``pipeline``'s encode methods with one content-keyed cache; return the cache or None (see the module).
+
+    ``max_size``, ``enabled`` and ``model_tag`` are upstream's keywords; every other setting is in
+    ``settings`` (see :data:`~.config.SETTINGS`). A keyword given wins over ``settings``; without
+    ``settings`` the cache is enabled with 32 entries, as upstream's.
+    """
     if (existing := getattr(pipeline, CACHE_ATTRIBUTE, None)) is not None:
         return existing
-    wrapped = _readable_methods(pipeline, find_encode_methods(pipeline, methods))
+    settings = PromptEmbedCacheSettings(enabled=True) if settings is None else settings
+    enabled = settings.enabled if enabled is None else enabled
+    max_size = settings.max_size if max_size is None else max_size
+    wrapped = _readable_methods(pipeline, find_encode_methods(pipeline, settings.methods))
+    find_encodes = settings.find_encodes
     watchable = find_encodes and any(holds_token_embedding(module) for module in child_modules(pipeline).values())
     if not wrapped and not watchable:
         logger.debug("Prompt-embed cache: %s has no encode method to wrap; skipping.", type(pipeline).__name__)
         return None
     tag = model_tag or type(pipeline).__name__
-    tier = _directory_tier(pipeline, wrapped, tag, directory, directory_bytes, directory_key, directory_group)
+    tier = _directory_tier(pipeline, wrapped, tag, settings)
     cache = PromptEmbedCache(
-        max_size=max_size, enabled=enabled, max_bytes=max_bytes, verify=verify, host_bytes=host_bytes, directory=tier
+        max_size=max_size,
+        enabled=enabled,
+        max_bytes=settings.max_bytes,
+        verify=settings.verify,
+        host_bytes=settings.host_bytes,
+        directory=tier,
     )
-    _set_audit(cache, audit, type(pipeline))
-    installation = Installation(pipeline, cache, tag, digest, report, row_layout, row_layouts)
+    _set_audit(cache, settings.audit, type(pipeline))
+    row_layouts = resolve_declared_layouts(
+        settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, "keyword argument")
+    )
+    installation = Installation(
+        pipeline, cache, tag, settings.digest, settings.report, settings.row_layout, row_layouts
+    )
     for method, encode_fn, signature in wrapped:
         installation.wrap(method.name, method.source, encode_fn, signature, inferred=False)
     if find_encodes:
@@ -131,11 +138,11 @@ def install_prompt_embed_cache(
         "host tier: %s, directory tier: %s, rows: %s, methods: %s; finding encodes: %s.",
         tag,
         max_size,
-        "unlimited" if max_bytes is None else max_bytes,
-        verify,
+        "unlimited" if settings.max_bytes is None else settings.max_bytes,
+        settings.verify,
         enabled,
-        _host_described(host_bytes),
-        _directory_described(directory, directory_bytes),
+        _host_described(settings.host_bytes),
+        _directory_described(settings.directory, settings.directory_bytes),
         _rows_described(installation),
         "; ".join(f"{method.name} ({method.source})" for method, _, _ in wrapped) or "none yet",
         _watch_described(installation, find_encodes),
@@ -197,17 +204,11 @@ def _set_audit(cache: PromptEmbedCache, share: float, kind: type) -> None:
 
 
 def _directory_tier(
-    pipeline: Any,
-    wrapped: Sequence[tuple[EncodeMethod, Any, Any]],
-    tag: str,
-    directory: str | os.PathLike | None,
-    directory_bytes: int | None,
-    directory_key: bytes | None,
-    directory_group: int | None,
+    pipeline: Any, wrapped: Sequence[tuple[EncodeMethod, Any, Any]], tag: str, settings: PromptEmbedCacheSettings
 ) -> DirectoryTier | None:
-    """Return the directory tier for ``pipeline`` (None: no ``directory``), namespaced by its fingerprint
-    (see :mod:`.fingerprint`)."""
-    if directory is None:
+    """Return the directory tier for ``pipeline`` (None: no ``settings.directory``), namespaced by its
+    fingerprint (see :mod:`.fingerprint`)."""
+    if settings.directory is None:
         return None
     try:
         encode_prompt = next((fn for method, fn, _ in wrapped if method.name == ENCODE_PROMPT), None)
@@ -215,12 +216,12 @@ def _directory_tier(
     except Exception as error:  # a tokenizer or processor we cannot read: no directory, no error
         fixed = f"its code and configuration could not be fingerprinted ({type(error).__qualname__}: {error})"
     return DirectoryTier(
-        directory,
-        directory_bytes,
+        settings.directory,
+        settings.directory_bytes,
         lambda: fixed if isinstance(fixed, str) else pipeline_fingerprint(pipeline, fixed),
         local_device=functools.partial(_local_device, pipeline),
-        key=directory_key,
-        modes=Modes(directory_group),
+        key=settings.directory_key,
+        modes=Modes(settings.directory_group),
     )
 
 

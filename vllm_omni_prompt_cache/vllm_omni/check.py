@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from vllm_omni_prompt_cache.config import (
     ENABLE,
-    SETTINGS,
     PromptEmbedCacheConfigError,
+    carried_settings,
     env_flag,
     resolve_prompt_embed_cache_settings,
 )
@@ -73,7 +73,9 @@ def check(say: Callable[[str], None] = print) -> int:
     except PromptEmbedCacheConfigError as error:
         problems.append(str(error))
     else:
-        from_env = [setting for setting in SETTINGS if settings.sources[setting.name].startswith("environment")]
+        from_env = [
+            setting for setting in carried_settings() if settings.sources[setting.name].startswith("environment")
+        ]
         if from_env:
             values = (f"{setting.env}: {setting.name}={getattr(settings, setting.field)!r}" for setting in from_env)
             say("from the environment (over kwargs and flags): " + ", ".join(values))

@@ -14,24 +14,7 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import (
-    AUDIT,
-    BACKEND,
-    BACKENDS,
-    DIRECTORY,
-    DIRECTORY_BYTES,
-    DIRECTORY_GROUP,
-    DIRECTORY_KEY_FILE,
-    ENABLE,
-    ENCODER_ON_MISS,
-    HOST_BYTES,
-    MAX_BYTES,
-    MAX_SIZE,
-    METHODS,
-    ROW_LAYOUTS,
-    VERIFY,
-    Setting,
-)
+from vllm_omni_prompt_cache.config import MAX_BYTES, Setting, carried_settings
 from vllm_omni_prompt_cache.routing import DEFAULT_EPSILON, EPSILON_ENV, epsilon_from_env
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
@@ -65,56 +48,32 @@ def setting_type(setting: Setting, flag: str | None = None) -> Any:
     return parse
 
 
-def _describe_default(setting: Setting) -> str:
-    if setting is HOST_BYTES:
-        return "auto: a level-1 sleep's entries"
-    if setting is DIRECTORY:
-        return "off"
-    if setting in (DIRECTORY_KEY_FILE, DIRECTORY_GROUP):
-        return "none"
-    if setting is DIRECTORY_BYTES:
-        return f"{setting.default // 2**30}GiB"
-    if setting is AUDIT:
-        return "off"
-    if setting.default is None:
-        return "no limit"
-    if isinstance(setting.default, bool):
-        return "on" if setting.default else "off"
-    if isinstance(setting.default, dict):
-        return "none"
-    return str(setting.default)
-
-
 def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the cache flags to ``parser`` under one titled group; a second call does nothing."""
+    """Add a flag for every carried setting (see :data:`~...config.SETTINGS`) to ``parser`` under one titled
+    group; a second call does nothing."""
     if MAX_BYTES.flag in parser._option_string_actions:
         return
     group = parser.add_argument_group(GROUP_TITLE, GROUP_DESCRIPTION)
-    for setting in (ENABLE, VERIFY, ENCODER_ON_MISS):
+    for setting in carried_settings():
         if setting.flag in parser._option_string_actions:
             continue  # a future vLLM-Omni may define it itself
-        group.add_argument(
-            setting.flag,
-            dest=setting.name,
-            action=argparse.BooleanOptionalAction,
-            default=argparse.SUPPRESS,  # absent unless given: vLLM-Omni's default or the env var applies
-            help=f"{setting.help} Default: {_describe_default(setting)}. Env: {setting.env}.",
-        )
-    valued = ((MAX_SIZE, "N"), (MAX_BYTES, "BYTES"), (BACKEND, "{" + ",".join(BACKENDS) + "}"), (AUDIT, "FRACTION"))
-    tiers = ((HOST_BYTES, "BYTES"), (DIRECTORY, "DIR"), (DIRECTORY_BYTES, "BYTES"))
-    tiers += ((DIRECTORY_KEY_FILE, "FILE"), (DIRECTORY_GROUP, "GROUP"))
-    declared = ((ROW_LAYOUTS, "CLASS=LAYOUT[,...]"), (METHODS, "CLASS=METHOD[+METHOD][,...]"))
-    for setting, metavar in (*valued, *declared, *tiers):
-        if setting.flag in parser._option_string_actions:
+        default = f"Default: {setting.described_default}. Env: {setting.env}."
+        if setting.metavar is None:  # a boolean: --x / --no-x
+            group.add_argument(
+                setting.flag,
+                dest=setting.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,  # absent unless given: vLLM-Omni's default or the env var applies
+                help=f"{setting.help} {default}".replace("%", "%%"),
+            )
             continue
         group.add_argument(
             setting.flag,
             dest=setting.name,
             type=setting_type(setting),
             default=argparse.SUPPRESS,
-            metavar=metavar,
-            help=f"{setting.help} Allowed: {setting.allowed}. Default: {_describe_default(setting)}. "
-            f"Env: {setting.env}.".replace("%", "%%"),  # argparse formats help with %
+            metavar=setting.metavar,
+            help=f"{setting.help} Allowed: {setting.allowed}. {default}".replace("%", "%%"),  # argparse formats with %
         )
 
 

@@ -22,12 +22,10 @@ from vllm_omni_prompt_cache.config import (
     DIRECTORY_KEY_FILE,
     ENCODER_ON_MISS,
     METHODS,
-    ROW_LAYOUTS,
     PromptEmbedCacheConfigError,
     PromptEmbedCacheSettings,
 )
 from vllm_omni_prompt_cache.directory_trust import read_key
-from vllm_omni_prompt_cache.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.methods import resolve_declared_methods
 from vllm_omni_prompt_cache.residency import (
     PLACEMENT_ATTRIBUTE,
@@ -160,25 +158,14 @@ def install_for_stage(
         return upstream.install_prompt_embed_cache(
             pipeline, max_size=settings.max_size, enabled=True, model_tag=model_tag
         )
-    cache = install_prompt_embed_cache(
-        pipeline,
-        max_size=settings.max_size,
-        model_tag=model_tag,
-        max_bytes=settings.max_bytes,
-        verify=settings.verify,
-        report=StatsLogger(STATS_LOG_INTERVAL_S),
-        row_layouts=resolve_declared_layouts(
-            settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, "the stage's settings")
-        ),
-        host_bytes=settings.host_bytes,
+    placed = settings.replace(
         directory=directory,
-        directory_bytes=settings.directory_bytes,
-        directory_key=None if directory is None else read_key(settings.directory_key_file, key_source),
-        directory_group=settings.directory_group,
         audit=audit,
+        report=StatsLogger(STATS_LOG_INTERVAL_S),
+        directory_key=None if directory is None else read_key(settings.directory_key_file, key_source),
         methods=resolve_declared_methods(settings.methods, settings.sources.get(METHODS.name, "the stage's settings")),
-        find_encodes=settings.find_encodes,
     )
+    cache = install_prompt_embed_cache(pipeline, enabled=True, model_tag=model_tag, settings=placed)
     if cache is not None:
         watch_weight_loads(pipeline)
         _count_encoder_moves(pipeline, cache, settings)

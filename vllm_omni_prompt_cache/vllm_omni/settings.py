@@ -34,9 +34,9 @@ from vllm_omni_prompt_cache.config import (
     ENABLE,
     MAX_SIZE,
     ROW_LAYOUTS,
-    SETTINGS,
     PromptEmbedCacheConfigError,
     PromptEmbedCacheSettings,
+    carried_settings,
     resolve_settings,
 )
 from vllm_omni_prompt_cache.layouts import resolve_declared_layouts
@@ -76,7 +76,7 @@ def patch_legacy_deploy_config(module: ModuleType) -> None:
 
 def _resolved_in_caller(kwargs: dict[str, Any]) -> tuple[PromptEmbedCacheSettings, dict[str, Any]]:
     """Resolve our settings from ``kwargs`` (and the environment); return them and the kwargs vLLM-Omni knows."""
-    given = {setting.name: kwargs.get(setting.name) for setting in SETTINGS}
+    given = {setting.name: kwargs.get(setting.name) for setting in carried_settings()}
     # vLLM-Omni refuses (0.30) or drops (0.27, 0.28) keyword arguments it does not know; its own two stay.
     kwargs = {name: value for name, value in kwargs.items() if name not in given or name in _UPSTREAM_SETTINGS}
     settings = resolve_settings(given, source=KWARG_SOURCE)
@@ -171,8 +171,8 @@ def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -
     vLLM-Omni merges over the deploy YAML's extras. A stage whose extras already hold the resolved
     settings (the generic builder ran first) is left alone.
     """
-    names = [setting.name for setting in SETTINGS]
-    if not any(key in names or _STAGE_SCOPED.match(key) for key in overrides):
+    names = [setting.name for setting in carried_settings()]
+    if not any(key in names or _stage_scoped(key) for key in overrides):
         return dict(overrides)
     top_level = {name: overrides[name] for name in names if overrides.get(name) is not None}
     result = {key: value for key, value in overrides.items() if key not in names}  # None means not given
@@ -194,8 +194,8 @@ def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -
         if ours:
             result[f"{prefix}extras"] = {**extras, EXTRAS_KEY: {**(extras.get(EXTRAS_KEY) or {}), **ours}}
     stray = []
-    for key in [key for key in result if _STAGE_SCOPED.match(key)]:
-        if int(_STAGE_SCOPED.match(key)[1]) in diffusion_stages:
+    for key in [key for key in result if _stage_scoped(key)]:
+        if int(_stage_scoped(key)[1]) in diffusion_stages:
             continue  # a stage the generic builder already resolved
         if result.pop(key) is not None:
             stray.append(key)
@@ -208,8 +208,10 @@ def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -
     return result
 
 
-#: ``stage_<id>_<setting>`` for any of our settings.
-_STAGE_SCOPED = re.compile(r"^stage_(\d+)_(" + "|".join(re.escape(setting.name) for setting in SETTINGS) + r")$")
+def _stage_scoped(key: str) -> re.Match[str] | None:
+    """Match ``stage_N_<setting name>``: group 1 the stage, group 2 the setting."""
+    names = "|".join(re.escape(setting.name) for setting in carried_settings())
+    return re.match(r"^stage_(\d+)_(" + names + r")$", key)
 
 
 def _is_diffusion(stage: Any) -> bool:
