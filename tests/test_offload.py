@@ -175,7 +175,7 @@ def test_the_memory_profile_runs_every_encode_as_a_miss_with_the_encoders_placed
 
 class TwoTextEncoders(TokenIdTextPipeline):
     """Two text encoders (as FLUX's CLIP and T5), a DiT, and a module named beside them that runs after
-    the encode (as LTX-2's ``connectors``): only ``text_encoder*`` are text encoders."""
+    the encode (as LTX-2's ``connectors``): only the two whose input is token ids are text encoders."""
 
     def __init__(self) -> None:
         super().__init__(build_qwen2_encoder())

@@ -1,14 +1,13 @@
 """Which of a pipeline's methods encode prompts, found by watching its text encoders, and what each was seen to do.
 
-A pipeline's text encoders are modules that turn integer token ids into hidden states through a
-token embedding. :class:`EncoderWatch` puts a forward pre-hook on each child module that holds an
-``nn.Embedding``; when one is called with an integer tensor outside every method the cache
-already wraps, the methods of the pipeline on the call stack, from the outermost inwards, become
-candidates (:func:`calling_methods`). The wrapper tries the outermost one first and moves inwards
-as each is refuted on its first call (:class:`Observation`): arguments that cannot be keyed, a call
-that returns nothing, runs another child module (the DiT, the VAE), changes its arguments, or runs
-collectives. Class and module names play no part: an adapter verl-omni adds tomorrow is found the
-same way.
+A pipeline's text encoders are the child modules whose input is token ids (see :mod:`.text_encoders`).
+:class:`EncoderWatch` puts a forward pre-hook on each of their token embeddings; when one is called
+with an integer tensor outside every method the cache already wraps, the methods of the pipeline on
+the call stack, from the outermost inwards, become candidates (:func:`calling_methods`). The
+wrapper tries the outermost one first and moves inwards as each is refuted on its first call
+(:class:`Observation`): arguments that cannot be keyed, a call that returns nothing, runs another
+child module (the DiT, the VAE), changes its arguments, or runs collectives. Class and module
+names play no part: an adapter verl-omni adds tomorrow is found the same way.
 
 :class:`MethodState` is what the cache knows about one wrapped method: how it was found, what
 its calls read (see :mod:`.reads`), whether its first hit still has to be checked, or why it is
@@ -39,36 +38,11 @@ from vllm_omni_prompt_cache.reads import (
     original_class,
     unreplayable,
 )
+from vllm_omni_prompt_cache.text_encoders import child_modules, token_embeddings
 
 #: Operator namespaces whose ops are collectives (torch.distributed's, and vLLM's custom ones by name).
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "broadcast", "reduce_scatter", "all_to_all")
-
-
-def child_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
-    """Return the pipeline's direct child modules by attribute name (a torch module's children, else its attributes)."""
-    if isinstance(pipeline, torch.nn.Module):
-        return dict(pipeline.named_children())
-    try:
-        attributes = vars(pipeline)
-    except TypeError:
-        return {}
-    return {name: value for name, value in attributes.items() if isinstance(value, torch.nn.Module)}
-
-
-def holds_token_embedding(module: torch.nn.Module) -> bool:
-    """Return True when ``module`` has an ``nn.Embedding`` inside: what turns token ids into vectors."""
-    return any(isinstance(part, torch.nn.Embedding) for part in module.modules())
-
-
-def token_embeddings(pipeline: Any) -> dict[str, list[torch.nn.Embedding]]:
-    """Return the ``nn.Embedding`` modules inside each child module of the pipeline, by child name."""
-    found = {}
-    for name, module in child_modules(pipeline).items():
-        embeddings = [part for part in module.modules() if isinstance(part, torch.nn.Embedding)]
-        if embeddings:
-            found[name] = embeddings
-    return found
 
 
 def has_token_ids(args: tuple) -> bool:
@@ -148,9 +122,9 @@ def _defines(kind: type, name: str, code: Any) -> bool:
 
 
 class EncoderWatch:
-    """Forward pre-hooks on the token embeddings of a pipeline's child modules that report encodes no
-    wrapped method covers: a child whose embedding is fed integer ids is a text encoder, however it
-    is called (with ids, or with text it tokenizes itself).
+    """Forward pre-hooks on the token embeddings of a pipeline's text encoders that report encodes no
+    wrapped method covers: an encoder whose embedding is fed integer ids ran, however it was called
+    (with ids, or with text it tokenizes itself).
 
     ``covered()`` says whether the current thread is inside a method the cache serves;
     ``found(calls, encoder)`` receives the calling methods, ``(name, frame)`` outermost first.

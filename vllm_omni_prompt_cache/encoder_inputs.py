@@ -6,8 +6,8 @@ place, a ``ContextVar``, a module-level dict. Whatever the path, the ids end up 
 encoder's forward: that boundary is the one input no adapter can hide.
 
 So every encode that makes an entry runs under an :class:`EncoderGate` that records its **encoder
-input**: the arguments (positional and keyword) of its first call into a text encoder, that is a child
-module of the pipeline holding an ``nn.Embedding``, or any module between it and that embedding. The
+input**: the arguments (positional and keyword) of its first call into a text encoder (a child module
+whose input is token ids, see :mod:`.text_encoders`), or any module between it and its token embedding. The
 record is a BLAKE2b-256 digest of their canonical form (:mod:`.keys`: dtype, shape and bytes of every
 tensor, never the device), kept with the entry (:func:`seal`). Before a hit is served, the method runs
 again up to that same point, and the gate compares what would reach the encoder now with the record:
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.discovery import holds_token_embedding
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, value_key
+from vllm_omni_prompt_cache.text_encoders import is_text_encoder, is_token_embedding
 
 #: Marks an entry whose value carries its encoder-input record: ``(SEALED, record, value)``.
 SEALED = "prompt-embed-cache:encoder-input"
@@ -131,8 +131,8 @@ class GateRun:
 
 
 class EncoderGate:
-    """Forward pre-hooks on the pipeline's text encoders (each child module that holds an ``nn.Embedding``,
-    and every module between it and its embeddings) that record or check the first encoder call of a run.
+    """Forward pre-hooks on the pipeline's text encoders (:func:`~.text_encoders.text_encoders`, and every
+    module between each and its token embeddings) that record or check the first encoder call of a run.
 
     The hooks are first in each module's list, before any hook that places the encoder on the device (an
     offload's, the cache's own placement), and cost one thread-local read outside a run.
@@ -154,7 +154,7 @@ class EncoderGate:
         if seen == self._children_seen:  # the common case, on every run: nothing was replaced
             return
         with self._lock:
-            children = {name: module for name, module in every.items() if holds_token_embedding(module)}
+            children = {name: module for name, module in every.items() if is_text_encoder(module)}
             if {name: id(module) for name, module in children.items()} == self._hooked:
                 self._children_seen = seen  # another child changed (a DiT reloaded): the hooks stand
                 return
@@ -221,10 +221,10 @@ class EncoderGate:
 
 
 def _paths_to_embeddings(name: str, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Return ``(qualified name, module)`` for ``module`` and each module under it on the way to an ``nn.Embedding``."""
+    """Return ``(qualified name, module)`` for ``module`` and each module under it on the way to a token embedding."""
     on_the_way = {""}
     for path, part in module.named_modules(remove_duplicate=False):  # T5's embedding sits under two names
-        if isinstance(part, torch.nn.Embedding):
+        if is_token_embedding(part):
             steps = path.split(".")
             on_the_way.update(".".join(steps[:depth]) for depth in range(1, len(steps) + 1))
     found: dict[int, tuple[str, torch.nn.Module]] = {}

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import xxhash
 
+from vllm_omni_prompt_cache.text_encoders import text_encoders
+
 _PACKAGES = ("vllm-omni-prompt-cache", "vllm-omni", "vllm", "torch", "transformers", "diffusers")
 
 
@@ -43,18 +45,6 @@ def pipeline_attributes(pipeline: Any) -> Iterator[tuple[str, Any]]:
     """Yield the pipeline's own attributes and registered submodules (no properties are run)."""
     yield from vars(pipeline).items()
     yield from (getattr(pipeline, "_modules", None) or {}).items()
-
-
-def encoder_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
-    """Return the pipeline's text encoders by attribute name: ``_encoder_modules`` if it names them,
-    else every module attribute whose name starts with ``text_encoder``."""
-    named = getattr(pipeline, "_encoder_modules", None)
-    found: dict[str, torch.nn.Module] = {}
-    for name, value in pipeline_attributes(pipeline):
-        wanted = name in named if named else name.startswith("text_encoder")
-        if wanted and isinstance(value, torch.nn.Module):
-            found[name] = value
-    return dict(sorted(found.items()))
 
 
 #: Attribute a module that something moves between host and device carries: the device it runs on
@@ -182,7 +172,7 @@ def code_and_configuration(pipeline: Any, encode_fn: Callable[..., Any] | None, 
 def pipeline_fingerprint(pipeline: Any, fixed: dict[str, Any]) -> dict[str, Any] | str:
     """Return the JSON-able description of what produces ``pipeline``'s embeddings now (``fixed``, from
     :func:`code_and_configuration`, with the encoders' weights and devices), or why there is none."""
-    encoders = encoder_modules(pipeline)
+    encoders = dict(sorted(text_encoders(pipeline).items()))
     if not encoders:
         return f"{type(pipeline).__qualname__} has no text-encoder module to fingerprint"
     weights = {}

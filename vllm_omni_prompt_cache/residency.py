@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE, encoder_modules
+from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,6 @@ def module_tensors(*modules: torch.nn.Module) -> list[torch.Tensor]:
                 seen.add(id(tensor))
                 tensors.append(tensor)
     return tensors
-
-
-def text_encoder_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
-    """Return the pipeline's text encoders: the encoder modules whose attribute name starts with
-    ``text_encoder`` (``_encoder_modules`` may also name connectors and image encoders, which run
-    outside the encode methods)."""
-    return {name: module for name, module in encoder_modules(pipeline).items() if name.startswith("text_encoder")}
 
 
 def module_nbytes(module: torch.nn.Module) -> int:

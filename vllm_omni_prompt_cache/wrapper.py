@@ -60,13 +60,7 @@ from vllm_omni_prompt_cache.config import ROW_LAYOUTS, PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.directory_trust import Modes
-from vllm_omni_prompt_cache.discovery import child_modules, holds_token_embedding
-from vllm_omni_prompt_cache.fingerprint import (
-    code_and_configuration,
-    encode_devices,
-    encoder_modules,
-    pipeline_fingerprint,
-)
+from vllm_omni_prompt_cache.fingerprint import code_and_configuration, encode_devices, pipeline_fingerprint
 from vllm_omni_prompt_cache.host_tier import HOST_AT_SLEEP
 from vllm_omni_prompt_cache.installation import (
     CACHE_ATTRIBUTE,
@@ -79,6 +73,7 @@ from vllm_omni_prompt_cache.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.methods import EncodeMethod, find_encode_methods
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
 from vllm_omni_prompt_cache.store import PromptEmbedCache
+from vllm_omni_prompt_cache.text_encoders import text_encoders
 
 __all__ = ["PLACEMENT_ATTRIBUTE", "install_prompt_embed_cache", "uninstall_prompt_embed_cache"]
 
@@ -106,7 +101,7 @@ def install_prompt_embed_cache(
     max_size = settings.max_size if max_size is None else max_size
     wrapped = _readable_methods(pipeline, find_encode_methods(pipeline, settings.methods))
     find_encodes = settings.find_encodes
-    watchable = find_encodes and any(holds_token_embedding(module) for module in child_modules(pipeline).values())
+    watchable = find_encodes and bool(text_encoders(pipeline))
     if not wrapped and not watchable:
         logger.debug("Prompt-embed cache: %s has no encode method to wrap; skipping.", type(pipeline).__name__)
         return None
@@ -232,7 +227,7 @@ def _local_device(pipeline: Any, recorded: str) -> torch.device:
     device = torch.device(recorded)
     if device.type == "cpu":
         return device
-    for module in encoder_modules(pipeline).values():
+    for module in text_encoders(pipeline).values():
         for runs_on in encode_devices(module):
             if runs_on.type == device.type:
                 return runs_on

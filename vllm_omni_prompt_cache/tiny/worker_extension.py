@@ -14,9 +14,9 @@ from typing import Any
 
 from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
-from vllm_omni_prompt_cache.fingerprint import encoder_modules
 from vllm_omni_prompt_cache.residency import EncoderMoves, module_nbytes
 from vllm_omni_prompt_cache.stats import TIER_COUNTERS
+from vllm_omni_prompt_cache.text_encoders import text_encoders
 from vllm_omni_prompt_cache.vllm_omni.offload import observe_module_offload
 
 #: The move counts :meth:`TextEncoderCountersExtension.text_encoder_moves` returns (CacheStats names).
@@ -68,7 +68,7 @@ class TextEncoderCountersExtension(CustomPipelineWorkerExtension):
     def text_encoder_bytes(self) -> int:
         """Return the bytes of the pipeline's text encoders' parameters and buffers."""
         pipeline = getattr(getattr(self, "model_runner", None), "pipeline", None)
-        return sum(module_nbytes(module) for module in encoder_modules(pipeline).values()) if pipeline else 0
+        return sum(module_nbytes(module) for module in text_encoders(pipeline).values()) if pipeline else 0
 
     def device_memory(self, reset_peak: bool = False) -> dict[str, int] | None:
         """Return this worker's CUDA memory (``allocated`` and ``reserved`` by torch now, ``peak`` allocated

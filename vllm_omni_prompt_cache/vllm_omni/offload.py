@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE, pipeline_attributes
-from vllm_omni_prompt_cache.residency import VLLM_OMNI_OFFLOAD, EncoderMoves, module_nbytes, text_encoder_modules
+from vllm_omni_prompt_cache.residency import VLLM_OMNI_OFFLOAD, EncoderMoves, module_nbytes
+from vllm_omni_prompt_cache.text_encoders import text_encoders as pipeline_text_encoders  # the name is a keyword here
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 
@@ -51,7 +52,7 @@ def _layerwise(module: torch.nn.Module) -> bool:
 
 def refusal_with_offload(pipeline: Any) -> str | None:
     """Return why the text encoders cannot be placed on a miss with the offload ``pipeline`` has, or None."""
-    for name, module in text_encoder_modules(pipeline).items():
+    for name, module in pipeline_text_encoders(pipeline).items():
         hook = sequential_hook(module)
         if hook is not None and getattr(hook, "offload_after_context", False):
             return (
@@ -86,7 +87,7 @@ class ModuleOffloadRecord:
         text_encoders: bool,
         after_a_forward: bool = False,
     ) -> None:
-        texts = {id(module) for module in text_encoder_modules(pipeline).values()}
+        texts = {id(module) for module in pipeline_text_encoders(pipeline).values()}
         self._lock = threading.Lock()
         self._count_text_encoders = text_encoders
         self._text_encoders = [(module, sequential_hook(module)) for module in hooked.values() if id(module) in texts]
@@ -190,7 +191,7 @@ def observe_module_offload(
     record = ModuleOffloadRecord(pipeline, hooked, moves, text_encoders=text_encoders, after_a_forward=after_a_forward)
     for module in hooked.values():
         _observe(sequential_hook(module), record)
-    for module in text_encoder_modules(pipeline).values() if text_encoders else ():
+    for module in pipeline_text_encoders(pipeline).values() if text_encoders else ():
         hook = sequential_hook(module)
         if hook is not None:
             object.__setattr__(module, ENCODE_DEVICE, torch.device(hook.device))

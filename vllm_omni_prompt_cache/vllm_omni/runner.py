@@ -31,8 +31,8 @@ from vllm_omni_prompt_cache.residency import (
     PLACEMENT_ATTRIBUTE,
     EncoderMoves,
     EncoderPlacement,
-    text_encoder_modules,
 )
+from vllm_omni_prompt_cache.text_encoders import text_encoders
 from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import StatsLogger, watch_weight_loads
@@ -179,7 +179,7 @@ def _check_encoder_on_miss(pipeline: Any, settings: PromptEmbedCacheSettings) ->
     if why is None and settings.backend == "vllm-omni":
         why = "it needs this package's cache (prompt_embed_cache_backend=content-keyed), which brackets each encode"
     lora_components = set(getattr(pipeline, "_lora_components", ()) or ())
-    if why is None and lora_components & set(text_encoder_modules(pipeline)):
+    if why is None and lora_components & set(text_encoders(pipeline)):
         why = (
             f"the pipeline puts LoRA on its text encoders ({', '.join(sorted(lora_components))}); LoRA weights "
             "live outside the encoder's parameters and would not follow it"
@@ -210,7 +210,7 @@ def _count_encoder_moves(pipeline: Any, cache: Any, settings: PromptEmbedCacheSe
 
 def _encoder_placement(pipeline: Any, moves: EncoderMoves) -> EncoderPlacement | None:
     """Return the text encoders parked in host memory, to be placed where they are now on each miss."""
-    encoders = text_encoder_modules(pipeline)
+    encoders = text_encoders(pipeline)
     devices = {tensor.device for module in encoders.values() for tensor in module.parameters()}
     pipeline_device = getattr(pipeline, "device", None)
     if not encoders or len(devices) != 1:
