@@ -113,7 +113,7 @@ def test_check_applies_and_tests_every_pr_on_its_predecessor(series_run: SeriesR
         assert re.search(r"; tests \d+ passed", line) and " failed" not in line, line
         changed = sum(1 for name, number in STEP_OF_CHANGED.items() if number <= step.number)
         if changed:
-            assert f"{changed} xfailed" in line, line
+            assert f"{changed} xfailed" in line and f"0.30 version, {changed} tests changed" in line, line
         else:
             assert "xfailed" not in line, line
 

@@ -176,10 +176,11 @@ def run_tests(python: str, root: Path, step: int, upstream_tests: Path | None) -
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr.strip()
     if result.returncode != 0:
         raise StepFailed(f"tests failed at step {step}:\n{result.stdout[-6000:]}{result.stderr[-2000:]}")
+    summary = re.sub(r" in [\d.]+s.*$", "", summary.strip("= "))  # the time first: what is appended stays
     for line in result.stdout.splitlines():
         if line.startswith("upstream's test_prompt_embed_cache.py:"):
             summary += f" ({line.split(': ', 1)[1]})"
-    return re.sub(r" in [\d.]+s.*$", "", summary.strip("= "))
+    return summary
 
 
 #: vLLM-Omni's ruff settings (its pyproject.toml and pre-commit hooks: ruff-check and ruff-format).
