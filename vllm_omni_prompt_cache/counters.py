@@ -5,9 +5,9 @@ Every count is a :class:`Count` of this module (``HITS``, ``DIR_MISSES``...), ad
 :func:`register` where it is declared here. Code that counts names the object, never a string: a call's counts are
 a mapping ``{Count: amount}`` made by :func:`tally` (or written out, for a count that ``tally`` does not make), and
 the keepers of the other counts report theirs the same way through ``counts()``. What shows counts enumerates
-:data:`COUNTS`: :class:`Counters` below, :class:`~.stats.CacheStats` (the snapshot, ``stats()``) and the Prometheus
-families of ``vllm_omni/metrics.py`` have a field or a family for each, made when their module is imported. So a
-new count is one line here, plus the code that makes it happen.
+:data:`COUNTS`: :class:`Counters` below (a value for each count calls make), :class:`~.stats.CacheStats` (the
+snapshot, ``stats()``: a field for each) and ``vllm_omni/metrics.py`` (a Prometheus family for each), made from the
+table when their module is imported. So a new count is one line here, plus the code that makes it happen.
 
 Every count a call makes belongs to the pipeline method whose call made it, and is added under one lock when the
 call ends (or raises). The tiers below device memory and the encoder moves keep their own counts (see
@@ -50,7 +50,7 @@ class Count:
     too (label ``method`` after the replica's).
     """
 
-    name: str  # the field of the snapshot, and of Counters when calls make it
+    name: str  # its field in the snapshot (and its key in each method's counts there)
     help: str | None  # the family's help text; None: no family (stats() only)
     kept_by: Keeper = Keeper.CALLS
     by_reason: bool = False  # counted by reason: each reason its own series
@@ -77,7 +77,7 @@ class Count:
         return Counter() if self.by_reason else 0
 
 
-#: Every counter, in the order :func:`register` added them, each keeper's together (the snapshot's order).
+#: Every counter, in the order they are declared below (each keeper's together, as the snapshot shows them).
 #: Integers are event counts since the cache was made (``clear()`` keeps them); counts by reason are
 #: Counters (mappings in a snapshot). The help texts are the ``/metrics`` page's.
 COUNTS: tuple[Count, ...] = ()

@@ -104,7 +104,7 @@ class CacheStats:
     # The text encoders' moves (placer None: nothing moves them).
     encoder_device_bytes: int | None = None  # text-encoder bytes on the device at the snapshot (None: not known)
     encoder_placer: str | None = None  # who moves the text encoders: vLLM-Omni's module offload, "on a miss"
-    #: The store's counts (every :class:`~.counters.Counters` field) by the pipeline method that made them;
+    #: The counts calls make (:data:`~.counters.CALL_COUNTS`, by name) by the pipeline method that made them;
     #: the counts of the same names are their sums. A method the cache wraps appears from install on.
     methods: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
