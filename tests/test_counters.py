@@ -1,8 +1,9 @@
-"""The table of counters (``counters.COUNTS``) is the one place a count is declared.
+"""The counts are objects of ``counters.py``, each declared once; everything else names the object.
 
 ``Counters`` (each method's counts), the ``CacheStats`` snapshot (and so ``stats()``) and the
-Prometheus families of ``/metrics`` are generated from it: one line added to the table is a new
-count in all three, and nothing else declares one.
+Prometheus families of ``/metrics`` are made from the table ``COUNTS``: one line added to
+``counters.py`` is a new count in all three. Code that counts names the ``Count`` object, never its
+name as a string; the tiers and the encoder moves report theirs through ``counts()``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,18 @@ import pytest
 
 import vllm_omni_prompt_cache
 from vllm_omni_prompt_cache import counters, stats
-from vllm_omni_prompt_cache.counters import CALL_COUNTS, COUNTS, Counters
+from vllm_omni_prompt_cache.counters import (
+    CALL_COUNTS,
+    COUNTS,
+    KEPT_COUNTS,
+    WHOLE_HIT,
+    Count,
+    Counters,
+    Keeper,
+    Outcome,
+    register,
+    tally,
+)
 from vllm_omni_prompt_cache.stats import CacheStats
 
 PACKAGE = Path(vllm_omni_prompt_cache.__file__).parent
@@ -49,53 +61,71 @@ LEVELS = {
     "encoder_placer",
     "methods",
 }
-#: The one line the first test adds to the table: a count calls make, with a family of its own and one by method.
-ADDED_LINE = '    Count("widgets", "Widgets a test added.", by_method=("method_widgets", "Widgets of one method.")),\n'
+#: The one line the first test adds to counters.py: a count calls make, with a family of its own and one by method.
+ADDED_LINE = (
+    'WIDGETS = register(Count("widgets", "Widgets a test added.", '
+    'by_method=("method_widgets", "Widgets of one method.")))\n'
+)
 
-#: Run in the copy of the package with the added line: the new count is in each generated place.
+#: Run with the copy of the package that has the added line: the new count, counted by a real cache, is in its
+#: stats() (in total and by method) and on the /metrics page those stats make.
 CHECK_ADDED_COUNT = textwrap.dedent(
     """
-    import dataclasses, sys
+    import sys
 
     import vllm_omni_prompt_cache
     assert vllm_omni_prompt_cache.__file__.startswith(sys.argv[1]), vllm_omni_prompt_cache.__file__
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, generate_latest
 
-    from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, Counters, MethodCounters
-    from vllm_omni_prompt_cache.stats import CacheStats
+    from vllm_omni_prompt_cache.counters import COUNTS, ENCODE_PROMPT, WIDGETS
     from vllm_omni_prompt_cache.store import PromptEmbedCache
-    from vllm_omni_prompt_cache.vllm_omni.metrics import PromptEmbedCacheMetrics, encode_snapshot, pop_snapshot
+    from vllm_omni_prompt_cache.vllm_omni.metrics import PromptEmbedCacheMetrics, cache_snapshot, pop_snapshot
 
-    assert "widgets" in {field.name for field in dataclasses.fields(Counters)}
-    kept = MethodCounters()
-    kept.add(ENCODE_PROMPT, {"widgets": 2})  # as a call's tally adds it
-    totals, methods = kept.read()
-    assert totals["widgets"] == 2 and methods[ENCODE_PROMPT]["widgets"] == 2
-    assert PromptEmbedCache().stats()["widgets"] == 0  # stats() of a real cache
-    stats = CacheStats(widgets=3, methods={ENCODE_PROMPT: {"widgets": 3}})
-    assert stats.as_dict()["widgets"] == 3 and CacheStats.from_dict(stats.as_dict()) == stats
-    registry = CollectorRegistry()
-    snapshot = pop_snapshot(encode_snapshot(stats, epoch=1, sequence=1))  # the trip through a metrics dict
-    assert snapshot.stats.widgets == 3
-    PromptEmbedCacheMetrics(registry).record(("tiny", "0", "0"), snapshot)
-    labels = {"model_name": "tiny", "stage": "0", "replica": "0"}
-    assert registry.get_sample_value("vllm_omni:prompt_embed_cache_widgets_total", labels) == 3.0
-    labels["method"] = ENCODE_PROMPT
-    assert registry.get_sample_value("vllm_omni:prompt_embed_cache_method_widgets_total", labels) == 3.0
+    assert COUNTS[-1] is WIDGETS
+    cache = PromptEmbedCache()
+    cache.record(ENCODE_PROMPT, {WIDGETS: 2})  # as a call's counts are added
+    cache.record("encode_video_prompt", {WIDGETS: 1})
+    stats = cache.stats()
+    assert stats["widgets"] == 3, stats
+    assert {method: counts["widgets"] for method, counts in stats["methods"].items()} == {
+        ENCODE_PROMPT: 2,
+        "encode_video_prompt": 1,
+    }, stats["methods"]
+    registry = CollectorRegistry()  # /metrics as the API server renders it, from the snapshot a worker sends
+    PromptEmbedCacheMetrics(registry).record(("tiny", "0", "0"), pop_snapshot(cache_snapshot(cache)))
+    page = generate_latest(registry).decode()
+    labels = 'model_name="tiny",replica="0",stage="0"'  # the page sorts them
+    for line in (
+        "# HELP vllm_omni:prompt_embed_cache_widgets_total Widgets a test added.",
+        "# TYPE vllm_omni:prompt_embed_cache_widgets_total counter",
+        "vllm_omni:prompt_embed_cache_widgets_total{" + labels + "} 3.0",
+        "# HELP vllm_omni:prompt_embed_cache_method_widgets_total Widgets of one method.",
+        'vllm_omni:prompt_embed_cache_method_widgets_total{method="encode_prompt",' + labels + "} 2.0",
+        'vllm_omni:prompt_embed_cache_method_widgets_total{method="encode_video_prompt",' + labels + "} 1.0",
+    ):
+        assert line in page.splitlines(), (line, page)
     print("widgets counted")
     """
 )
 
 
-def test_one_line_added_to_the_table_is_a_count_of_counters_stats_and_metrics(tmp_path: Path) -> None:
+def test_one_line_added_to_counters_is_a_count_of_stats_by_method_and_of_metrics(tmp_path: Path) -> None:
     pytest.importorskip("prometheus_client", reason="the metrics need prometheus_client (vLLM's)")
     copy = tmp_path / "vllm_omni_prompt_cache"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     source = (copy / "counters.py").read_text()
-    table = source.index("\nCOUNTS: tuple[Count, ...] = (\n")
-    end = source.index("\n)\n", table) + 1  # the table's closing parenthesis
-    (copy / "counters.py").write_text(source[:end] + ADDED_LINE + source[end:])
-    assert len((copy / "counters.py").read_text().splitlines()) == len(source.splitlines()) + 1
+    # After the last count registered: what is made from the table comes later in the module.
+    registrations = [
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and getattr(node.value.func, "id", None) == register.__name__
+    ]
+    lines = source.splitlines(keepends=True)
+    after = registrations[-1].end_lineno
+    (copy / "counters.py").write_text("".join([*lines[:after], ADDED_LINE, *lines[after:]]))
+    assert len((copy / "counters.py").read_text().splitlines()) == len(lines) + 1
     done = subprocess.run(
         [sys.executable, "-c", CHECK_ADDED_COUNT, str(copy)],
         cwd=tmp_path,
@@ -108,11 +138,103 @@ def test_one_line_added_to_the_table_is_a_count_of_counters_stats_and_metrics(tm
     assert "widgets counted" in done.stdout
 
 
-def test_counters_and_the_snapshot_have_a_field_for_each_count_of_the_table_and_no_other() -> None:
-    assert [(field.name, field.type) for field in dataclasses.fields(Counters)] == [
-        (count.name, Counter[str] if count.by_reason else int) for count in CALL_COUNTS
+def test_a_count_registered_after_the_table_was_read_is_refused() -> None:
+    """Counters, CacheStats and the families are made from the table once: a count added later would be in
+    none of them, so it is refused rather than counted nowhere."""
+    before = counters.COUNTS
+    with pytest.raises(RuntimeError, match=r"declare it in counters\.py"):
+        register(Count("late_widgets", "Widgets declared too late."))
+    assert counters.COUNTS is before
+
+
+def test_calls_count_by_count_objects_and_the_hit_paths_tallies_are_made_once() -> None:
+    counted = tally(Outcome.BYPASS, reason="why", rows_hit=2, whole_call="whole")
+    assert all(type(count) is Count and count.kept_by is Keeper.CALLS for count in counted)
+    assert {count.name: value for count, value in counted.items()} == {
+        "bypass_reasons": {"why": 1},
+        "row_hits": 2,
+        "whole_call_reasons": {"whole": 1},
+    }
+    assert [(count.name, value) for count, value in WHOLE_HIT.items()] == [("hits", 1)]
+    with pytest.raises(TypeError):  # shared by every hit: read-only
+        WHOLE_HIT[next(iter(WHOLE_HIT))] = 2  # type: ignore[index]
+
+
+def test_each_tier_and_the_moves_report_exactly_the_counts_the_table_gives_their_keeper(tmp_path: Path) -> None:
+    from vllm_omni_prompt_cache.directory_tier import DirectoryTier
+    from vllm_omni_prompt_cache.host_tier import HostTier
+    from vllm_omni_prompt_cache.residency import EncoderMoves
+    from vllm_omni_prompt_cache.tiers import Tiers
+
+    host, directory = HostTier(2**20), DirectoryTier(tmp_path, None, lambda: {"model": "tiny"})
+    keepers = {Keeper.HOST: host, Keeper.DIRECTORY: directory, Keeper.MOVES: EncoderMoves()}
+    assert set(keepers) == set(Keeper) - {Keeper.CALLS}
+    for keeper, kept_by in keepers.items():
+        assert list(kept_by.counts()) == list(KEPT_COUNTS[keeper])
+        assert all(value == ({} if count.by_reason else 0) for count, value in kept_by.counts().items())
+    assert list(Tiers([host, directory]).counts()) == [*KEPT_COUNTS[Keeper.HOST], *KEPT_COUNTS[Keeper.DIRECTORY]]
+
+
+def _non_docstring_strings(tree: ast.AST) -> list[ast.Constant]:
+    """Return the string constants of a module that are not docstrings (of the module, a class or a function)."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
     ]
-    assert [count.name for count in CALL_COUNTS] == [count.name for count in COUNTS if count.kept_by == "calls"]
+
+
+def test_no_code_outside_counters_names_a_count_by_a_string() -> None:
+    """Every string constant of the package outside counters.py, f-strings' literal parts included, is checked;
+    docstrings are prose, not code (they may name a count), and comments are not in the syntax tree."""
+    names = {count.name for count in COUNTS}
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value!r}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "counters.py"
+        for node in _non_docstring_strings(ast.parse(path.read_text(), str(path)))
+        if node.value in names
+    ]
+    assert found == []
+
+
+#: Code the check above must flag four times ("hits" as a key and as an f-string's literal part, a bare "misses",
+#: an attribute's "row_hits"), and whose docstrings it must not.
+NAMES_COUNTS = '''
+"""The hits of a module."""
+
+
+def f():
+    """hits"""
+    return {"hits": 1}, f"{1}hits", "misses"
+
+
+class C:
+    """misses"""
+
+    x = "row_hits"
+'''
+
+
+def test_the_check_for_count_names_sees_strings_and_skips_docstrings_only() -> None:
+    names = {count.name for count in COUNTS}
+    flagged = sorted(node.value for node in _non_docstring_strings(ast.parse(NAMES_COUNTS)) if node.value in names)
+    assert flagged == ["hits", "hits", "misses", "row_hits"]
+
+
+def test_counters_and_the_snapshot_have_a_value_or_field_for_each_count_of_the_table_and_no_other() -> None:
+    kept = Counters().values
+    assert list(kept) == list(CALL_COUNTS)
+    assert [type(value) for value in kept.values()] == [Counter if count.by_reason else int for count in CALL_COUNTS]
+    assert list(CALL_COUNTS) == [count for count in COUNTS if count.kept_by is Keeper.CALLS]
     fields = {field.name: field.type for field in dataclasses.fields(CacheStats)}
     assert set(fields) == {count.name for count in COUNTS} | LEVELS
     assert {name: fields[name] for name in (count.name for count in COUNTS)} == {
@@ -129,11 +251,10 @@ def test_counters_and_the_snapshot_have_a_field_for_each_count_of_the_table_and_
         if isinstance(node, ast.ClassDef)
     }
     assert bodies["Counters"] == [] and set(bodies["CacheStats"]) == LEVELS
-    # The tiers' counts are read off the attribute the table names.
-    for count in COUNTS:
-        if count.kept_by != "calls":
-            tier, attribute = count.kept_by.split(".")
-            assert tier in ("host", "directory", "moves") and attribute.isidentifier()
+    # Every count is a module-level object of counters.py, registered once, and names its keeper by the enum.
+    declared = {name: value for name, value in vars(counters).items() if isinstance(value, Count)}
+    assert list(declared.values()) == list(COUNTS) and all(name == name.upper() for name in declared)
+    assert all(isinstance(count.kept_by, Keeper) for count in COUNTS)
 
 
 def test_the_metrics_families_are_the_tables_and_built_by_one_loop() -> None:

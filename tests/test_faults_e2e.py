@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from engine_support import tiny_spec
 
+from vllm_omni_prompt_cache.counters import DIR_LEFTOVERS_REMOVED
 from vllm_omni_prompt_cache.demo import serving
 from vllm_omni_prompt_cache.demo.serving import Server
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
@@ -165,7 +166,7 @@ def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_pa
         assert counted["dir_stale_claims_total"] >= len(PROMPTS) - 1 and time.monotonic() - began < 10
         next_process = DirectoryTier(root, None, lambda: "only scanning")  # its rescan, as any process's
         next_process.budget.enforce()
-        assert next_process.leftovers_removed >= len(PROMPTS) - 1
+        assert next_process.counts()[DIR_LEFTOVERS_REMOVED] >= len(PROMPTS) - 1
         assert leftovers(root) == [], [path.name for path in leftovers(root)]
 
         # 2. The directory removed under B: every prompt is encoded again and the directory made anew.
@@ -194,7 +195,7 @@ def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_pa
             server.stop()
         subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=False)
     print(f"retried on B: {len(retried)}; claims and temporaries A left: {left_by_a}; the next process removed "
-          f"{next_process.leftovers_removed}")  # fmt: skip
+          f"{next_process.counts()[DIR_LEFTOVERS_REMOVED]}")  # fmt: skip
     for name, counted in phases.items():  # for the record (pytest -s): the fault table of docs/benchmarks.md
         print(f"| {name} | " + " | ".join(f"{value:g}" for value in counted.values()) + " |")
     assert wrong == []

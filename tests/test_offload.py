@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache.config import ENCODER_ON_MISS, PromptEmbedCacheConfigError, resolve_settings
+from vllm_omni_prompt_cache.counters import BYTES_MOVED, BYTES_NOT_MOVED, DIT_EVICTIONS, PLACEMENTS_AVOIDED
 from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE, weights_digest
 from vllm_omni_prompt_cache.residency import EncoderMoves, EncoderPlacement
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
@@ -311,8 +312,9 @@ def test_a_spared_placement_is_counted_with_its_bytes_and_moves_survive_since_an
     placement = EncoderPlacement({"text_encoder": build_qwen2_encoder()}, torch.device("cpu"), moves)
     moves.moved(encoder=False, placed=False, nbytes=10)
     moves.served_without_encoding()  # the placement's source: one placement of every encoder spared
-    assert (moves.dit_evictions, moves.bytes_moved) == (1, 10)
-    assert (moves.placements_avoided, moves.bytes_not_moved) == (1, placement.host_bytes())
+    counts = moves.counts()
+    assert (counts[DIT_EVICTIONS], counts[BYTES_MOVED]) == (1, 10)
+    assert (counts[PLACEMENTS_AVOIDED], counts[BYTES_NOT_MOVED]) == (1, placement.host_bytes())
     first = CacheStats(dit_evictions=1, bytes_moved=10, encoder_device_bytes=0)
     second = CacheStats(dit_evictions=3, bytes_moved=30, encoder_device_bytes=5)
     assert second.since(first).dit_evictions == 2

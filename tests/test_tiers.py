@@ -26,6 +26,7 @@ import torch
 
 from vllm_omni_prompt_cache import PromptEmbedCache, install_prompt_embed_cache
 from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.counters import DIR_REJECTIONS, HOST_DEMOTIONS
 from vllm_omni_prompt_cache.directory_tier import (
     CHECKSUM,
     FOREIGN,
@@ -352,7 +353,7 @@ def test_concurrent_writers_and_readers_of_one_key_never_see_a_partial_file(tmp_
     for thread in threads:
         thread.join()
     assert failures == []
-    assert all(sum(tier.rejections.values()) == 0 for tier in tiers)
+    assert all(sum(tier.counts()[DIR_REJECTIONS].values()) == 0 for tier in tiers)
     assert len(files(tmp_path)) == 1 and not list(tmp_path.glob("*/.*.tmp"))
 
 
@@ -591,7 +592,7 @@ def test_an_entry_leaving_device_memory_before_a_clear_never_arrives_after_it() 
     ticket.weights.stale = True  # new weights, while the copy was running
     host.clear()
     host.put(("tag", "prompt"), Entry(torch.ones(2), None, 8), Stamp(ticket, 0))
-    assert len(host) == 0 and host.demotions == 0
+    assert len(host) == 0 and host.counts()[HOST_DEMOTIONS] == 0
     host.put(("tag", "prompt"), Entry(torch.ones(2), None, 8), Stamp(Ticket(), 0))
     assert len(host) == 1
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from vllm_omni_prompt_cache.counters import DIR_EVICTIONS, DIR_LEFTOVERS_REMOVED, Count
 from vllm_omni_prompt_cache.directory_claims import abandoned_claim, remove_file
 from vllm_omni_prompt_cache.directory_trust import owner_gone
 
@@ -41,11 +42,12 @@ _CLAIM_NAME = re.compile(r"^[0-9a-f]{40}\.claim$")
 class DirectoryBudget:
     """This package's files under ``root`` within ``max_bytes`` (None: no limit), as this process counts.
 
-    ``count(name, amount)`` adds to the tier's counts: ``evictions`` (files removed to stay within
-    ``max_bytes``) and ``leftovers_removed`` (temporary and claim files of crashed processes).
+    ``count(count, amount)`` adds to the tier's counts: :data:`~.counters.DIR_EVICTIONS` (files removed to stay
+    within ``max_bytes``) and :data:`~.counters.DIR_LEFTOVERS_REMOVED` (temporary and claim files of crashed
+    processes).
     """
 
-    def __init__(self, root: Path, max_bytes: int | None, count: Callable[[str, int], None]) -> None:
+    def __init__(self, root: Path, max_bytes: int | None, count: Callable[[Count, int], None]) -> None:
         self.root = root
         self.max_bytes = max_bytes
         self._count = count
@@ -113,8 +115,8 @@ class DirectoryBudget:
             self.files = len(files) - removed
             self._written_since_scan = 0
             self._writes_since_scan = 0
-        self._count("evictions", removed)
-        self._count("leftovers_removed", leftovers)
+        self._count(DIR_EVICTIONS, removed)
+        self._count(DIR_LEFTOVERS_REMOVED, leftovers)
 
     def remove_leftovers_once(self, namespace: str) -> None:
         """On first use, remove in the background what crashed processes left in ``namespace`` (a claim of
@@ -137,7 +139,7 @@ class DirectoryBudget:
         except OSError:
             pass
         finally:
-            self._count("leftovers_removed", removed)
+            self._count(DIR_LEFTOVERS_REMOVED, removed)
             self.first_scan.set()
 
 

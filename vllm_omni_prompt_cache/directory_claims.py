@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
+from vllm_omni_prompt_cache.counters import DIR_STALE_CLAIMS, DIR_WAIT_TIMEOUTS, Count
 from vllm_omni_prompt_cache.directory_trust import Modes, owner_gone, owner_tag
 
 CLAIM_SUFFIX = ".claim"
@@ -36,13 +37,14 @@ class Claims:
     encode began in and the key identity), so an encode voided by a clear never releases the claim
     of the encode that replaced it. ``read_entry(path)`` returns an entry file's bytes, or None when
     there is none usable, as carefully as any read of the directory. ``modes``: how claim files are
-    created (see :mod:`.directory_trust`). ``count(name, amount)`` adds to the tier's counts:
-    ``stale_claims`` (claims of a process that is gone, or silent for :attr:`wait_s`, taken over) and
-    ``wait_timeouts`` (waits for another process's encode that ended without its file).
+    created (see :mod:`.directory_trust`). ``count(count, amount)`` adds to the tier's counts:
+    :data:`~.counters.DIR_STALE_CLAIMS` (claims of a process that is gone, or silent for :attr:`wait_s`, taken
+    over) and :data:`~.counters.DIR_WAIT_TIMEOUTS` (waits for another process's encode that ended without its
+    file).
     """
 
     def __init__(
-        self, modes: Modes, read_entry: Callable[[Path], bytes | None], count: Callable[[str, int], None]
+        self, modes: Modes, read_entry: Callable[[Path], bytes | None], count: Callable[[Count, int], None]
     ) -> None:
         self.modes = modes
         self._read_entry = read_entry
@@ -60,7 +62,7 @@ class Claims:
         claim = entry.with_suffix(CLAIM_SUFFIX)
         abandoned = abandoned_claim(claim, self.wait_s)
         if abandoned is not None and _remove_claim(claim, abandoned):
-            self._count("stale_claims", 1)
+            self._count(DIR_STALE_CLAIMS, 1)
         tag = f"{owner_tag()} {uuid.uuid4().hex}"  # whose claim, and which one of theirs
         try:
             fd = self.modes.create(claim)
@@ -99,7 +101,7 @@ class Claims:
             if data is not None:
                 return data, waited  # the other process finished
             if time.monotonic() >= deadline:
-                self._count("wait_timeouts", 1)
+                self._count(DIR_WAIT_TIMEOUTS, 1)
                 return None, waited
             waited = True
             time.sleep(delay)

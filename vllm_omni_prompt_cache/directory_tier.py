@@ -48,7 +48,6 @@ import os
 import stat
 import threading
 import uuid
-from collections import Counter
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,18 @@ from typing import Any
 import torch
 import xxhash
 
+from vllm_omni_prompt_cache.counters import (
+    DIR_HITS,
+    DIR_MISSES,
+    DIR_REJECTIONS,
+    DIR_WAITS,
+    DIR_WRITE_ERRORS,
+    DIR_WRITES,
+    Count,
+    Keeper,
+    read_counts,
+    zero_counts,
+)
 from vllm_omni_prompt_cache.directory_budget import LOW_WATER, DirectoryBudget
 from vllm_omni_prompt_cache.directory_claims import Claims, remove_file
 from vllm_omni_prompt_cache.directory_shards import ShardError, Shards
@@ -392,22 +403,25 @@ class DirectoryTier(Namespaced):
         self.local_device = local_device
         self._lock = threading.Lock()
         self._shards: Shards | None = None  # the current namespace's packed entries, read in place
-        # Counts since the tier was made, read by the store's snapshot; its budget and claims count here too.
-        self.hits = 0
-        self.misses = 0
-        self.waits = 0  # hits that waited for another process's encode of the same entry
-        self.writes = 0
-        self.write_errors = 0  # writes that failed or were refused (too large for the budget)
-        self.rejections: Counter[str] = Counter()  # files removed on read, packed entries refused, by reason
-        self.evictions = 0  # files removed to stay within max_bytes
-        self.leftovers_removed = 0  # crashed writers' temporary and claim files removed
-        self.stale_claims = 0  # claims of a gone (or silent) process, taken over
-        self.wait_timeouts = 0  # waits for another process's encode that ended without its file
+        # Counts since the tier was made, read by the store's snapshot through counts(); its budget and claims
+        # count here too. DIR_WRITE_ERRORS: writes that failed or were refused (too large for the budget);
+        # DIR_REJECTIONS: files removed on read, packed entries refused, by reason.
+        self._counts = zero_counts(Keeper.DIRECTORY)
 
-    def _count(self, name: str, amount: int = 1) -> None:
-        """Add ``amount`` to the count ``name``."""
+    def _count(self, count: Count, amount: int = 1) -> None:
+        """Add ``amount`` to ``count``."""
         with self._lock:
-            setattr(self, name, getattr(self, name) + amount)
+            self._counts[count] += amount
+
+    def _reject_count(self, reason: str) -> None:
+        """Count one file removed, or packed entry refused, for ``reason``."""
+        with self._lock:
+            self._counts[DIR_REJECTIONS][reason] += 1
+
+    def counts(self) -> dict[Count, Any]:
+        """Return the directory tier's counts since it was made (its budget's and its claims' included)."""
+        with self._lock:
+            return read_counts(self._counts)
 
     def _describe(self, namespace: str, description: str) -> None:
         """Write ``NAMESPACE.json`` (what produced the namespace's files), for people; the namespace lock held."""
@@ -440,7 +454,7 @@ class DirectoryTier(Namespaced):
             return self._get(key.identity, key.witness, claim, self.epoch if epoch is None else epoch)
         except Exception as error:  # a bug or an environment we did not foresee: a miss, said once
             warn_once(f"a directory read failed ({type(error).__qualname__}: {error}); encoding instead")
-            self._count("misses")
+            self._count(DIR_MISSES)
             return False, None
 
     def _get(self, identity: Hashable, witness: tuple, claim: bool, epoch: int) -> tuple[bool, Any]:
@@ -464,7 +478,7 @@ class DirectoryTier(Namespaced):
                 if data is None and claim:
                     data, waited = self.claims.claim_or_wait((epoch, identity), path)
                 if data is None:
-                    self._count("misses")
+                    self._count(DIR_MISSES)
                     return False, None
         try:
             tensors, metadata = _decode(data, namespace, identity, witness, self._key)
@@ -480,14 +494,14 @@ class DirectoryTier(Namespaced):
             placed = [tensor.to(self.local_device(device)) for tensor, device in zip(tensors, devices, strict=True)]
         except Exception as error:
             warn_once(f"a directory entry could not be placed ({type(error).__qualname__}: {error})")
-            self._count("misses")
+            self._count(DIR_MISSES)
             return False, None
         if not packed:
             with contextlib.suppress(OSError, NotImplementedError):
                 os.utime(path, follow_symlinks=False)  # a hit keeps the file recent for the budget's LRU
         with self._lock:
-            self.hits += 1
-            self.waits += waited
+            self._counts[DIR_HITS] += 1
+            self._counts[DIR_WAITS] += waited
         return True, _rebuild(json.loads(metadata["structure"]), placed)
 
     def shards(self, namespace: str) -> Shards:
@@ -505,8 +519,7 @@ class DirectoryTier(Namespaced):
         try:
             return self.shards(namespace).read(path.name, fresh=fresh)
         except ShardError:  # said once, naming the shard
-            with self._lock:
-                self.rejections[DAMAGED_SHARD] += 1
+            self._reject_count(DAMAGED_SHARD)
             return None
 
     def _packed_rejected(
@@ -515,9 +528,8 @@ class DirectoryTier(Namespaced):
         """A packed entry whose bytes match the index but fail a file's checks: that entry is refused (never
         removed: shards are read-only data), the rest of its shard still serves."""
         self.shards(namespace).refuse(path.name, reason)
-        with self._lock:
-            self.rejections[REFUSED_PACKED] += 1
-        self._count("misses")
+        self._reject_count(REFUSED_PACKED)
+        self._count(DIR_MISSES)
         if claim:
             self.claims.try_claim(claim_key, path)
 
@@ -528,7 +540,7 @@ class DirectoryTier(Namespaced):
         try:
             self._write(identity, entry.witness, entry.value, stamp.epoch)
         except Exception as error:
-            self._count("write_errors")
+            self._count(DIR_WRITE_ERRORS)
             warn_once(f"a directory write failed ({type(error).__qualname__}: {error}); it stays in memory")
         finally:
             self.release(identity, stamp.epoch)
@@ -545,7 +557,7 @@ class DirectoryTier(Namespaced):
             self.disable(f"encode_prompt returned {why}, which a file cannot hold")
             return
         if self.budget.max_bytes is not None and len(data) > LOW_WATER * self.budget.max_bytes:
-            self._count("write_errors")
+            self._count(DIR_WRITE_ERRORS)
             warn_once("an entry larger than what the directory's byte budget keeps was not written")
             return
         path = self._path(namespace, identity)
@@ -554,10 +566,10 @@ class DirectoryTier(Namespaced):
                 self._write_atomically(path.parent / "NAMESPACE.json", self._description.encode())
             self._write_atomically(path, data)
         except OSError as error:
-            self._count("write_errors")
+            self._count(DIR_WRITE_ERRORS)
             warn_once(f"cannot write to the directory tier ({error}); entries stay in memory")
             return
-        self._count("writes")
+        self._count(DIR_WRITES)
         if self.budget.count_write(len(data)):
             self.budget.enforce()
 
@@ -574,15 +586,14 @@ class DirectoryTier(Namespaced):
 
     def _reject(self, claim_key: tuple[int, Hashable], path: Path, reason: str, claim: bool) -> None:
         self._discard(path, reason)
-        self._count("misses")
+        self._count(DIR_MISSES)
         if claim:
             self.claims.try_claim(claim_key, path)  # the caller encodes it again: let others wait for that
 
     def _discard(self, path: Path, reason: str) -> None:
         """Remove a file that must not be used, counting why."""
         remove_file(path)
-        with self._lock:
-            self.rejections[reason] += 1
+        self._reject_count(reason)
 
     def _read_if_there(self, path: Path) -> bytes | None:
         """Return the file's bytes, or None when there is none; a link or pipe there is removed and counted."""

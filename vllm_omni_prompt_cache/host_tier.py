@@ -17,6 +17,16 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vllm_omni_prompt_cache.counters import (
+    HOST_DEMOTIONS,
+    HOST_EVICTIONS,
+    HOST_HITS,
+    HOST_MISSES,
+    Count,
+    Keeper,
+    read_counts,
+    zero_counts,
+)
 from vllm_omni_prompt_cache.entries import LRU, Entry
 from vllm_omni_prompt_cache.keys import CallKey, witness_matches
 from vllm_omni_prompt_cache.logs import warn_once
@@ -75,11 +85,8 @@ class HostTier:
         self.keeps = keeps
         self._entries: LRU[HostEntry] = LRU(max_entries, max_bytes)
         self._lock = threading.Lock()
-        # Counts since the tier was made (clear() keeps them), read by the store's snapshot.
-        self.hits = 0  # device misses served from here
-        self.misses = 0  # device misses that looked here and found nothing
-        self.demotions = 0  # entries that arrived from the device tier
-        self.evictions = 0  # entries dropped to stay within max_bytes (or larger than it)
+        # Counts since the tier was made (clear() keeps them), read by the store's snapshot through counts().
+        self._counts = zero_counts(Keeper.HOST)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -96,10 +103,10 @@ class HostTier:
         with self._lock:
             entry = self._entries.get(key.identity)
             if entry is None or (entry.witness is not None and not witness_matches(entry.witness, key.witness)):
-                self.misses += 1
+                self._counts[HOST_MISSES] += 1
                 return False, None
             self._entries.pop(key.identity)
-            self.hits += 1
+            self._counts[HOST_HITS] += 1
         return True, to_devices(entry.value, entry.devices)
 
     def put(self, identity: Hashable, entry: Entry, stamp: Stamp) -> None:
@@ -111,7 +118,7 @@ class HostTier:
         """
         if self.max_bytes is not None and entry.nbytes > self.max_bytes:
             with self._lock:
-                self.evictions += 1
+                self._counts[HOST_EVICTIONS] += 1  # larger than the budget: dropped as it arrives
             return
         try:
             host_value, devices = to_host(entry.value)  # outside the lock: a device-to-host copy
@@ -121,9 +128,9 @@ class HostTier:
         with self._lock:
             if stamp.ticket.stale:
                 return
-            self.demotions += 1
+            self._counts[HOST_DEMOTIONS] += 1
             evicted, _ = self._entries.put(identity, HostEntry(host_value, devices, entry.witness, entry.nbytes))
-            self.evictions += len(evicted)
+            self._counts[HOST_EVICTIONS] += len(evicted)
 
     def release(self, identity: Hashable, epoch: int) -> None:
         """Nothing to end: a lookup here claims nothing."""
@@ -157,3 +164,9 @@ class HostTier:
             "host_max_entries": self.max_entries,
             "host_keeps": self.keeps.name.lower(),
         }
+
+    def counts(self) -> dict[Count, Any]:
+        """Return the host tier's counts since it was made: hits, misses, demotions (entries that arrived from
+        device memory) and evictions."""
+        with self._lock:
+            return read_counts(self._counts)

@@ -13,7 +13,14 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, Outcome
+from vllm_omni_prompt_cache.counters import (
+    CHANGED_ENTRIES,
+    ENCODE_PROMPT,
+    EVICTIONS,
+    OVERSIZE_REJECTIONS,
+    Count,
+    Outcome,
+)
 from vllm_omni_prompt_cache.entries import LRU, Departures, Entry
 from vllm_omni_prompt_cache.flights import Claim, Flight, Flights, Ticket
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
@@ -30,7 +37,7 @@ REENTRANT_REASON = "re-entrant call for a key being computed by the same thread"
 #: How a caller of :meth:`Lookups.serve` counts its call: told what it came to (and why, for a bypass).
 CountCall = Callable[[Outcome, "str | None"], None]
 #: How evictions are counted: (method, counts).
-Record = Callable[[str, dict[str, Any]], None]
+Record = Callable[[str, dict[Count, Any]], None]
 
 
 class Lookups:
@@ -143,7 +150,7 @@ class Lookups:
         entry = self.entries.get(identity)
         if entry is not None and entry.versions and entry.changed():
             self.entries.pop(identity)
-            self._record(method, {"changed_entries": 1})
+            self._record(method, {CHANGED_ENTRIES: 1})
             return None
         return entry
 
@@ -222,9 +229,9 @@ class Lookups:
         """Store ``entry`` and count what its insertion pushed out, under ``method``; the lock is held."""
         departures, too_large = self.entries.put(identity, entry)
         if too_large:
-            self._record(method, {"oversize_rejections": 1})
+            self._record(method, {OVERSIZE_REJECTIONS: 1})
         elif departures:
-            self._record(method, {"evictions": len(departures)})
+            self._record(method, {EVICTIONS: len(departures)})
         return departures
 
     def clear(self) -> None:
@@ -255,5 +262,5 @@ class Lookups:
         """Return the departures still as they were stored: one a caller wrote into goes nowhere (counted)."""
         kept = [(identity, entry) for identity, entry in departures if not (entry.versions and entry.changed())]
         if len(kept) < len(departures):
-            self._record(method, {"changed_entries": len(departures) - len(kept)})
+            self._record(method, {CHANGED_ENTRIES: len(departures) - len(kept)})
         return kept

@@ -23,7 +23,17 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from vllm_omni_prompt_cache.audit import turn_off as turn_off_for_class
-from vllm_omni_prompt_cache.counters import PROVEN_ROW_HIT, PROVEN_WHOLE_HIT, ROW_HIT, WHOLE_HIT, Outcome, tally
+from vllm_omni_prompt_cache.counters import (
+    PROVEN_HITS,
+    PROVEN_ROW_HIT,
+    PROVEN_WHOLE_HIT,
+    ROW_HIT,
+    UNPROVEN_REASONS,
+    WHOLE_HIT,
+    Count,
+    Outcome,
+    tally,
+)
 from vllm_omni_prompt_cache.discovery import MethodState
 from vllm_omni_prompt_cache.encoder_inputs import (
     NO_RECORD,
@@ -54,12 +64,12 @@ UNSTACKABLE_REASON = "rows could not be stacked into one output (dtype, device o
 class FoundCounts(NamedTuple):
     """What a call that found an entry counts: served without a proof, served proven, or encoded instead."""
 
-    hit: Mapping[str, Any]
-    proven: Mapping[str, Any]
-    encoded: Mapping[str, Any]  # a miss's tally; the reason it was not proven is added
+    hit: Mapping[Count, Any]
+    proven: Mapping[Count, Any]
+    encoded: Mapping[Count, Any]  # a miss's tally; the reason it was not proven is added
 
-    def unproven(self, reason: str) -> dict[str, Any]:
-        return {**self.encoded, "unproven_reasons": {reason: 1}}
+    def unproven(self, reason: str) -> dict[Count, Any]:
+        return {**self.encoded, UNPROVEN_REASONS: {reason: 1}}
 
 
 WHOLE_FOUND = FoundCounts(WHOLE_HIT, PROVEN_WHOLE_HIT, tally(Outcome.MISS))
@@ -224,9 +234,9 @@ class MethodCalls(FirstUse):
         if why is None:
             return WHOLE_FOUND
         hit = tally(Outcome.HIT, whole_call=why)
-        return FoundCounts(hit, {**hit, "proven_hits": 1}, tally(Outcome.MISS, whole_call=why, rows_encoded=rows or 0))
+        return FoundCounts(hit, {**hit, PROVEN_HITS: 1}, tally(Outcome.MISS, whole_call=why, rows_encoded=rows or 0))
 
-    def uncached(self, args: tuple, kwargs: dict, counts: dict[str, Any]) -> Any:
+    def uncached(self, args: tuple, kwargs: dict, counts: Mapping[Count, Any]) -> Any:
         """Serve the call from the original function, not cached, counted as ``counts`` (a :func:`tally`)."""
         self.count(counts)
         return self.encode_fn(*args, **kwargs)

@@ -4,7 +4,7 @@ Two things move a pipeline's text encoders between host and device memory: vLLM-
 offload (its hooks swap the encoder and the DiT around every forward: see
 :mod:`.vllm_omni.offload`) and :class:`EncoderPlacement`, this package's "encoder on the device
 only for a miss". Both report to one :class:`EncoderMoves`, whose counts the store's snapshot
-reads (``stats()``, ``/metrics``): placements and evictions made, bytes moved, and the
+reads through its ``counts()`` (``stats()``, ``/metrics``): placements and evictions made, bytes moved, and the
 placements a cache hit avoided (the encode that did not run would have placed the encoder).
 
 :class:`EncoderPlacement` keeps one host master of every encoder tensor (pinned on a CUDA host)
@@ -25,6 +25,19 @@ from typing import Any
 
 import torch
 
+from vllm_omni_prompt_cache.counters import (
+    BYTES_MOVED,
+    BYTES_NOT_MOVED,
+    DIT_EVICTIONS,
+    DIT_PLACEMENTS,
+    ENCODER_EVICTIONS,
+    ENCODER_PLACEMENTS,
+    PLACEMENTS_AVOIDED,
+    Count,
+    Keeper,
+    read_counts,
+    zero_counts,
+)
 from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE
 
 logger = logging.getLogger(__name__)
@@ -65,13 +78,7 @@ class EncoderMoves:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sources: list[tuple[str, Callable[[], None], Callable[[], int]]] = []
-        self.encoder_placements = 0  # a text encoder copied to the device
-        self.encoder_evictions = 0  # a text encoder taken off the device
-        self.dit_placements = 0  # a DiT brought back by vLLM-Omni's offload after an encode evicted it
-        self.dit_evictions = 0  # a DiT moved to the host by vLLM-Omni's offload for an encode
-        self.bytes_moved = 0  # bytes those moves copied between host and device
-        self.placements_avoided = 0  # encoder placements calls served from the cache did not make
-        self.bytes_not_moved = 0  # the bytes those placements (and the DiT swaps they bring) would have copied
+        self._counts = zero_counts(Keeper.MOVES)  # what each move, or avoided placement, adds
 
     def add_source(self, placer: str, served: Callable[[], None], device_bytes: Callable[[], int]) -> None:
         """Count what ``placer`` moves (see the class docstring)."""
@@ -85,16 +92,25 @@ class EncoderMoves:
 
     def moved(self, *, encoder: bool, placed: bool, nbytes: int) -> None:
         """Count one move of a module: a text encoder or a DiT, placed on or evicted from the device."""
-        name = f"{'encoder' if encoder else 'dit'}_{'placements' if placed else 'evictions'}"
+        if encoder:
+            move = ENCODER_PLACEMENTS if placed else ENCODER_EVICTIONS
+        else:
+            move = DIT_PLACEMENTS if placed else DIT_EVICTIONS
         with self._lock:
-            setattr(self, name, getattr(self, name) + 1)
-            self.bytes_moved += nbytes
+            self._counts[move] += 1
+            self._counts[BYTES_MOVED] += nbytes
 
     def avoided(self, placements: int, nbytes: int) -> None:
         """Count encoder placements (and the bytes of every move they bring) that did not happen."""
         with self._lock:
-            self.placements_avoided += placements
-            self.bytes_not_moved += nbytes
+            self._counts[PLACEMENTS_AVOIDED] += placements
+            self._counts[BYTES_NOT_MOVED] += nbytes
+
+    def counts(self) -> dict[Count, Any]:
+        """Return the moves counted since this was made: placements and evictions of the text encoders and DiTs,
+        the bytes they copied, and the placements (and bytes) that calls served from the cache avoided."""
+        with self._lock:
+            return read_counts(self._counts)
 
     def served_without_encoding(self) -> None:
         """Tell every source that a call was served from the cache."""

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-from vllm_omni_prompt_cache.counters import Outcome, tally
+from vllm_omni_prompt_cache.counters import Count, Outcome, tally
 from vllm_omni_prompt_cache.flights import Claim
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
 from vllm_omni_prompt_cache.lookups import Lookups
@@ -41,7 +41,7 @@ class RowTally:
         self.missed += 1
         self.encoded += 1
 
-    def counts(self, call: Outcome | None) -> dict[str, Any]:
+    def counts(self, call: Outcome | None) -> dict[Count, Any]:
         """Return the tally of these rows, and of their call as ``call`` (None: counted elsewhere)."""
         return tally(
             call,

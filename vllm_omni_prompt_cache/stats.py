@@ -4,7 +4,7 @@ line and the demo show.
 :class:`CacheStats` declares the levels (sizes, budgets and switches at the moment of the snapshot)
 and gets a field for every counter of the table, :data:`~.counters.COUNTS`: those calls make
 (summed over methods, and by method in ``methods``) and those the tiers below device memory and the
-encoder moves keep (:data:`TIER_COUNTERS`).
+encoder moves keep, which they report through ``counts()`` (:func:`kept_counts`).
 """
 
 from __future__ import annotations
@@ -16,40 +16,39 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vllm_omni_prompt_cache.counters import (
-    CALLS,
+    BYPASS_REASONS,
     COUNTS,
     ENCODE_PROMPT,
+    HITS,
+    MISSES,
+    Count,
+    Keeper,
     count_fields,
     ranked_reasons,
     with_fields,
 )
 
-#: Counts the tiers below device memory and the encoder moves keep, by :class:`CacheStats` field: (tier, its
-#: attribute).
-TIER_COUNTERS = {count.name: tuple(count.kept_by.split(".", 1)) for count in COUNTS if count.kept_by != CALLS}
-
 #: The counters, by name: what snapshots copy, ``since`` subtracts and ``merged`` adds.
 COUNTER_FIELDS = tuple(count.name for count in COUNTS)
 #: Upstream's ``stats()`` keys, which come first in a snapshot, in upstream's order.
-UPSTREAM_KEYS = ("size", "max_size", "hits", "misses", "bypassed")
+UPSTREAM_KEYS = ("size", "max_size", HITS.name, MISSES.name, "bypassed")
 #: Where the counts of each keeper go among the snapshot's levels: before this level (else before ``methods``).
-COUNTS_BEFORE = {CALLS: "bypassed", "host": "host_entries", "directory": "dir_files", "moves": "encoder_device_bytes"}
+COUNTS_BEFORE = {
+    Keeper.CALLS: "bypassed",
+    Keeper.HOST: "host_entries",
+    Keeper.DIRECTORY: "dir_files",
+    Keeper.MOVES: "encoder_device_bytes",
+}
 
 
-def tier_counts(**tiers: Any) -> dict[str, Any]:
-    """Return every :data:`TIER_COUNTERS` count from ``tiers`` (by name; None: that tier is off, counted 0)."""
-    counts = {}
-    for count in COUNTS:
-        if count.kept_by == CALLS:
-            continue
-        tier_name, attribute = TIER_COUNTERS[count.name]
-        tier = tiers[tier_name]
-        if tier is None:
-            counts[count.name] = {} if count.by_reason else 0
-        else:
-            value = getattr(tier, attribute)
-            counts[count.name] = ranked_reasons(value) if isinstance(value, Counter) else value
-    return counts
+def kept_counts(reported: Mapping[Count, Any]) -> dict[str, Any]:
+    """Return every count calls do not make, by field, from what their keepers reported through ``counts()`` (a
+    count no keeper reported, its tier off or nothing moving the encoders, is 0)."""
+    return {
+        count.name: reported.get(count, {} if count.by_reason else 0)
+        for count in COUNTS
+        if count.kept_by is not Keeper.CALLS
+    }
 
 
 def with_counts(levels: type) -> type:
@@ -58,7 +57,7 @@ def with_counts(levels: type) -> type:
     counts = count_fields(COUNTS, Mapping[str, int], dict)
     before: dict[str, list[str]] = {}
     for count in COUNTS:
-        before.setdefault(COUNTS_BEFORE.get(count.kept_by.split(".")[0], "methods"), []).append(count.name)
+        before.setdefault(COUNTS_BEFORE.get(count.kept_by, "methods"), []).append(count.name)
     fields: dict[str, tuple[Any, Any]] = {}
     for name, hint in levels.__annotations__.items():
         if name in counts:
@@ -105,7 +104,7 @@ class CacheStats:
     # The text encoders' moves (placer None: nothing moves them).
     encoder_device_bytes: int | None = None  # text-encoder bytes on the device at the snapshot (None: not known)
     encoder_placer: str | None = None  # who moves the text encoders: vLLM-Omni's module offload, "on a miss"
-    #: The store's counts (every :class:`~.counters.Counters` field) by the pipeline method that made them;
+    #: The counts calls make (:data:`~.counters.CALL_COUNTS`, by name) by the pipeline method that made them;
     #: the counts of the same names are their sums. A method the cache wraps appears from install on.
     methods: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
@@ -215,12 +214,12 @@ class CacheStats:
         used = {
             method: counts
             for method, counts in self.methods.items()
-            if counts.get("hits") or counts.get("misses") or counts.get("bypass_reasons")
+            if counts.get(HITS.name) or counts.get(MISSES.name) or counts.get(BYPASS_REASONS.name)
         }
         if len(used) > 1 or (used and ENCODE_PROMPT not in used):
             tiers += "; by method: " + ", ".join(
-                f"{method} {counts.get('hits', 0)} hits {counts.get('misses', 0)} misses "
-                f"{sum(counts.get('bypass_reasons', {}).values())} bypassed"
+                f"{method} {counts.get(HITS.name, 0)} hits {counts.get(MISSES.name, 0)} misses "
+                f"{sum(counts.get(BYPASS_REASONS.name, {}).values())} bypassed"
                 for method, counts in used.items()
             )
         return (

@@ -27,8 +27,17 @@ from typing import Any, TypeVar
 
 from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.counters import (
+    AUDIT_MISMATCHES,
+    AUDITS,
+    BYPASS_REASONS,
     ENCODE_PROMPT,
+    HITS,
+    LAYOUT_CHECK_ROWS,
+    LAYOUT_CHECKS,
+    LAYOUT_MISMATCHES,
+    MISSES,
     WHOLE_HIT,
+    Count,
     MethodCounters,
     Outcome,
     tally,
@@ -41,7 +50,7 @@ from vllm_omni_prompt_cache.keys import CallKey
 from vllm_omni_prompt_cache.lookups import COLLISION_REASON, REENTRANT_REASON, CountCall, Lookups
 from vllm_omni_prompt_cache.residency import EncoderMoves
 from vllm_omni_prompt_cache.row_batches import RowTally, serve_rows
-from vllm_omni_prompt_cache.stats import CacheStats, tier_counts
+from vllm_omni_prompt_cache.stats import CacheStats, kept_counts
 from vllm_omni_prompt_cache.tiers import Keeps, Tiers
 
 __all__ = [
@@ -134,29 +143,29 @@ class PromptEmbedCache:
     @property
     def hits(self) -> int:
         """Calls served from the cache, every method's."""
-        return self._counters.total("hits")
+        return self._counters.total(HITS)
 
     @hits.setter
     def hits(self, value: int) -> None:
-        self._counters.assign("hits", value)
+        self._counters.assign(HITS, value)
 
     @property
     def misses(self) -> int:
         """Calls that ran the encoder and offered its result to the cache, every method's."""
-        return self._counters.total("misses")
+        return self._counters.total(MISSES)
 
     @misses.setter
     def misses(self, value: int) -> None:
-        self._counters.assign("misses", value)
+        self._counters.assign(MISSES, value)
 
     @property
     def bypassed(self) -> int:
         """Calls that did not use the cache, whatever the reason or method."""
-        return sum(self._counters.total("bypass_reasons").values())
+        return sum(self._counters.total(BYPASS_REASONS).values())
 
     @bypassed.setter
     def bypassed(self, value: int) -> None:
-        self._counters.assign("bypass_reasons", value, reason=UNSPECIFIED_REASON)
+        self._counters.assign(BYPASS_REASONS, value, reason=UNSPECIFIED_REASON)
 
     def __len__(self) -> int:
         return len(self._lookups.entries)
@@ -217,23 +226,23 @@ class PromptEmbedCache:
         """List ``method`` in the stats from now on, at zero."""
         self._counters.register(method)
 
-    def recorder(self, method: str) -> Callable[[Mapping[str, Any]], None]:
+    def recorder(self, method: str) -> Callable[[Mapping[Count, Any]], None]:
         """Return the function that adds a :func:`~.counters.tally` to ``method``'s counters (what
         :meth:`record` does, bound once for a method's every call)."""
         return functools.partial(self._counters.add, method)
 
-    def record(self, method: str, counts: Mapping[str, Any]) -> None:
+    def record(self, method: str, counts: Mapping[Count, Any]) -> None:
         """Add one call's :func:`~.counters.tally` to ``method``'s counters."""
         self._counters.add(method, counts)
 
     def record_audit(self, *, mismatch: bool, method: str = ENCODE_PROMPT) -> None:
         """Count a hit encoded again and compared with what was served (``mismatch``: they differed)."""
-        self.record(method, {"audits": 1, "audit_mismatches": int(mismatch)})
+        self.record(method, {AUDITS: 1, AUDIT_MISMATCHES: int(mismatch)})
 
     def record_layout_check(self, rows: int, gap: float | None, *, method: str = ENCODE_PROMPT) -> None:
         """Count one layout check whose uncached call encoded ``rows``; ``gap``: what it measured, None: mismatch."""
         with self._counters.lock:
-            self.record(method, {"layout_checks": 1, "layout_check_rows": rows, "layout_mismatches": int(gap is None)})
+            self.record(method, {LAYOUT_CHECKS: 1, LAYOUT_CHECK_ROWS: rows, LAYOUT_MISMATCHES: int(gap is None)})
             if gap is not None:
                 self._max_gap = max(self._max_gap, gap)
 
@@ -301,11 +310,11 @@ class PromptEmbedCache:
             return CacheStats(
                 **levels,
                 **self.tiers.levels(),
-                **tier_counts(host=self.host, directory=self.directory, moves=moves),
+                **kept_counts({**self.tiers.counts(), **(moves.counts() if moves is not None else {})}),
                 **counts,
                 size=len(lookups.entries),
                 max_size=self.max_size,
-                bypassed=sum(counts["bypass_reasons"].values()),
+                bypassed=sum(counts[BYPASS_REASONS.name].values()),
                 bytes=lookups.entries.bytes,
                 max_bytes=self.max_bytes,
                 enabled=self.enabled,

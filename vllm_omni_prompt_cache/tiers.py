@@ -16,6 +16,7 @@ import enum
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from vllm_omni_prompt_cache.counters import Count
 from vllm_omni_prompt_cache.entries import Departures, Entry
 from vllm_omni_prompt_cache.flights import Ticket
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness
@@ -40,8 +41,8 @@ class Stamp(NamedTuple):
 
 class Tier(Protocol):
     """What every tier below device memory implements. Only :meth:`get` may raise (the lookup is then a
-    miss); an entry a tier cannot keep is dropped. Counts stay on the tier (``hits``, ``misses``...),
-    for the store's snapshot."""
+    miss); an entry a tier cannot keep is dropped. Counts stay on the tier, which reports them through
+    :meth:`counts` for the store's snapshot."""
 
     keeps: Keeps
     #: What voids a result being encoded: only the tier that keeps encodes moves it, when weights change.
@@ -66,6 +67,11 @@ class Tier(Protocol):
 
     def levels(self) -> dict[str, Any]:
         """Return the tier's sizes and budgets now, as :class:`~.stats.CacheStats` fields."""
+        ...
+
+    def counts(self) -> dict[Count, Any]:
+        """Return the counts the tier keeps (those of its :class:`~.counters.Keeper`) since it was made, read at
+        one moment (see :func:`~.counters.read_counts`)."""
         ...
 
 
@@ -135,3 +141,10 @@ class Tiers:
         for tier in self.tiers:
             levels.update(tier.levels())
         return levels
+
+    def counts(self) -> dict[Count, Any]:
+        """Return every tier's counts (a tier that is off reports none)."""
+        counts: dict[Count, Any] = {}
+        for tier in self.tiers:
+            counts.update(tier.counts())
+        return counts

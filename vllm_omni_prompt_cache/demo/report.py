@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni_prompt_cache.counters import HITS, MISSES
 from vllm_omni_prompt_cache.demo.rollout import RolloutResult, RolloutSpec
 
 
@@ -144,8 +145,8 @@ def table_rows(results: Sequence[RolloutResult]) -> list[list[str]]:
             "mode",
             "encode calls",
             "rows encoded",
-            "hits",
-            "misses",
+            HITS.name,  # named as the counts they show
+            MISSES.name,
             "bypassed",
             "row hits",
             "text-encode s",
@@ -185,8 +186,8 @@ def _replica_table_rows(results: Sequence[RolloutResult]) -> list[list[str]]:
             "requests per replica",
             "encoder runs per replica",
             "encoder runs",
-            "hits",
-            "misses",
+            HITS.name,
+            MISSES.name,
             "peak load / bound",
             "rollout s",
         ]

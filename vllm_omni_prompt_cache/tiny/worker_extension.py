@@ -15,12 +15,8 @@ from typing import Any
 from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
 from vllm_omni_prompt_cache.residency import EncoderMoves, module_nbytes
-from vllm_omni_prompt_cache.stats import TIER_COUNTERS
 from vllm_omni_prompt_cache.text_encoders import text_encoders
 from vllm_omni_prompt_cache.vllm_omni.offload import observe_module_offload
-
-#: The move counts :meth:`TextEncoderCountersExtension.text_encoder_moves` returns (CacheStats names).
-MOVE_COUNTS = tuple(name for name, (tier, _) in TIER_COUNTERS.items() if tier == "moves")
 
 WORKER_EXTENSION = "vllm_omni_prompt_cache.tiny.worker_extension.TextEncoderCountersExtension"
 
@@ -54,7 +50,7 @@ class TextEncoderCountersExtension(CustomPipelineWorkerExtension):
         if moves is None:
             return None
         return {
-            **{name: getattr(moves, TIER_COUNTERS[name][1]) for name in MOVE_COUNTS},
+            **{count.name: value for count, value in moves.counts().items()},  # as CacheStats names them
             "encoder_device_bytes": moves.device_bytes(),
             "placer": moves.placer,
         }

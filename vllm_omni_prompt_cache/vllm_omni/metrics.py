@@ -44,9 +44,12 @@ from types import ModuleType
 from typing import Any
 
 from vllm_omni_prompt_cache.counters import (
+    BYPASS_REASONS,
+    CALL_COUNTS,
     COUNTS,
+    HITS,
     METHOD_COUNTER_FIELDS,
-    REASON_FIELDS,
+    MISSES,
     VERIFICATION_FAILURES,
     ranked_reasons,
 )
@@ -141,12 +144,12 @@ def encode_snapshot(
     unexplained = stats.bypassed - sum(reasons.values())  # vLLM-Omni's own cache counts bypasses without reasons
     if unexplained > 0:
         reasons[UNSPECIFIED_REASON] = reasons.get(UNSPECIFIED_REASON, 0) + unexplained
-    for name in COUNTER_FIELDS:
-        value = reasons if name == "bypass_reasons" else getattr(stats, name)
-        if isinstance(value, Mapping):
-            flat.update({f"{KEY_PREFIX}{name}:{reason}": float(count) for reason, count in value.items()})
+    for count in COUNTS:
+        value = reasons if count is BYPASS_REASONS else getattr(stats, count.name)
+        if count.by_reason:
+            flat.update({f"{KEY_PREFIX}{count.name}:{reason}": float(n) for reason, n in value.items()})
         else:
-            flat[f"{KEY_PREFIX}{name}"] = float(value)
+            flat[f"{KEY_PREFIX}{count.name}"] = float(value)
     if stats.host_on:  # the tiers that are on
         levels = (*levels, *HOST_LEVELS)
     if stats.directory is not None:
@@ -194,11 +197,12 @@ def pop_snapshot(metrics: dict[str, Any]) -> Snapshot | None:
         else:
             counts[name] = int(value)
     known = {name: value for name, value in counts.items() if name in COUNTER_FIELDS}
-    bypassed = sum(known.get("bypass_reasons", {}).values())
+    bypassed = sum(known.get(BYPASS_REASONS.name, {}).values())
     for mine in methods.values():  # a count by reason with no reason left is sent as nothing
-        for name in METHOD_COUNTER_FIELDS:
-            mine.setdefault(name, {} if name in REASON_FIELDS else 0)
-        mine.update({name: ranked_reasons(Counter(mine[name])) for name in REASON_FIELDS})
+        for count in CALL_COUNTS:
+            mine.setdefault(count.name, {} if count.by_reason else 0)
+            if count.by_reason:
+                mine[count.name] = ranked_reasons(Counter(mine[count.name]))
     stats = CacheStats(
         **known, bypassed=bypassed, methods=methods, **{name: int(value) for name, value in levels.items()}
     )
@@ -363,8 +367,10 @@ class PromptEmbedCacheMetrics:
             for count in COUNTS:
                 if count.by_method is not None and not count.by_reason:
                     self.counters[count.by_method[0]].labels(*series, *count.label_values)
-        reasons = counts.get("bypass_reasons", {})
-        self._advance(METHOD_QUERIES, series, counts.get("hits", 0) + counts.get("misses", 0) + sum(reasons.values()))
+        calls = (
+            counts.get(HITS.name, 0) + counts.get(MISSES.name, 0) + sum(counts.get(BYPASS_REASONS.name, {}).values())
+        )
+        self._advance(METHOD_QUERIES, series, calls)
         for count in COUNTS:
             if count.by_method is not None:
                 amount = counts.get(count.name, {} if count.by_reason else 0)
