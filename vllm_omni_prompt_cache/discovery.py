@@ -16,6 +16,7 @@ not cached. Nothing here knows about vLLM-Omni.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 import threading
@@ -220,7 +221,13 @@ def observed(pipeline: Any) -> Iterator[Observation]:
 
 @dataclass
 class MethodState:
-    """What the cache knows about one wrapped method; changed under the wrapper's lock only."""
+    """What the cache knows about one wrapped method.
+
+    Every change goes through a method below that holds ``lock``, so calls that learn or refuse it at once
+    merge what they saw and finish or refuse it once. A hit reads the fields without the lock, which stays
+    cheap and safe because each is replaced whole, never changed in place: :meth:`learn` publishes new lists
+    and dicts, the flags are single assignments. A reader sees the old value or the new one, never a half-made one.
+    """
 
     name: str
     source: str  # how it was found, for stats and logs
@@ -239,8 +246,49 @@ class MethodState:
     #: hold by content (a config, a parallel group) is configuration, keyed by identity; one that appears later
     #: is per-request state, and a method that reads it is not cached
     configuration: Mapping[str, Any] = field(default_factory=dict, repr=False)
-    checks: int = 0
+    checks: int = 0  # first hits checked (begun)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def note_observed(self) -> None:
+        """Note that an encode of it ran under observation."""
+        with self.lock:
+            self.observed = True
+
+    def note_recorded(self) -> None:
+        """Note that its encodes record what reaches their text encoder."""
+        with self.lock:
+            self.recorded = True
+
+    def relearn(self) -> None:
+        """Serve its next call uncached and observed (a component it is guarded by was replaced)."""
+        with self.lock:
+            self.learning = True
+
+    def finish_learning(self, *, check: bool) -> bool:
+        """End its first use, its first hit checked when ``check``; return False when another call already ended
+        it or refused the method (then that call confirmed it, and the first hit is not checked twice)."""
+        with self.lock:
+            if not self.learning or self.refusal is not None:
+                return False
+            self.learning, self.observed, self.check_pending = False, True, check
+            return True
+
+    def take_check(self) -> bool:
+        """Return True for the one call that checks its first hit (the check is pending; it is taken and counted)."""
+        with self.lock:
+            if not self.check_pending:
+                return False
+            self.check_pending = False
+            self.checks += 1
+            return True
+
+    def refuse(self, why: str) -> bool:
+        """Stop caching it for ``why``; return False when it was refused already (the first reason stands)."""
+        with self.lock:
+            if self.refusal is not None:
+                return False
+            self.refusal = why
+            return True
 
     @property
     def rows_allowed(self) -> bool:
@@ -296,7 +344,20 @@ class MethodState:
 
     def learn(self, trace: Trace, output: Any) -> tuple[bool, str | None]:
         """Merge what a traced call read and wrote; return ``(grew, refusal)``: whether what a key holds
-        (the data read) or what a hit replays (the writes) grew, and why the method cannot be cached, if so."""
+        (the data read) or what a hit replays (the writes) grew, and why the method cannot be cached, if so.
+        Merged into copies, published whole: a hit iterating the lists and dicts it holds never sees them change."""
+        with self.lock:
+            draft = copy.copy(self)
+            draft.data, draft.writes, draft.accumulators = [*self.data], [*self.writes], [*self.accumulators]
+            draft.components = {**self.components}
+            try:
+                return draft._merge(trace, output)
+            finally:
+                self.accumulators, self.components, self.data = draft.accumulators, draft.components, draft.data
+                self.writes, self.check_pending = draft.writes, draft.check_pending
+
+    def _merge(self, trace: Trace, output: Any) -> tuple[bool, str | None]:
+        """Merge a traced call into this draft (see :meth:`learn`)."""
         grew = per_call = False
         # What a call reads and then changes (a counter it bumps, a dict of counts, a list of timings it
         # appends to) is instrumentation: neither keyed nor replayed. Changed before the text encoder, a hit's

@@ -116,7 +116,7 @@ class FirstUse:
                 with observed(self.pipeline) as observation, traced(self.instance) as trace:
                     gate_run.trace = trace
                     result = encode_fn(*args, **kwargs)
-                state.observed = True
+                state.note_observed()
                 if observation.collectives:
                     self._refuse(collectives_refusal(observation.collectives))
                     raise Learned(result, trace, state.refusal)
@@ -127,10 +127,10 @@ class FirstUse:
         if gate_run.proven:  # the method's own code swallowed the Proven: the run's trace and result are no encode's
             return result, trace, gate_run
         if gate_run.kept_record is not None:
-            state.recorded = True
-        with state.lock:
-            writes_before = len(state.writes)
-            grew, refusal = state.learn(trace, result)
+            state.note_recorded()
+        # Writes another call learned meanwhile count as this one's: it is then served, not kept (the safe side).
+        writes_before = len(state.writes)
+        grew, refusal = state.learn(trace, result)
         if refusal is None and type(gate_run.record) is Bypass:
             refusal = unprovable_refusal(gate_run.record)
         if refusal is not None:
@@ -236,25 +236,25 @@ class FirstUse:
             refusal = "it changes its arguments in place, which a hit could not repeat"
         elif observation.collectives:
             refusal = collectives_refusal(observation.collectives)
-        with state.lock:
-            refusal = refusal or state.learn(trace, result)[1]
+        refusal = refusal or state.learn(trace, result)[1]
         if refusal is None and type(gate_run.record) is Bypass:
             refusal = unprovable_refusal(gate_run.record)
         if refusal is not None:
             self._refuse(refusal)
             self.count(tally(Outcome.BYPASS, reason=refusal))
             return result
-        state.learning, state.observed = False, True
-        state.check_pending = state.inferred or bool(state.data) or bool(state.writes)
+        # Calls that learn at once each keep their encode; the one that ends the first use confirms it.
+        ended = state.finish_learning(check=state.inferred or bool(state.data) or bool(state.writes))
         self._rows_off()
-        self.host.confirmed(state)
+        if ended:
+            self.host.confirmed(state)
         held = state.state_argument_before(trace, self.instance)
         key = self.key_builder.build_from_arguments(with_state(arguments, held))
         if type(key) is Bypass:
             self.count(tally(Outcome.BYPASS, reason=key.reason))
             return result
         if gate_run.kept_record is not None:
-            state.recorded = True
+            state.note_recorded()
         value = seal(pack(unaliased(result, (args, kwargs)), state.replayed(trace)), gate_run.kept_record)
         self.store.serve(
             key, lambda: value, lambda outcome, reason: self.count(tally(outcome, reason=reason)), self.method
@@ -266,10 +266,8 @@ class FirstUse:
         a difference serves the fresh encode and stops caching the method. Counted as an audit. ``before``:
         what the attributes the hit replayed held before it did (the encode runs on that state, as the call's)."""
         state = self.state
-        with state.lock:
-            if not state.check_pending:
-                return served
-            state.check_pending = False
+        if not state.take_check():
+            return served
         replayed = {name: current_attribute(self.instance, name) for name in state.writes}
         for name, value in before.items():
             if is_absent(value):
@@ -285,7 +283,6 @@ class FirstUse:
         for name, written in state.replayed(trace).items():
             if why is None and (differs := compare_outputs(replayed.get(name), written)[0]) is not None:
                 why = f"self.{name}: {differs}"
-        state.checks += 1
         self.store.record_audit(mismatch=why is not None, method=self.method)
         if why is None:
             for name, value in replayed.items():  # the pipeline holds what the hit replayed, as on any hit

@@ -219,7 +219,8 @@ class Installation:
 
     def refused(self, state: MethodState, why: str) -> None:
         """Stop caching ``state``'s method, and say so once."""
-        state.refusal = why
+        if not state.refuse(why):
+            return
         self.cache.register(state.name)
         logger.warning("Prompt-embed cache: %s.%s is not cached: %s.", self.tag, state.name, why)
 

@@ -185,7 +185,7 @@ class MethodCalls(FirstUse):
             return self.whole.call(args, kwargs, arguments)
         held = state.state_argument(self.instance)
         if type(held) is Bypass:  # a component was replaced: learn the method again
-            state.learning = True
+            state.relearn()
             return self._learn(args, kwargs, arguments)
         return self.strategy.serve(args, kwargs, arguments, held)
 
