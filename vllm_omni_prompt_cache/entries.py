@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from vllm_omni_prompt_cache.keys import witness_nbytes
-from vllm_omni_prompt_cache.values import changed_in_place, owned_by_cache, tensor_versions, value_nbytes
+from vllm_omni_prompt_cache.values import owned_by_cache, tensor_versions, value_nbytes
 
 V = TypeVar("V")
 
@@ -36,10 +36,6 @@ class Entry(NamedTuple):
         value = owned_by_cache(value)
         nbytes = value_nbytes(value) + (0 if witness is None else witness_nbytes(witness))
         return cls(value, witness, nbytes, keyed, tensor_versions(value))
-
-    def changed(self) -> bool:
-        """Return True when a tensor of the value was written in place since it was stored."""
-        return changed_in_place(self.versions)
 
 
 #: What left a mapping, oldest first: (identity, entry) pairs.

@@ -25,8 +25,6 @@ from vllm_omni_prompt_cache.reads import CannotTrace, Trace, current_attribute, 
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
 from vllm_omni_prompt_cache.values import unaliased
 
-#: Key part (an extra bound argument) for what a call read from the pipeline (see :mod:`.reads`).
-STATE = "self"
 #: Bypass reason for a row call whose encode read or wrote pipeline state earlier calls had not.
 LEARNED_REASON = "its encode read or wrote pipeline state no earlier call had: served whole and uncached"
 
@@ -55,11 +53,6 @@ def unprovable_refusal(why: Bypass) -> str:
     return f"its text encoder's inputs cannot be keyed ({why.reason}), so no hit could be proven equal to an encode"
 
 
-def with_state(arguments: Mapping[str, Any], held: tuple | None) -> Mapping[str, Any]:
-    """Return a call's (or a row's) arguments with the pipeline state its key also holds."""
-    return arguments if held is None else {**arguments, STATE: held}
-
-
 def collectives_refusal(collectives: Sequence[str]) -> str:
     """Return why a method whose encode runs collectives is not cached."""
     return (
@@ -84,9 +77,7 @@ class FirstUse:
         if type(held) is Bypass:
             return
         for row_arguments, old, value in zip(arguments, served_under, values, strict=True):
-            new = self.key_builder.build_from_arguments(
-                with_state(row_arguments, held), row=True, host_views=host_views
-            )
+            new = self.key_builder.build_from_arguments(row_arguments, held=held, row=True, host_views=host_views)
             if type(new) is not Bypass:
                 self.store.rekey(old, new, value)
 
@@ -182,7 +173,7 @@ class FirstUse:
         state = self.state
         if state.refusal is None and self.key_builder.precomputed(arguments) is None:
             held = state.state_argument_before(learned.trace, self.instance)
-            key = self.key_builder.build_from_arguments(with_state(arguments, held))
+            key = self.key_builder.build_from_arguments(arguments, held=held)
             if type(key) is not Bypass:
                 kept = pack(unaliased(learned.result, (args, kwargs)), self.state.replayed(learned.trace))
                 self.store.put(key, seal(kept, learned.record))
@@ -249,7 +240,7 @@ class FirstUse:
         if ended:
             self.host.confirmed(state)
         held = state.state_argument_before(trace, self.instance)
-        key = self.key_builder.build_from_arguments(with_state(arguments, held))
+        key = self.key_builder.build_from_arguments(arguments, held=held)
         if type(key) is Bypass:
             self.count(tally(Outcome.BYPASS, reason=key.reason))
             return result

@@ -22,14 +22,14 @@ import torch
 
 from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.counters import ENCODE_PROMPT
-from vllm_omni_prompt_cache.discovery import EncoderWatch, MethodState, OpenEncode, child_modules
+from vllm_omni_prompt_cache.discovery import EncoderWatch, OpenEncode, child_modules
 from vllm_omni_prompt_cache.encoder_inputs import EncoderGate
 from vllm_omni_prompt_cache.keys import CallKeyBuilder
 from vllm_omni_prompt_cache.layouts import layout_proof, method_layout_proof
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.method_calls import MethodCalls
 from vllm_omni_prompt_cache.proofs import LayoutProof
-from vllm_omni_prompt_cache.reads import instance_attributes
+from vllm_omni_prompt_cache.reads import MethodState, instance_attributes
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
 from vllm_omni_prompt_cache.rows import RowLayout
 from vllm_omni_prompt_cache.store import PromptEmbedCache
@@ -76,7 +76,7 @@ class Installation:
         self._watch: EncoderWatch | None = None
         self.configuration = instance_attributes(pipeline)  # what the pipeline held at install (see MethodState)
         #: records what reaches the text encoders on an encode, and compares it before a hit is served
-        self.gate = EncoderGate(lambda: child_modules(pipeline))
+        self.gate = EncoderGate(functools.partial(child_modules, pipeline))
 
     @property
     def encoders(self) -> list[str]:

@@ -281,6 +281,10 @@ def value_identity(value: Any) -> Any | Bypass:
         return Bypass(f"{type(error).__qualname__} raised while keying")
 
 
+#: The name under which a key holds what its call read from the pipeline (an extra bound argument).
+STATE = "self"
+
+
 class CallKeyBuilder:
     """Builds keys for calls of one ``encode_prompt`` signature under one model tag."""
 
@@ -330,19 +334,24 @@ class CallKeyBuilder:
         self,
         arguments: Mapping[str, Any],
         *,
+        held: tuple | None = None,
         row: bool = False,
         host_views: Mapping[int, np.ndarray] | None = None,
     ) -> CallKey | Bypass:
         """Return the key for already-bound arguments (defaults applied).
 
-        ``row``: the key of one row of a call whose arguments :meth:`precomputed` already cleared
-        (the check is per call, not per row). ``host_views``: numpy views of contiguous CPU tensors
-        among the arguments that the caller already made, by ``id(tensor)``: read, not made again.
+        ``held``: what the call read from the pipeline that its key also holds (see :mod:`.reads`), keyed as
+        one more argument named :data:`STATE`. ``row``: the key of one row of a call whose arguments
+        :meth:`precomputed` already cleared (the check is per call, not per row). ``host_views``: numpy
+        views of contiguous CPU tensors among the arguments that the caller already made, by
+        ``id(tensor)``: read, not made again.
         """
         if not row:
             precomputed = self.precomputed(arguments)
             if precomputed is not None:
                 return precomputed
+        if held is not None:
+            arguments = {**arguments, STATE: held}
         encoder = _Encoder(self.digest, host_views)
         encode = encoder.encode
         # Bound arguments come in signature order, so values alone identify the call.

@@ -25,7 +25,7 @@ from vllm_omni_prompt_cache.entries import LRU, Departures, Entry
 from vllm_omni_prompt_cache.flights import Claim, Flight, Flights, Ticket
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
 from vllm_omni_prompt_cache.tiers import Stamp, Tiers
-from vllm_omni_prompt_cache.values import detach_value
+from vllm_omni_prompt_cache.values import changed_in_place, detach_value
 
 T = TypeVar("T")
 
@@ -148,7 +148,7 @@ class Lookups:
         """Return ``identity``'s entry, or None; one changed in place since it was stored is dropped (counted
         under ``method``). The lock is held."""
         entry = self.entries.get(identity)
-        if entry is not None and entry.versions and entry.changed():
+        if entry is not None and entry.versions and changed_in_place(entry.versions):
             self.entries.pop(identity)
             self._record(method, {CHANGED_ENTRIES: 1})
             return None
@@ -260,7 +260,11 @@ class Lookups:
 
     def _unchanged(self, departures: Departures, method: str) -> Departures:
         """Return the departures still as they were stored: one a caller wrote into goes nowhere (counted)."""
-        kept = [(identity, entry) for identity, entry in departures if not (entry.versions and entry.changed())]
+        kept = [
+            (identity, entry)
+            for identity, entry in departures
+            if not (entry.versions and changed_in_place(entry.versions))
+        ]
         if len(kept) < len(departures):
             self._record(method, {CHANGED_ENTRIES: len(departures) - len(kept)})
         return kept

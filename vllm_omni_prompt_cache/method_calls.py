@@ -34,7 +34,6 @@ from vllm_omni_prompt_cache.counters import (
     Outcome,
     tally,
 )
-from vllm_omni_prompt_cache.discovery import MethodState
 from vllm_omni_prompt_cache.encoder_inputs import (
     NO_RECORD,
     NOT_REACHED,
@@ -43,11 +42,11 @@ from vllm_omni_prompt_cache.encoder_inputs import (
     unseal,
     with_encoder_input,
 )
-from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, Unproven, with_state
+from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, Unproven
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.proofs import ONE_ROW, LayoutProof, compare_outputs, infer_layout, row_strength
-from vllm_omni_prompt_cache.reads import current_attribute, is_packed, pack, unpack
+from vllm_omni_prompt_cache.reads import MethodState, current_attribute, is_packed, pack, unpack
 from vllm_omni_prompt_cache.row_batches import RowTally
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, SingleRow, UnstackableRows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
@@ -299,7 +298,7 @@ class WholeCalls:
                 return
             calls.count(tally(outcome, reason=reason, whole_call=why, rows_encoded=rows or 0))
 
-        key = calls.key_builder.build_from_arguments(with_state(arguments, held))
+        key = calls.key_builder.build_from_arguments(arguments, held=held)
         if type(key) is Bypass:
             count(Outcome.BYPASS, key.reason)
             result = calls.encode_fn(*args, **kwargs)
@@ -378,8 +377,9 @@ class RowCalls:
     def _single_row(self, args: tuple, kwargs: dict, single: SingleRow, held: tuple | None) -> Any:
         """Serve a call that is its own only row, keyed as :meth:`RowLayout.single_row_key` reads it."""
         calls = self.calls
-        keyed = with_state(single.arguments, held)
-        key = calls.key_builder.build_from_arguments(keyed, row=True, host_views=single.host_views)
+        key = calls.key_builder.build_from_arguments(
+            single.arguments, held=held, row=True, host_views=single.host_views
+        )
         if type(key) is Bypass:
             return calls.uncached(args, kwargs, tally(Outcome.BYPASS, reason=key.reason, rows_encoded=1))
         known = len(calls.state.data)
@@ -494,7 +494,7 @@ class RowCalls:
     def _row_keys(self, split: RowSplit, held: tuple | None) -> list[CallKey] | Bypass:
         keys = []
         for index in range(split.batch):
-            key = self.calls.key_builder.build_from_arguments(with_state(split.key_arguments(index), held), row=True)
+            key = self.calls.key_builder.build_from_arguments(split.key_arguments(index), held=held, row=True)
             if type(key) is Bypass:
                 return key
             keys.append(key)
