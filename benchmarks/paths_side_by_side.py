@@ -44,7 +44,7 @@ def install(pipeline, max_size, layout=None):
         return install_prompt_embed_cache(pipeline, max_size=max_size)
     try:
         from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-        settings = PromptEmbedCacheSettings(enabled=True, row_layout=layout)
+        settings = PromptEmbedCacheSettings(row_layout=layout)
         return install_prompt_embed_cache(pipeline, max_size=max_size, settings=settings)
     except TypeError:  # a version before the settings object: the keyword
         return install_prompt_embed_cache(pipeline, max_size=max_size, row_layout=layout)

@@ -71,9 +71,7 @@ def read_all(root: Path, entries: int) -> tuple[list[float], int, int, Counter]:
     """Read every entry through a fresh cache on ``root``; return per-entry seconds (the first read, which
     fingerprints the namespace, left out), directory hits and encodes."""
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=1, settings=PromptEmbedCacheSettings(enabled=True, directory=root)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=1, settings=PromptEmbedCacheSettings(directory=root))
     encode(pipeline, 0)  # the namespace's fingerprint is computed on first use: not a read's cost
     times = []
     with counting_metadata_calls() as calls:
@@ -99,9 +97,7 @@ def main() -> None:
     shard_bytes = MAX_BYTES.parse(args.shard_bytes, "--shard-bytes")
     root = Path(tempfile.mkdtemp(prefix="shard-layout-"))
     writer = TokenIdTextPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(
-        writer, max_size=1, settings=PromptEmbedCacheSettings(enabled=True, directory=root)
-    )
+    cache = install_prompt_embed_cache(writer, max_size=1, settings=PromptEmbedCacheSettings(directory=root))
     started = time.perf_counter()
     for index in range(args.entries):
         encode(writer, index)

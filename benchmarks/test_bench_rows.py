@@ -40,9 +40,7 @@ def batched_call(bench_encoder) -> tuple[QwenStyleTokenPipeline, torch.Tensor, t
     for index, row in enumerate(rows):
         ids[index, : len(row)] = row
     pipeline = QwenStyleTokenPipeline(bench_encoder)
-    install_prompt_embed_cache(
-        pipeline, max_size=64, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    install_prompt_embed_cache(pipeline, max_size=64, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     pipeline.encode_prompt(ids, ids != 0)  # every row cached from here on
     group = (
         f"rows: a batch of {len(rows)} cached rows ({PROMPTS} prompts x {SIBLINGS}) on {encoder_label(bench_encoder)}"
@@ -75,9 +73,7 @@ def one_row_call(bench_encoder) -> tuple[QwenStyleTokenPipeline, torch.Tensor, t
     """The max_num_seqs=1 case on a recognised pipeline: every call is one row, keyed as a row."""
     ids = torch.randint(1, 32_000, (1, 512), generator=torch.Generator().manual_seed(0))
     pipeline = QwenStyleTokenPipeline(bench_encoder)
-    install_prompt_embed_cache(
-        pipeline, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    install_prompt_embed_cache(pipeline, max_size=8, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     pipeline.encode_prompt(ids, ids != 0)
     return pipeline, ids, ids != 0, f"hit path, row layout: [1,512] on {encoder_label(bench_encoder)}"
 

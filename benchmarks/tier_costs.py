@@ -95,9 +95,7 @@ def tier_rows(make_pipeline: Callable[[], torch.nn.Module], ids: torch.Tensor, r
     encode_ms = median_ms(lambda: plain.encode_prompt(*arguments))
 
     cached = make_pipeline()
-    cache = install_prompt_embed_cache(
-        cached, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=2**30, directory=root)
-    )
+    cache = install_prompt_embed_cache(cached, settings=PromptEmbedCacheSettings(host_bytes=2**30, directory=root))
     cached.encode_prompt(*arguments)  # encoded once: in the device tier and written to the directory
     device_ms = median_ms(lambda: cached.encode_prompt(*arguments))
     host_ms = median_ms(lambda: cached.encode_prompt(*arguments), cache.release_device_memory)
@@ -115,9 +113,7 @@ def directory_hit_ms(
 
     def new_process() -> None:  # a new pipeline and cache on the directory, as a restarted engine has
         pipeline = make_pipeline()
-        install_prompt_embed_cache(
-            pipeline, settings=PromptEmbedCacheSettings(enabled=True, directory=root, directory_key=key)
-        )
+        install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(directory=root, directory_key=key))
         pipeline.encode_prompt(*arguments)  # the first call fingerprints the weights: not timed
         pipeline._prompt_embed_cache.release_device_memory()
         fresh[:] = [pipeline]

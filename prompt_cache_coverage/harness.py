@@ -96,9 +96,7 @@ def _judge(case: Case) -> Verdict:
         # A method other than encode_prompt is declared: in an engine it is found by watching the encoders
         # while forward runs, which the matrix does not run.
         declared = None if case.method == ENCODE_PROMPT else {class_path(type(pipeline)): (case.method,)}
-        cache = install_prompt_embed_cache(
-            pipeline, max_size=64, settings=PromptEmbedCacheSettings(enabled=True, methods=declared)
-        )
+        cache = install_prompt_embed_cache(pipeline, max_size=64, settings=PromptEmbedCacheSettings(methods=declared))
     except Exception as error:  # a builder that no longer fits vLLM-Omni: the table says so
         return verdict(NOT_COVERED, reason=_failure("building or the uncached calls", error))
     if cache is None:

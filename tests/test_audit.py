@@ -89,7 +89,7 @@ def test_without_an_audit_a_factor_read_after_the_encoder_is_served_stale() -> N
 def test_an_audit_serves_the_fresh_encode_and_turns_the_class_off(caplog) -> None:
     encoder = build_qwen2_encoder()
     pipeline = RescaledPipeline(encoder)
-    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, audit=1.0))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(audit=1.0))
     first = pipeline.encode_prompt(IDS)
     for _ in range(3):  # hits that agree with a fresh encode: served from the cache
         assert same(pipeline.encode_prompt(IDS), first)
@@ -115,7 +115,7 @@ def test_an_audit_serves_the_fresh_encode_and_turns_the_class_off(caplog) -> Non
 
 def test_a_fraction_audits_about_that_share_of_hits() -> None:
     pipeline = RescaledPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, audit=0.25))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(audit=0.25))
     for _ in range(401):
         pipeline.encode_prompt(IDS)
     stats = cache.snapshot()
@@ -140,9 +140,7 @@ def test_ranks_that_see_the_same_calls_audit_the_same_hits() -> None:
     """An encoder with collectives must run on every rank of a stage or on none."""
     encoder = build_qwen2_encoder()
     ranks = [RescaledPipeline(encoder) for _ in range(2)]
-    caches = [
-        install_prompt_embed_cache(rank, settings=PromptEmbedCacheSettings(enabled=True, audit=0.3)) for rank in ranks
-    ]
+    caches = [install_prompt_embed_cache(rank, settings=PromptEmbedCacheSettings(audit=0.3)) for rank in ranks]
     runs = []
     for rank in ranks:
         trace = []
@@ -166,7 +164,7 @@ class MaskedPipeline(RescaledPipeline):
 
 def test_infinities_in_the_same_places_are_no_mismatch() -> None:
     pipeline = MaskedPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, audit=1.0))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(audit=1.0))
     for _ in range(3):
         pipeline.encode_prompt(IDS)
     stats = cache.snapshot()
@@ -175,7 +173,7 @@ def test_infinities_in_the_same_places_are_no_mismatch() -> None:
 
 def test_an_audit_whose_encode_fails_leaves_the_hit_served() -> None:
     pipeline = RescaledPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, audit=1.0))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(audit=1.0))
     first = pipeline.encode_prompt(IDS)
 
     def out_of_memory(module, args):

@@ -302,8 +302,9 @@ def test_install_takes_upstreams_keywords_and_one_settings_object() -> None:
 
     from vllm_omni_prompt_cache import install_prompt_embed_cache
 
-    parameters = list(inspect.signature(install_prompt_embed_cache).parameters)
-    assert parameters == ["pipeline", "max_size", "enabled", "model_tag", "settings"]
+    parameters = inspect.signature(install_prompt_embed_cache).parameters
+    assert list(parameters) == ["pipeline", "max_size", "enabled", "model_tag", "settings"]
+    assert [parameters[name].default for name in ("max_size", "enabled", "model_tag")] == [32, True, None]
 
 
 def test_a_new_setting_is_one_entry_and_reaches_kwargs_flags_env_and_the_worker(monkeypatch) -> None:

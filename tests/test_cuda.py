@@ -129,9 +129,7 @@ def test_a_batched_cuda_call_encodes_each_distinct_row_once_and_stays_on_the_gpu
 
     pipeline = QwenStyleTokenPipeline(cuda_encoder)
     reference = QwenStyleTokenPipeline(cuda_encoder)
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=8, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     rows = [cuda_ids_and_mask(seed) for seed in (0, 1, 0, 1, 0)]
     ids, mask = torch.cat([row for row, _ in rows]), torch.cat([row_mask for _, row_mask in rows])
     embeds, embeds_mask = pipeline.encode_prompt(ids, mask)
@@ -148,7 +146,7 @@ def test_an_entry_leaving_gpu_memory_waits_in_pinned_host_memory_and_comes_back_
 ) -> None:
     pipeline = TokenIdTextPipeline(cuda_encoder)
     cache = install_prompt_embed_cache(
-        pipeline, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=64 * 2**20, directory=tmp_path)
+        pipeline, max_size=8, settings=PromptEmbedCacheSettings(host_bytes=64 * 2**20, directory=tmp_path)
     )
     ids, mask = cuda_ids_and_mask()
     encoded, _ = pipeline.encode_prompt(ids, mask)
@@ -165,7 +163,7 @@ def test_an_entry_leaving_gpu_memory_waits_in_pinned_host_memory_and_comes_back_
     assert again.device == device and torch.equal(again.cpu(), expected)
     # The directory's file, read by a fresh process-like cache, lands on this GPU too.
     reader = TokenIdTextPipeline(cuda_encoder)
-    install_prompt_embed_cache(reader, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    install_prompt_embed_cache(reader, settings=PromptEmbedCacheSettings(directory=tmp_path))
     from_file, _ = reader.encode_prompt(ids.clone(), mask.clone())
     assert reader.encoder_runs == 0 and from_file.device == device and torch.equal(from_file.cpu(), expected)
 

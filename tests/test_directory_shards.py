@@ -30,7 +30,7 @@ def encode(pipeline: TokenIdTextPipeline, index: int) -> tuple[torch.Tensor, tor
 def process(root: Path, **kwargs):
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
     return pipeline, install_prompt_embed_cache(
-        pipeline, max_size=32, settings=PromptEmbedCacheSettings(enabled=True, directory=root, **kwargs)
+        pipeline, max_size=32, settings=PromptEmbedCacheSettings(directory=root, **kwargs)
     )
 
 

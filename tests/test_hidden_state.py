@@ -382,9 +382,7 @@ def test_an_entry_without_a_record_is_proven_once_the_method_records(encoder) ->
 
 def test_an_entry_changed_in_place_is_not_moved_to_the_host_tier(encoder) -> None:
     pipeline = pipeline_for("ContextVar", False, encoder)
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=1, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=2**24)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=1, settings=PromptEmbedCacheSettings(host_bytes=2**24))
     wrong = 0
     with torch.inference_mode():
         for name in "AABA":

@@ -102,9 +102,7 @@ def test_stats_line_is_rate_limited_and_names_bypass_reasons(caplog) -> None:
     now = [100.0]
     logger = lifecycle.StatsLogger(interval_s=10.0, clock=lambda: now[0])
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=4, settings=PromptEmbedCacheSettings(enabled=True, report=logger)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=4, settings=PromptEmbedCacheSettings(report=logger))
     ids = torch.tensor([[1, 2, 3]])
     for _ in range(5):
         pipeline.encode_prompt(ids, ids != 0)

@@ -104,9 +104,7 @@ def test_method_keys_never_meet_encode_prompt_keys(encoder) -> None:
 
     pipeline = TwoMethods(encoder)
     path = f"{TwoMethods.__module__}.{TwoMethods.__qualname__}"
-    install_prompt_embed_cache(
-        pipeline, settings=PromptEmbedCacheSettings(enabled=True, methods={path: ("embed_pooled",)})
-    )
+    install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(methods={path: ("embed_pooled",)}))
     full = pipeline.encode_prompt("a fox")
     pooled = pipeline.embed_pooled("a fox")
     assert full.dim() == 3 and pooled.dim() == 2
@@ -232,7 +230,7 @@ def test_an_encode_method_nobody_listed_is_found_by_watching_the_encoder(encoder
 
 def test_finding_encodes_can_be_turned_off(encoder) -> None:
     pipeline = RenamedAdapter(encoder)
-    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, find_encodes=False))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(find_encodes=False))
     assert cache is None  # no encode_prompt, nothing declared: nothing to wrap
 
 

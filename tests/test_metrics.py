@@ -254,7 +254,7 @@ def test_the_tiers_below_device_memory_have_their_own_series(tmp_path) -> None:
     encoder = build_qwen2_encoder()
     ids = [torch.tensor([[1, 2, token]]) for token in range(3)]
     writer = TokenIdTextPipeline(encoder)
-    install_prompt_embed_cache(writer, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    install_prompt_embed_cache(writer, max_size=8, settings=PromptEmbedCacheSettings(directory=tmp_path))
     for each in ids:
         writer.encode_prompt(each, torch.ones_like(each))
     damaged = sorted(tmp_path.glob("*/*.safetensors"))[0]
@@ -263,7 +263,7 @@ def test_the_tiers_below_device_memory_have_their_own_series(tmp_path) -> None:
     damaged.write_bytes(bytes(data))
     pipeline = TokenIdTextPipeline(encoder)
     cache = install_prompt_embed_cache(
-        pipeline, max_size=1, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=2**20, directory=tmp_path)
+        pipeline, max_size=1, settings=PromptEmbedCacheSettings(host_bytes=2**20, directory=tmp_path)
     )
     for each in (*ids, ids[0]):  # three from files or encoded again (the damaged one), then one from host memory
         pipeline.encode_prompt(each, torch.ones_like(each))

@@ -195,7 +195,7 @@ def test_the_strategy_is_chosen_at_install_and_changes_only_when_a_layout_is_ado
     install_prompt_embed_cache(
         wrong,
         max_size=16,
-        settings=PromptEmbedCacheSettings(enabled=True, row_layouts={path(TilingPipeline): interleaving}),
+        settings=PromptEmbedCacheSettings(row_layouts={path(TilingPipeline): interleaving}),
     )
     calls = wrong._prompt_embed_cache_installation.methods["encode_prompt"]
     assert type(calls.strategy) is RowCalls and calls.strategy.layout is interleaving
@@ -233,7 +233,7 @@ def test_a_wrong_user_declaration_is_caught_on_first_use_and_never_served(encode
     cache = install_prompt_embed_cache(
         pipeline,
         max_size=16,
-        settings=PromptEmbedCacheSettings(enabled=True, row_layouts={path(TilingPipeline): interleaving}),
+        settings=PromptEmbedCacheSettings(row_layouts={path(TilingPipeline): interleaving}),
     )
     rows = token_rows(2, seed=7)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
@@ -255,7 +255,7 @@ def test_a_right_user_declaration_serves_rows_after_one_check(encoder) -> None:
     cache = install_prompt_embed_cache(
         pipeline,
         max_size=16,
-        settings=PromptEmbedCacheSettings(enabled=True, row_layouts={path(TilingPipeline): tiling}),
+        settings=PromptEmbedCacheSettings(row_layouts={path(TilingPipeline): tiling}),
     )
     a, b, c = token_rows(3, seed=8)
     pipeline.encode_prompt(*collate([a, b]), copies=2)
@@ -296,7 +296,7 @@ def test_a_row_call_that_raises_refutes_an_unchecked_layout_and_the_call_is_serv
     pipeline = TeamPipeline(encoder)
     wrong = RowLayout(rows=("input_ids",), outputs=(RowOutput(), RowOutput()), name="ids without their mask")
     cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layouts={path(TeamPipeline): wrong})
+        pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layouts={path(TeamPipeline): wrong})
     )
     rows = token_rows(2, seed=12)
     embeds, _ = pipeline.encode_prompt(*collate(rows))  # each row's ids beside the whole batch's mask

@@ -14,7 +14,7 @@ import sys
 
 RANK = r"""
 import json, random, sys, torch
-from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache import PromptEmbedCacheSettings, install_prompt_embed_cache
 
 class Pipeline:
     def encode_prompt(self, prompt_ids, attention_mask, num_images_per_prompt=1):
@@ -24,7 +24,7 @@ class Pipeline:
 rng = random.Random(0)  # the same request stream on every rank
 prompts = [[rng.randrange(1, 50) for _ in range(rng.randrange(3, 12))] for _ in range(12)]
 pipeline = Pipeline()
-cache = install_prompt_embed_cache(pipeline, max_size=5, max_bytes=2000)
+cache = install_prompt_embed_cache(pipeline, max_size=5, settings=PromptEmbedCacheSettings(max_bytes=2000))
 decisions = []
 for step in range(300):
     ids_list = prompts[rng.randrange(len(prompts))]

@@ -67,9 +67,7 @@ def test_siblings_in_one_call_encode_each_distinct_row_once_alone(encoder) -> No
     pipeline = QwenStyleTokenPipeline(encoder)
     reference = QwenStyleTokenPipeline(encoder)
     batch = SiblingsBatch(prompts=3, siblings=4)
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     embeds, mask = pipeline.encode_prompt(*collate(batch.rows))
     assert (pipeline.encoder_runs, pipeline.encoder_rows) == (3, 3)  # three runs of one row each
     expected_embeds, expected_mask = rows_alone(reference, batch.rows, copies=1)
@@ -88,9 +86,7 @@ def test_siblings_in_one_call_encode_each_distinct_row_once_alone(encoder) -> No
 def test_trailing_padding_is_not_part_of_a_row(encoder) -> None:
     """The same prompt padded to two batch widths is one row: the second batch only hits."""
     pipeline = QwenStyleTokenPipeline(encoder)
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     rows = token_rows(4, seed=1)
     pipeline.encode_prompt(*collate(rows[:2], width=WIDTH))
     runs = pipeline.encoder_runs
@@ -104,9 +100,7 @@ def test_trailing_padding_is_not_part_of_a_row(encoder) -> None:
 def test_masked_positions_inside_a_row_stay_in_its_key(encoder) -> None:
     """Only trailing masked columns are dropped: a hole in the mask makes a different row."""
     pipeline = QwenStyleTokenPipeline(encoder)
-    install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     ids, mask = collate(token_rows(1, seed=2))
     holed = mask.clone()
     holed[0, 2] = False
@@ -117,9 +111,7 @@ def test_masked_positions_inside_a_row_stay_in_its_key(encoder) -> None:
 
 def test_copies_are_laid_out_as_the_uncached_call_does(encoder) -> None:
     pipeline = QwenStyleTokenPipeline(encoder)
-    install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     rows = token_rows(1, seed=3)
     embeds, mask = pipeline.encode_prompt(*collate(rows), num_images_per_prompt=3)
     expected = QwenStyleTokenPipeline(encoder).encode_prompt(*collate(rows), num_images_per_prompt=3)
@@ -129,9 +121,7 @@ def test_copies_are_laid_out_as_the_uncached_call_does(encoder) -> None:
 def test_undeclared_copy_order_keys_a_multi_row_multi_copy_call_whole(encoder) -> None:
     pipeline = QwenStyleTokenPipeline(encoder)
     unordered = dataclasses.replace(TOKEN_IDS, outputs=(RowOutput(pad_dim=1), RowOutput(pad_dim=1)))
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=unordered)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=unordered))
     ids, mask = collate(token_rows(2, seed=4))
     first = pipeline.encode_prompt(ids, mask, num_images_per_prompt=2)
     second = pipeline.encode_prompt(ids.clone(), mask.clone(), num_images_per_prompt=2)
@@ -171,7 +161,7 @@ class TextPipeline(torch.nn.Module):
 def test_text_rows_reproduce_stock_interleaved_embeds_and_tiled_mask(encoder, copies) -> None:
     pipeline = TextPipeline(encoder)
     cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=QWEN_IMAGE_TEXT)
+        pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=QWEN_IMAGE_TEXT)
     )
     prompts = ["a red fox", "a much longer prompt about a cat", "a red fox", "sky"]
     embeds, mask = pipeline.encode_prompt(prompts, num_images_per_prompt=copies)
@@ -190,9 +180,7 @@ def test_text_rows_reproduce_stock_interleaved_embeds_and_tiled_mask(encoder, co
 
 def test_a_lone_string_and_a_one_element_list_share_a_row(encoder) -> None:
     pipeline = TextPipeline(encoder)
-    install_prompt_embed_cache(
-        pipeline, max_size=4, settings=PromptEmbedCacheSettings(enabled=True, row_layout=QWEN_IMAGE_TEXT)
-    )
+    install_prompt_embed_cache(pipeline, max_size=4, settings=PromptEmbedCacheSettings(row_layout=QWEN_IMAGE_TEXT))
     pipeline.encode_prompt("a red fox")
     pipeline.encode_prompt(["a red fox", "a red fox"])
     assert pipeline.inner.encoder_runs == 1
@@ -205,7 +193,7 @@ def test_forced_digest_collisions_return_no_wrong_row(encoder) -> None:
     cache = install_prompt_embed_cache(
         pipeline,
         max_size=16,
-        settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS, digest=lambda _: b"same"),
+        settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS, digest=lambda _: b"same"),
     )
     rows = [row[:6] for row in token_rows(4, seed=5)]  # equal shapes: identities match, bytes differ
     for batch in ([rows[0], rows[1], rows[0], rows[2]], [rows[3], rows[1], rows[0]]):
@@ -253,9 +241,7 @@ def test_two_concurrent_batches_sharing_a_missing_row_encode_it_once(encoder) ->
         return output
 
     pipeline.encode_prompt = encode
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     results = {}
 
     def run(name, batch):
@@ -289,9 +275,7 @@ def install_failing_once(pipeline, release: threading.Event):
         return original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
 
     pipeline.encode_prompt = encode
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     outcome: dict = {}
 
     def run(name, batch):
@@ -317,9 +301,7 @@ def test_a_failed_row_encode_is_retried_by_the_batch_that_waited(encoder) -> Non
 
 def test_entry_budget_counts_rows(encoder) -> None:
     pipeline = QwenStyleTokenPipeline(encoder)
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=2, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=2, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     rows = token_rows(3, seed=8)
     embeds, _ = pipeline.encode_prompt(*collate(rows))
     assert torch.equal(embeds, rows_alone(QwenStyleTokenPipeline(encoder), rows, copies=1)[0])
@@ -330,7 +312,7 @@ def test_entry_budget_counts_rows(encoder) -> None:
 def test_precomputed_embeddings_stay_a_bypass_and_count_no_rows(encoder) -> None:
     pipeline = TextPipeline(encoder)
     cache = install_prompt_embed_cache(
-        pipeline, max_size=4, settings=PromptEmbedCacheSettings(enabled=True, row_layout=QWEN_IMAGE_TEXT)
+        pipeline, max_size=4, settings=PromptEmbedCacheSettings(row_layout=QWEN_IMAGE_TEXT)
     )
     pipeline.encode_prompt(["a"], prompt_embeds=torch.zeros(1, 2, 3))
     stats = cache.snapshot()
@@ -345,9 +327,7 @@ def test_a_layout_that_does_not_match_the_outputs_is_dropped_once(encoder, caplo
         outputs=(RowOutput(), RowOutput(), RowOutput()),
         name="three outputs",
     )
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, row_layout=wrong)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=8, settings=PromptEmbedCacheSettings(row_layout=wrong))
     rows = token_rows(2, seed=9)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
         outputs = [pipeline.encode_prompt(*collate(rows)) for _ in range(3)]
@@ -366,9 +346,7 @@ def test_a_layout_naming_a_missing_parameter_is_refused_at_install(encoder, capl
     pipeline = TokenIdTextPipeline(encoder)
     layout = RowLayout(rows=("input_ids",), outputs=(RowOutput(),))
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.layouts"):
-        install_prompt_embed_cache(
-            pipeline, max_size=4, settings=PromptEmbedCacheSettings(enabled=True, row_layout=layout)
-        )
+        install_prompt_embed_cache(pipeline, max_size=4, settings=PromptEmbedCacheSettings(row_layout=layout))
     assert "has no parameter 'input_ids'" in caplog.text
 
 
@@ -470,9 +448,7 @@ def test_rows_encoded_across_a_clear_are_returned_but_not_kept(encoder) -> None:
         return original(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
 
     pipeline.encode_prompt = encode
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     rows = token_rows(2, seed=12)
     first, _ = pipeline.encode_prompt(*collate(rows))
     assert len(cache) == 0  # both rows were claimed before the clear: neither is kept
@@ -483,7 +459,7 @@ def test_rows_encoded_across_a_clear_are_returned_but_not_kept(encoder) -> None:
 def test_without_verification_identical_rows_still_share_one_encode(encoder) -> None:
     pipeline = QwenStyleTokenPipeline(encoder)
     install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS, verify=False)
+        pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS, verify=False)
     )
     batch = SiblingsBatch(prompts=2, siblings=4, seed=13)
     embeds, _ = pipeline.encode_prompt(*collate(batch.rows))
@@ -495,16 +471,14 @@ def test_the_byte_budget_counts_row_entries(encoder) -> None:
     generator = torch.Generator().manual_seed(14)
     rows = [torch.randint(1, 1000, (10,), generator=generator).tolist() for _ in range(3)]  # equal entry sizes
     sizer = QwenStyleTokenPipeline(encoder)  # one row's entry size, measured on its own cache
-    sizing = install_prompt_embed_cache(
-        sizer, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    sizing = install_prompt_embed_cache(sizer, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     sizer.encode_prompt(*collate(rows[:1]))
     one_row = sizing.snapshot().bytes
     pipeline = QwenStyleTokenPipeline(encoder)
     cache = install_prompt_embed_cache(
         pipeline,
         max_size=16,
-        settings=PromptEmbedCacheSettings(enabled=True, max_bytes=2 * one_row, row_layout=TOKEN_IDS),
+        settings=PromptEmbedCacheSettings(max_bytes=2 * one_row, row_layout=TOKEN_IDS),
     )
     embeds, _ = pipeline.encode_prompt(*collate(rows))
     stats = cache.snapshot()
@@ -516,9 +490,7 @@ def test_rows_of_different_dtypes_are_served_whole_without_dropping_the_layout()
     """Weights changed dtype without a clear: the cached row cannot be stacked with a fresh one."""
     encoder = build_qwen2_encoder(seed=1)
     pipeline = QwenStyleTokenPipeline(encoder)
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     a, b = token_rows(2, seed=15)
     pipeline.encode_prompt(*collate([a]))  # a cached in fp32
     encoder.double()
@@ -546,9 +518,7 @@ def test_an_undeclared_copy_order_is_never_guessed() -> None:
 def test_a_one_row_call_and_the_same_row_cut_from_a_batch_share_one_entry(encoder) -> None:
     """The one-row fast path keys the call's arguments as given; a batch keys each cut, trimmed row."""
     pipeline = QwenStyleTokenPipeline(encoder)
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     short, long = sorted(token_rows(2, seed=21), key=len)
     assert len(short) < len(long)
     pipeline.encode_prompt(*collate([short]))
@@ -622,9 +592,7 @@ def test_the_one_row_test_refuses_what_split_must_judge() -> None:
 def test_a_one_row_output_of_the_wrong_form_drops_the_layout_and_is_served_uncached(encoder, caplog) -> None:
     pipeline = QwenStyleTokenPipeline(encoder)
     unordered = dataclasses.replace(TOKEN_IDS, copies=None, name="copies not declared")
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=unordered)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=unordered))
     ids, mask = collate(token_rows(1, seed=22))
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
         embeds, _ = pipeline.encode_prompt(ids, mask, num_images_per_prompt=2)  # two rows out of one
@@ -644,9 +612,7 @@ class MaskHandedBack(QwenStyleTokenPipeline):
 def test_a_one_row_call_whose_output_is_a_view_of_the_callers_mask_is_kept_as_a_copy(encoder) -> None:
     """A one-row call is keyed and encoded from the caller's own tensors (no split copies them)."""
     pipeline = MaskHandedBack(encoder)
-    install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     rows = token_rows(1)
     ids, mask = collate(rows)
     expected = [tensor.clone() for tensor in pipeline.encode_prompt(ids, mask)]
@@ -661,9 +627,7 @@ def test_a_call_whose_assembly_raises_still_counts_its_rows_and_itself(encoder, 
     from vllm_omni_prompt_cache.rows import RowSplit
 
     pipeline = QwenStyleTokenPipeline(encoder)
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layout=TOKEN_IDS)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
     ids, mask = collate(token_rows(2, seed=31))
     pipeline.encode_prompt(ids, mask)
 
@@ -695,7 +659,7 @@ def test_a_one_prompt_call_is_not_served_the_other_forms_row_unchecked(first) ->
     path = f"{FormSensitiveText.__module__}.{FormSensitiveText.__qualname__}"
     pipeline, reference = FormSensitiveText(), FormSensitiveText()
     install_prompt_embed_cache(
-        pipeline, max_size=16, settings=PromptEmbedCacheSettings(enabled=True, row_layouts={path: text})
+        pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layouts={path: text})
     )  # a setting: checked, not trusted
     pipeline.encode_prompt(first)
     other = ["a"] if isinstance(first, str) else "a"

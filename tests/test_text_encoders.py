@@ -77,16 +77,16 @@ def test_the_fingerprint_covers_a_text_encoder_under_any_name(tmp_path) -> None:
 
     # Through the directory tier: the new weights read none of the old weights' files.
     writer = PromptTowerPipeline()
-    install_prompt_embed_cache(writer, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    install_prompt_embed_cache(writer, settings=PromptEmbedCacheSettings(directory=tmp_path))
     writer.encode_prompt(IDS)
     reader = PromptTowerPipeline()
     with torch.no_grad():
         reader.prompt_tower.embed_tokens.weight.mul_(2.0)
-    cache = install_prompt_embed_cache(reader, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    cache = install_prompt_embed_cache(reader, settings=PromptEmbedCacheSettings(directory=tmp_path))
     reader.encode_prompt(IDS)
     assert reader.encoder_runs == 1 and cache.snapshot().dir_hits == 0
     same = PromptTowerPipeline()
-    cache = install_prompt_embed_cache(same, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    cache = install_prompt_embed_cache(same, settings=PromptEmbedCacheSettings(directory=tmp_path))
     same.encode_prompt(IDS)
     assert same.encoder_runs == 0 and cache.snapshot().dir_hits == 1  # the same weights read the file
 

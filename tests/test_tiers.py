@@ -69,9 +69,7 @@ def files(root: Path) -> list[Path]:
 
 def test_an_entry_evicted_from_device_memory_is_served_from_host_memory() -> None:
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=2, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=2**20)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=2, settings=PromptEmbedCacheSettings(host_bytes=2**20))
     outputs = [encode(pipeline, index) for index in range(3)]  # the first is evicted to host memory
     stats = cache.snapshot()
     assert (stats.size, stats.evictions, stats.host_entries, stats.host_demotions) == (2, 1, 1, 1)
@@ -84,9 +82,7 @@ def test_an_entry_evicted_from_device_memory_is_served_from_host_memory() -> Non
 
 def test_sleep_moves_every_entry_to_host_memory_and_a_clear_empties_every_tier() -> None:
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=2**20)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=8, settings=PromptEmbedCacheSettings(host_bytes=2**20))
     outputs = [encode(pipeline, index) for index in range(3)]
     release_device_memory(pipeline, "a test sleeps")
     assert (len(cache), len(cache.host), cache.snapshot().bytes) == (0, 3, 0)
@@ -104,7 +100,7 @@ def test_the_host_budget_evicts_the_oldest_and_refuses_what_cannot_fit() -> None
     entry_bytes = measured.snapshot().bytes  # every prompt here has the same shapes
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
     cache = install_prompt_embed_cache(
-        pipeline, max_size=1, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=2 * entry_bytes)
+        pipeline, max_size=1, settings=PromptEmbedCacheSettings(host_bytes=2 * entry_bytes)
     )
     for index in range(4):  # prompts 0, 1, 2 leave device memory in turn; the host holds two
         encode(pipeline, index)
@@ -118,7 +114,7 @@ def test_the_host_budget_evicts_the_oldest_and_refuses_what_cannot_fit() -> None
     tight = install_prompt_embed_cache(
         small := TokenIdTextPipeline(build_qwen2_encoder()),
         max_size=1,
-        settings=PromptEmbedCacheSettings(enabled=True, host_bytes=1),
+        settings=PromptEmbedCacheSettings(host_bytes=1),
     )
     encode(small, 1)
     encode(small, 2)  # prompt 1 leaves device memory, larger than the whole host budget
@@ -148,7 +144,7 @@ def test_by_default_a_sleeps_entries_wait_in_host_memory_and_evictions_do_not() 
     off = install_prompt_embed_cache(
         other := TokenIdTextPipeline(build_qwen2_encoder()),
         max_size=2,
-        settings=PromptEmbedCacheSettings(enabled=True, host_bytes=None),
+        settings=PromptEmbedCacheSettings(host_bytes=None),
     )
     encode(other, 0)
     release_device_memory(other, "a test sleeps")
@@ -163,7 +159,7 @@ def test_a_sleeps_host_entries_stay_within_the_device_tiers_byte_budget() -> Non
     entry_bytes = measured.snapshot().bytes
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
     cache = install_prompt_embed_cache(
-        pipeline, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, max_bytes=3 * entry_bytes)
+        pipeline, max_size=8, settings=PromptEmbedCacheSettings(max_bytes=3 * entry_bytes)
     )
     for index in range(3):
         encode(pipeline, index)
@@ -183,7 +179,7 @@ def process(root: Path, *, seed: int = 0, **kwargs) -> tuple[TokenIdTextPipeline
     """A new "process": its own pipeline (weights from ``seed``) and cache on ``root``."""
     pipeline = TokenIdTextPipeline(build_qwen2_encoder(seed=seed))
     cache = install_prompt_embed_cache(
-        pipeline, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, directory=root, **kwargs)
+        pipeline, max_size=8, settings=PromptEmbedCacheSettings(directory=root, **kwargs)
     )
     return pipeline, cache
 
@@ -277,12 +273,12 @@ def test_a_file_whose_witness_differs_is_never_served(tmp_path) -> None:
     encoder = build_qwen2_encoder()
     writer = TokenIdTextPipeline(encoder)
     install_prompt_embed_cache(
-        writer, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path, digest=lambda data: b"same")
+        writer, settings=PromptEmbedCacheSettings(directory=tmp_path, digest=lambda data: b"same")
     )
     encode(writer, 0)
     reader = TokenIdTextPipeline(encoder)
     cache = install_prompt_embed_cache(
-        reader, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path, digest=lambda data: b"same")
+        reader, settings=PromptEmbedCacheSettings(directory=tmp_path, digest=lambda data: b"same")
     )
     assert same(encode(reader, 1), reference(1))  # prompt 1 finds prompt 0's file under its name
     stats = cache.snapshot()
@@ -307,7 +303,7 @@ def test_a_full_disk_is_counted_and_the_cache_keeps_serving(tmp_path, monkeypatc
             )
         pipeline = TokenIdTextPipeline(build_qwen2_encoder(hidden_size=256, intermediate_size=256))
         cache = install_prompt_embed_cache(
-            pipeline, max_size=8, settings=PromptEmbedCacheSettings(enabled=True, directory=disk, directory_bytes=None)
+            pipeline, max_size=8, settings=PromptEmbedCacheSettings(directory=disk, directory_bytes=None)
         )
         long_ids = torch.arange(200).reshape(1, -1)
         for shift in range(4):  # 200 x 256 fp32: 200 KiB an entry, more than the disk holds
@@ -327,11 +323,11 @@ def test_concurrent_writers_and_readers_of_one_key_never_see_a_partial_file(tmp_
     encoder = build_qwen2_encoder()
     expected = encode(TokenIdTextPipeline(encoder), 0)
     first = TokenIdTextPipeline(encoder)
-    install_prompt_embed_cache(first, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    install_prompt_embed_cache(first, settings=PromptEmbedCacheSettings(directory=tmp_path))
     encode(first, 0)  # a file exists; now four writers rewrite it and read it back, all at once
     tiers = [
         install_prompt_embed_cache(
-            TokenIdTextPipeline(encoder), settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path)
+            TokenIdTextPipeline(encoder), settings=PromptEmbedCacheSettings(directory=tmp_path)
         ).directory
         for _ in range(4)
     ]
@@ -388,7 +384,7 @@ def test_a_value_no_file_can_hold_turns_the_directory_off_with_a_reason(tmp_path
             return super().encode_prompt(prompt_ids, attention_mask), Opaque()
 
     pipeline = OpaquePipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(directory=tmp_path))
     first = pipeline.encode_prompt(PROMPTS[0], torch.ones_like(PROMPTS[0]))
     again = pipeline.encode_prompt(PROMPTS[0], torch.ones_like(PROMPTS[0]))
     assert pipeline.encoder_runs == 1 and again[1] is first[1]  # memory still serves it
@@ -403,7 +399,7 @@ def test_a_pipeline_without_a_text_encoder_module_does_not_use_the_directory(tmp
             return torch.zeros(2)
 
     pipeline = NoEncoder()
-    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(directory=tmp_path))
     pipeline.encode_prompt("a fox")
     assert "no text-encoder module" in cache.snapshot().dir_off_reason
     assert files(tmp_path) == []
@@ -414,13 +410,11 @@ def test_rows_of_a_batched_call_are_files_of_their_own(tmp_path) -> None:
     ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     writer = QwenStyleTokenPipeline(encoder)
-    install_prompt_embed_cache(
-        writer, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path, row_layout=TOKEN_IDS)
-    )
+    install_prompt_embed_cache(writer, settings=PromptEmbedCacheSettings(directory=tmp_path, row_layout=TOKEN_IDS))
     expected = writer.encode_prompt(ids, mask)
     reader = QwenStyleTokenPipeline(encoder)
     cache = install_prompt_embed_cache(
-        reader, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path, row_layout=TOKEN_IDS)
+        reader, settings=PromptEmbedCacheSettings(directory=tmp_path, row_layout=TOKEN_IDS)
     )
     swapped = reader.encode_prompt(ids.flip(0), mask.flip(0))  # the same rows, in the other order
     assert reader.encoder_rows == 0 and cache.snapshot().dir_hits == 2
@@ -453,7 +447,7 @@ def test_two_processes_missing_one_prompt_at_once_encode_it_once(tmp_path, monke
     encoder = build_qwen2_encoder()
     pipelines = [WaitingPipeline(encoder) for _ in range(2)]
     caches = [
-        install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+        install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(directory=tmp_path))
         for pipeline in pipelines
     ]
     results: list = [None, None]
@@ -533,7 +527,7 @@ def test_sleep_level_one_keeps_entries_in_host_memory_and_level_two_clears_every
 
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
     cache = install_prompt_embed_cache(
-        pipeline, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=2**20, directory=tmp_path)
+        pipeline, settings=PromptEmbedCacheSettings(host_bytes=2**20, directory=tmp_path)
     )
     worker = SimpleNamespace(model_runner=SimpleNamespace(pipeline=pipeline))
     sleep = _clearing_before_sleep(lambda self, level=1: level)
@@ -573,9 +567,7 @@ def test_a_host_copy_that_fails_drops_the_entry_and_raises_nothing(monkeypatch) 
 
     monkeypatch.setattr(host_tier, "to_host", no_pinned_memory)
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(
-        pipeline, max_size=1, settings=PromptEmbedCacheSettings(enabled=True, host_bytes=2**20)
-    )
+    cache = install_prompt_embed_cache(pipeline, max_size=1, settings=PromptEmbedCacheSettings(host_bytes=2**20))
     encode(pipeline, 0)
     encode(pipeline, 1)  # prompt 0 leaves device memory; the host cannot take it
     assert cache.release_device_memory() == 1  # neither can it at sleep: still no error
@@ -648,12 +640,12 @@ def test_a_writer_without_verification_still_gives_readers_the_key_bytes(tmp_pat
     writer = TokenIdTextPipeline(encoder)
     install_prompt_embed_cache(
         writer,
-        settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path, verify=False, digest=lambda data: b"same"),
+        settings=PromptEmbedCacheSettings(directory=tmp_path, verify=False, digest=lambda data: b"same"),
     )
     encode(writer, 0)
     reader = TokenIdTextPipeline(encoder)
     cache = install_prompt_embed_cache(
-        reader, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path, digest=lambda data: b"same")
+        reader, settings=PromptEmbedCacheSettings(directory=tmp_path, digest=lambda data: b"same")
     )
     assert same(encode(reader, 1), reference(1))  # prompt 0's file, under prompt 1's colliding name
     assert cache.snapshot().dir_rejections == {WITNESS: 1}
@@ -717,9 +709,7 @@ def test_a_directory_that_cannot_be_written_leaves_every_call_served(tmp_path) -
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(
-        pipeline, settings=PromptEmbedCacheSettings(enabled=True, directory=blocker / "embeddings")
-    )
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(directory=blocker / "embeddings"))
     done = threading.Event()
 
     def calls() -> None:
@@ -749,7 +739,7 @@ def test_load_weights_suspends_the_directory_until_the_load_ends(tmp_path) -> No
                     self.get_parameter(name).copy_(tensor)
 
     pipeline = Loading(build_qwen2_encoder())
-    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(directory=tmp_path))
     watch_weight_loads(pipeline)
     encode(pipeline, 0)
     before = cache.directory.namespace
@@ -764,7 +754,7 @@ def test_load_weights_suspends_the_directory_until_the_load_ends(tmp_path) -> No
 def test_weights_offloaded_layer_by_layer_are_not_fingerprinted(tmp_path) -> None:
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
     pipeline.text_encoder.layers[0]._omni_layerwise_enabled = True  # as vLLM-Omni's layerwise offload marks it
-    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, directory=tmp_path))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(directory=tmp_path))
     assert same(encode(pipeline, 0), reference(0))
     assert "not readable (offloaded or discarded)" in cache.snapshot().dir_off_reason
     assert files(tmp_path) == []

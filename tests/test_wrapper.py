@@ -107,7 +107,7 @@ def test_a_declared_layout_that_is_not_a_row_layout_keys_calls_whole(encoder, ca
     pipeline = Misdeclared(encoder)
     declared = {} if declared_on_class else {"row_layout": "token-ids"}
     with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache"):
-        cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(enabled=True, **declared))
+        cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(**declared))
     (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("vllm_omni_prompt_cache")]
     assert warning.endswith("is a str, not a RowLayout; calls are keyed whole.")
     first, second = prompt_token_ids(2, seed=4)
@@ -232,7 +232,7 @@ def test_forced_digest_collisions_never_return_a_wrong_embedding(encoder) -> Non
     pipeline = TokenIdTextPipeline(encoder)
     # Every tensor digests to the same 16 bytes: all ids collide on identity.
     cache = install_prompt_embed_cache(
-        pipeline, max_size=64, settings=PromptEmbedCacheSettings(enabled=True, digest=lambda buffer: bytes(16))
+        pipeline, max_size=64, settings=PromptEmbedCacheSettings(digest=lambda buffer: bytes(16))
     )
     token_ids = prompt_token_ids(20, seed=3)
     wrong = 0
@@ -331,7 +331,7 @@ def test_byte_budget_holds_through_the_wrapper(pipeline) -> None:
     cache = install_prompt_embed_cache(
         pipeline,
         max_size=100,
-        settings=PromptEmbedCacheSettings(enabled=True, max_bytes=2 * per_entry + per_entry // 2),
+        settings=PromptEmbedCacheSettings(max_bytes=2 * per_entry + per_entry // 2),
     )
     for ids_list in prompt_token_ids(6, seed=5):
         pipeline.encode_prompt(*collate(ids_list))

@@ -83,22 +83,21 @@ logger = logging.getLogger(__name__)
 def install_prompt_embed_cache(
     pipeline: Any,
     *,
-    max_size: int | None = None,
-    enabled: bool | None = None,
+    max_size: int = 32,
+    enabled: bool = True,
     model_tag: str | None = None,
     settings: PromptEmbedCacheSettings | None = None,
 ) -> PromptEmbedCache | None:
     """Wrap ``pipeline``'s encode methods with one content-keyed cache; return the cache or None (see the module).
 
-    ``max_size``, ``enabled`` and ``model_tag`` are upstream's keywords; every other setting is in
-    ``settings`` (see :data:`~.config.SETTINGS`). A keyword given wins over ``settings``; without
-    ``settings`` the cache is enabled with 32 entries, as upstream's.
+    ``max_size``, ``enabled`` and ``model_tag`` are upstream's keywords, with upstream's defaults, and
+    decide those three; every other setting comes from ``settings`` (see :data:`~.config.SETTINGS`;
+    default: every default). ``settings.max_size`` and ``settings.enabled`` are what resolution found:
+    a caller passes them as the keywords, as the vLLM-Omni worker does.
     """
     if (existing := getattr(pipeline, CACHE_ATTRIBUTE, None)) is not None:
         return existing
-    settings = PromptEmbedCacheSettings(enabled=True) if settings is None else settings
-    enabled = settings.enabled if enabled is None else enabled
-    max_size = settings.max_size if max_size is None else max_size
+    settings = PromptEmbedCacheSettings() if settings is None else settings
     wrapped = _readable_methods(pipeline, find_encode_methods(pipeline, settings.methods))
     find_encodes = settings.find_encodes
     watchable = find_encodes and bool(text_encoders(pipeline))

@@ -165,7 +165,7 @@ def install_for_stage(
         directory_key=None if directory is None else read_key(settings.directory_key_file, key_source),
         methods=resolve_declared_methods(settings.methods, settings.sources.get(METHODS.name, "the stage's settings")),
     )
-    cache = install_prompt_embed_cache(pipeline, enabled=True, model_tag=model_tag, settings=placed)
+    cache = install_prompt_embed_cache(pipeline, max_size=settings.max_size, model_tag=model_tag, settings=placed)
     if cache is not None:
         watch_weight_loads(pipeline)
         _count_encoder_moves(pipeline, cache, settings)
