@@ -343,7 +343,10 @@ def test_a_new_setting_is_one_entry_and_reaches_kwargs_flags_env_and_the_worker(
     assert vars(parser.parse_args(["--prompt-embed-cache-knob", "4"]))["prompt_embed_cache_knob"] == 4
     with pytest.raises(SystemExit):
         parser.parse_args(["--prompt-embed-cache-knob", "abc"])
-    assert "| `prompt_embed_cache_knob` | `--prompt-embed-cache-knob K` | `OMNI_KNOB` | 1-9 | 3 |" in settings_table()
+    assert (
+        "| `prompt_embed_cache_knob` | `knob` | `--prompt-embed-cache-knob K` | `OMNI_KNOB` | 1-9 | 3 |"
+        in settings_table()
+    )
     travelled = PromptEmbedCacheSettings.from_dict(resolved.as_dict(), "a stage config")
     assert travelled.knob == 7 and travelled == resolved
     assert resolved.replace(knob=9).knob == 9
@@ -358,3 +361,45 @@ def test_settings_given_in_code_only_do_not_travel() -> None:
         PromptEmbedCacheSettings(digest=3)
     with pytest.raises(TypeError, match="unknown prompt-embed cache setting"):
         PromptEmbedCacheSettings(max_sise=3)
+
+
+def test_the_settings_object_parses_what_it_is_given_and_pickles_as_it_holds(tmp_path) -> None:
+    import copy
+    import pickle
+
+    settings = PromptEmbedCacheSettings(max_bytes="512MiB", methods={"pkg.mod.A": "x+y"}, directory=tmp_path / "d")
+    assert settings.max_bytes == 512 * 2**20 and settings.methods == {"pkg.mod.A": ("x", "y")}
+    assert settings.directory == str(tmp_path / "d") and settings.host_bytes == "auto"
+    assert PromptEmbedCacheSettings(max_bytes=None, host_bytes=None).host_bytes is None  # no limit, no host tier
+    for given, named in (({"max_bytes": 0}, "prompt_embed_cache_max_bytes=0"), ({"max_size": None}, "size=None")):
+        with pytest.raises(PromptEmbedCacheConfigError, match=named):
+            PromptEmbedCacheSettings(**given)
+    for copied in (pickle.loads(pickle.dumps(settings)), copy.copy(settings), copy.deepcopy(settings)):
+        assert copied == settings and copied is not settings
+
+
+def test_a_row_layout_object_stays_in_the_process() -> None:
+    from vllm_omni_prompt_cache.layouts import TOKEN_IDS
+
+    with pytest.raises(PromptEmbedCacheConfigError, match="RowLayout object, which cannot travel"):
+        PromptEmbedCacheSettings(row_layouts={"pkg.mod.A": TOKEN_IDS}).as_dict()
+
+
+def test_install_refuses_a_resolved_size_its_keyword_would_override_and_reads_the_signing_key(tmp_path) -> None:
+    from vllm_omni_prompt_cache import install_prompt_embed_cache
+    from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+    from vllm_omni_prompt_cache.wrapper import _for_install
+
+    resolved = resolve_prompt_embed_cache_settings(enable=True, max_size=64, environ={})
+    with pytest.raises(PromptEmbedCacheConfigError, match="prompt_embed_cache_size=64 from keyword argument"):
+        install_prompt_embed_cache(TokenIdTextPipeline(build_qwen2_encoder()), settings=resolved)
+    assert (
+        install_prompt_embed_cache(TokenIdTextPipeline(build_qwen2_encoder()), max_size=64, settings=resolved).max_size
+        == 64
+    )
+    key_file = tmp_path / "key"
+    key_file.write_bytes(b"k" * 32)
+    key_file.chmod(0o600)
+    signed = PromptEmbedCacheSettings(directory=tmp_path / "dir", directory_key_file=str(key_file))
+    assert _for_install(signed, 32, True).directory_key == b"k" * 32
+    assert _for_install(PromptEmbedCacheSettings(directory=tmp_path / "dir"), 32, True).directory_key is None

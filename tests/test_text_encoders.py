@@ -205,3 +205,16 @@ def test_in_every_tiny_pipeline_exactly_the_text_encoders_are_found(index: int) 
         pipeline.add_module(name, module)
     expected = [name for name in components if name.startswith("text_encoder")]  # the checkpoints' names
     assert expected and sorted(text_encoders(pipeline)) == sorted(expected)
+
+
+def test_the_encoders_a_pipeline_declares_count_for_the_fingerprint_and_clearing_not_for_offload() -> None:
+    """vLLM-Omni's ``_encoder_modules`` may name an image encoder a declared method runs: its weights shape what
+    the cache keeps (fingerprint, clearing on a weight load), though it is no text encoder (not placed)."""
+    from vllm_omni_prompt_cache.text_encoders import embedding_sources, text_encoders
+    from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    pipeline.image_encoder = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 2))
+    pipeline._encoder_modules = ("text_encoder", "image_encoder", "missing")
+    assert list(text_encoders(pipeline)) == ["text_encoder"]
+    assert sorted(embedding_sources(pipeline)) == ["image_encoder", "text_encoder"]

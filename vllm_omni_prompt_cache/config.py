@@ -277,6 +277,8 @@ class Setting:
         return dict(value) if isinstance(value, Mapping) else value
 
 
+_DIRECTORY_BYTES_DEFAULT = 16 * 2**30
+
 ENABLE = Setting(
     "enable_prompt_embed_cache",
     "enabled",
@@ -368,7 +370,7 @@ FIND_ENCODES = Setting(
     True,
     "a boolean: 1/0, true/false, yes/no, on/off",
     "Watch the pipeline's text encoders and cache the method that hands them their token ids, whatever it is "
-    "called (checked on first use). Off: encode_prompt and the declared methods only. Default: on.",
+    "called (checked on first use). Off: encode_prompt and the declared methods only.",
     _bool,
 )
 
@@ -396,7 +398,7 @@ DIRECTORY = Setting(
     None,
     "a directory path this process can create and write to (local disk or a filesystem every node mounts), or 'off'",
     "Directory tier: every encoded entry is also written there as a safetensors file, namespaced by the "
-    "model's fingerprint; replicas, restarted engines and other nodes on that directory share them. Default: off.",
+    "model's fingerprint; replicas, restarted engines and other nodes on that directory share them.",
     _directory,
     metavar="DIR",
     shown_default="off",
@@ -406,12 +408,12 @@ DIRECTORY_BYTES = Setting(
     "directory_bytes",
     "--prompt-embed-cache-dir-bytes",
     "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_BYTES",
-    16 * 2**30,
+    _DIRECTORY_BYTES_DEFAULT,
     "a byte count >= 1, optionally with a unit (512MiB, 2GB, 1.5GiB), or 'none' for no limit",
     "Most bytes of files in the directory tier (least recently used files go first).",
     _byte_budget,
     metavar="BYTES",
-    shown_default="16GiB",
+    shown_default=f"{_DIRECTORY_BYTES_DEFAULT // 2**30}GiB",
 )
 
 DIRECTORY_KEY_FILE = Setting(
@@ -420,12 +422,13 @@ DIRECTORY_KEY_FILE = Setting(
     "--prompt-embed-cache-dir-key-file",
     "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_KEY_FILE",
     None,
-    "the path of a file holding the directory's signing key (16 bytes or more; not readable by others)",
+    "the path of a file holding the directory's signing key (16 bytes or more; no access for others and no "
+    "group write)",
     "Sign every file of the directory tier with this key (HMAC-SHA256) and refuse files without a valid "
-    "signature. The key itself may instead be given in OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_KEY. Default: unsigned.",
+    "signature. The key itself may instead be given in OMNI_DIFFUSION_PROMPT_EMBED_CACHE_DIR_KEY.",
     _key_file,
     metavar="FILE",
-    shown_default="none",
+    shown_default="unsigned",
 )
 DIRECTORY_GROUP = Setting(
     "prompt_embed_cache_dir_group",
@@ -449,7 +452,7 @@ ENCODER_ON_MISS = Setting(
     False,
     "a boolean: 1/0, true/false, yes/no, on/off",
     "Keep the text encoders in one (pinned) host copy and place them on the device only while a cache miss "
-    "encodes; the DiT stays resident. Not with vLLM-Omni offload that moves the text encoder. Default: off.",
+    "encodes; the DiT stays resident. Not with vLLM-Omni offload that moves the text encoder.",
     _bool,
 )
 
@@ -461,7 +464,7 @@ AUDIT = Setting(
     0.0,
     "a fraction of hits between 0 and 1 (0.01, or 1%), or 'off' (0)",
     "Re-encode this share of hits and compare with what was served; a difference serves the fresh encode "
-    "and turns the cache off for that pipeline class, with a warning. Default: off.",
+    "and turns the cache off for that pipeline class, with a warning.",
     _fraction,
     metavar="FRACTION",
     shown_default="off",
@@ -555,6 +558,28 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
     )
 
 
+def _checked_value(setting: Setting, value: Any) -> Any:
+    """Return ``value`` as ``setting`` holds it; None only where it means something (no limit, off, not given)."""
+    if value is not None:
+        return setting.parse(value, "keyword argument")
+    if setting.default is None or setting.convert(setting.none_written) in (_NO_LIMIT, _OFF):
+        return None
+    raise PromptEmbedCacheConfigError(f"invalid {setting.name}=None from keyword argument: expected {setting.allowed}")
+
+
+def _settings_from(values: Mapping[str, Any], sources: Mapping[str, str], key: str | None) -> PromptEmbedCacheSettings:
+    """Rebuild a pickled or copied :class:`PromptEmbedCacheSettings` from the values it held."""
+    settings = object.__new__(PromptEmbedCacheSettings)
+    object.__setattr__(settings, "_values", {**_defaults(), **values})
+    object.__setattr__(settings, "sources", dict(sources))
+    object.__setattr__(settings, "directory_key_id", key)
+    return settings
+
+
+def _defaults() -> dict[str, Any]:
+    return {setting.field: copy.copy(setting.default) for setting in SETTINGS}
+
+
 #: The key of :meth:`PromptEmbedCacheSettings.as_dict` that carries the signing key's id.
 KEY_ID = "directory_key_id"
 
@@ -581,16 +606,16 @@ class PromptEmbedCacheSettings:
         unknown = set(values) - set(by_field)
         if unknown:
             raise TypeError(f"unknown prompt-embed cache setting(s) {sorted(unknown)}: expected {', '.join(by_field)}")
-        for name, value in values.items():  # code-only values are checked here: no other source checks them
-            setting = by_field[name]
-            if not setting.carried and value is not None:
-                setting.parse(value, "keyword argument")
-        resolved = {
-            name: values[name] if name in values else copy.copy(setting.default) for name, setting in by_field.items()
-        }
+        resolved = {name: copy.copy(setting.default) for name, setting in by_field.items()}
+        for name, value in values.items():  # each value parsed as its setting's own (an already parsed one reads back)
+            resolved[name] = _checked_value(by_field[name], value)
         object.__setattr__(self, "_values", resolved)
         object.__setattr__(self, "sources", dict(sources or {}))
         object.__setattr__(self, "directory_key_id", directory_key_id)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle and copy as the values held, not parsed again (a directory is not created twice)."""
+        return _settings_from, (self._values, self.sources, self.directory_key_id)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -631,6 +656,11 @@ class PromptEmbedCacheSettings:
                     f"{setting.name} is given in code only and cannot travel to another process; install the "
                     "cache with it in the process that holds the pipeline"
                 )
+        if any(not isinstance(reference, str) for reference in self._values[ROW_LAYOUTS.field].values()):
+            raise PromptEmbedCacheConfigError(
+                f"{ROW_LAYOUTS.name} holds a RowLayout object, which cannot travel to another process; name it "
+                "instead (a proven layout's name, or pkg.module:NAME)"
+            )
         return {
             **{setting.name: setting.plain_value(self._values[setting.field]) for setting in carried_settings()},
             "sources": dict(self.sources),
@@ -751,18 +781,27 @@ TABLE_END = "<!-- end of the settings table -->"
 
 
 def settings_table() -> str:
-    """Return the Markdown table of every carried setting: kwarg, serve flag, env var, allowed, default."""
-    rows = ["| kwarg | serve flag | env var | allowed | default |", "|---|---|---|---|---|"]
+    """Return the Markdown table of every carried setting: kwarg, settings-object field, serve flag, env var,
+    allowed, default."""
+    rows = ["| kwarg | field | serve flag | env var | allowed | default |", "|---|---|---|---|---|---|"]
     for setting in carried_settings():
         if setting.metavar is None:
             flag = f"`{setting.flag}` / `--no-{setting.flag.removeprefix('--')}`"
         else:
             flag = f"`{setting.flag} {setting.metavar}`"
         allowed = setting.allowed.replace("|", "\\|")
-        rows.append(f"| `{setting.name}` | {flag} | `{setting.env}` | {allowed} | {setting.described_default} |")
+        cells = (
+            f"`{setting.name}`",
+            f"`{setting.field}`",
+            flag,
+            f"`{setting.env}`",
+            allowed,
+            setting.described_default,
+        )
+        rows.append(f"| {' | '.join(cells)} |")
     rows.append(
-        f"| (none: the key itself) | (none: a flag's value shows in `ps`) | `{KEY_ENV}` | the signing key, "
-        f"{MIN_KEY_BYTES} bytes or more; not with the key file | unsigned |"
+        "| (none: the key itself) | `directory_key` (its bytes) | (none: a flag's value shows in `ps`) | "
+        f"`{KEY_ENV}` | the signing key, {MIN_KEY_BYTES} bytes or more; not with the key file | unsigned |"
     )
     return "\n".join(rows)
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import xxhash
 
-from vllm_omni_prompt_cache.text_encoders import text_encoders
+from vllm_omni_prompt_cache.text_encoders import embedding_sources
 
 _PACKAGES = ("vllm-omni-prompt-cache", "vllm-omni", "vllm", "torch", "transformers", "diffusers")
 
@@ -172,7 +172,7 @@ def code_and_configuration(pipeline: Any, encode_fn: Callable[..., Any] | None, 
 def pipeline_fingerprint(pipeline: Any, fixed: dict[str, Any]) -> dict[str, Any] | str:
     """Return the JSON-able description of what produces ``pipeline``'s embeddings now (``fixed``, from
     :func:`code_and_configuration`, with the encoders' weights and devices), or why there is none."""
-    encoders = dict(sorted(text_encoders(pipeline).items()))
+    encoders = dict(sorted(embedding_sources(pipeline).items()))
     if not encoders:
         return f"{type(pipeline).__qualname__} has no text-encoder module to fingerprint"
     weights = {}

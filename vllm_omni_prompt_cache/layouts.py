@@ -5,7 +5,7 @@ In order (the first that applies wins):
 1. a user's declaration for the class (the ``prompt_embed_cache_row_layouts`` setting: a class
    path and a layout, for classes the user cannot edit);
 2. the class's own ``prompt_embed_row_layout`` (:data:`~vllm_omni_prompt_cache.proofs.DECLARED_BY_CLASS`:
-   served without a first-use check, like ``install_prompt_embed_cache(row_layout=...)``, unless a
+   served without a first-use check, like ``PromptEmbedCacheSettings(row_layout=...)``, unless a
    subclass replaced the ``encode_prompt`` it was declared for);
 3. a layout of :data:`PROVEN_LAYOUTS` whose rule matches the class: each was written against
    that pipeline's real ``encode_prompt`` and is tested on it (``tests/test_layouts.py``);

@@ -197,7 +197,7 @@ def _copy_order(value: torch.Tensor, batch: int, copies: int) -> str | None:
 
 
 #: The sources of a layout written in code: the pipeline class's own ``prompt_embed_row_layout``,
-#: or ``install_prompt_embed_cache(row_layout=...)``. Their author's word, served without a check;
+#: or ``PromptEmbedCacheSettings(row_layout=...)``. Their author's word, served without a check;
 #: a layout found by name (a user's setting, the proven layouts) or inferred is checked on first use.
 DECLARED_BY_CLASS = "declared by the class"
 DECLARED_IN_CODE = "given to install_prompt_embed_cache"

@@ -488,7 +488,8 @@ class MethodState:
         with self.lock:
             if not self.learning or self.refusal is not None:
                 return False
-            self.learning, self.observed, self.check_pending = False, True, check
+            # check_pending may already be set by another call's learn() since ``check`` was computed: kept.
+            self.learning, self.observed, self.check_pending = False, True, check or self.check_pending
             return True
 
     def take_check(self) -> bool:

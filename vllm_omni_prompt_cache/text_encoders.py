@@ -9,8 +9,9 @@ additional-t embedding, HunyuanVideo 1.5's condition type), and an image encoder
 (CLIP's and SigLIP's vision towers, whose input layer is a patch convolution). Attribute names play no
 part: a text encoder under ``prompt_tower`` is one, a connector listed with the encoders is not.
 
-:mod:`.discovery` watches the token embeddings of these modules, :mod:`.fingerprint` hashes their
-weights for the directory tier, :mod:`.residency` and :mod:`.vllm_omni.offload` move and count them.
+:mod:`.discovery` watches the token embeddings of these modules, :mod:`.residency` and
+:mod:`.vllm_omni.offload` move and count them. What the directory fingerprint hashes and what a weight load
+empties the cache for are these and the encoders the pipeline declares itself (:func:`embedding_sources`).
 """
 
 from __future__ import annotations
@@ -80,3 +81,16 @@ def token_embeddings(pipeline: Any) -> dict[str, list[torch.nn.Module]]:
         name: [part for part in module.modules() if is_token_embedding(part)]
         for name, module in text_encoders(pipeline).items()
     }
+
+
+def embedding_sources(pipeline: Any) -> dict[str, torch.nn.Module]:
+    """Return every module whose weights shape what the cache keeps, by attribute name: the text encoders, and
+    the encoders the pipeline itself declares in ``_encoder_modules`` (vLLM-Omni's list, which may name an image
+    encoder or a connector that a declared method runs). What the directory fingerprint covers, and what a
+    weight load or a LoRA change on which empties the cache."""
+    sources = text_encoders(pipeline)
+    for name in getattr(pipeline, "_encoder_modules", None) or ():
+        module = getattr(pipeline, name, None) if isinstance(name, str) else None
+        if isinstance(module, torch.nn.Module):
+            sources.setdefault(name, module)
+    return sources

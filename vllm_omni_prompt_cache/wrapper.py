@@ -56,10 +56,17 @@ import torch
 
 from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.audit import off_reason as audit_off_reason
-from vllm_omni_prompt_cache.config import ROW_LAYOUTS, PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.config import (
+    DIRECTORY_KEY_FILE,
+    ENABLE,
+    MAX_SIZE,
+    ROW_LAYOUTS,
+    PromptEmbedCacheConfigError,
+    PromptEmbedCacheSettings,
+)
 from vllm_omni_prompt_cache.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
-from vllm_omni_prompt_cache.directory_trust import Modes
+from vllm_omni_prompt_cache.directory_trust import Modes, read_key
 from vllm_omni_prompt_cache.fingerprint import code_and_configuration, encode_devices, pipeline_fingerprint
 from vllm_omni_prompt_cache.host_tier import HOST_AT_SLEEP
 from vllm_omni_prompt_cache.installation import (
@@ -93,11 +100,13 @@ def install_prompt_embed_cache(
     ``max_size``, ``enabled`` and ``model_tag`` are upstream's keywords, with upstream's defaults, and
     decide those three; every other setting comes from ``settings`` (see :data:`~.config.SETTINGS`;
     default: every default). ``settings.max_size`` and ``settings.enabled`` are what resolution found:
-    a caller passes them as the keywords, as the vLLM-Omni worker does.
+    a caller passes them as the keywords, as the vLLM-Omni worker does (a resolved value that differs from
+    the keyword raises). ``backend`` and ``encoder_on_miss`` are the engine's to apply
+    (:mod:`.vllm_omni.runner`), not the install's.
     """
     if (existing := getattr(pipeline, CACHE_ATTRIBUTE, None)) is not None:
         return existing
-    settings = PromptEmbedCacheSettings() if settings is None else settings
+    settings = _for_install(PromptEmbedCacheSettings() if settings is None else settings, max_size, enabled)
     wrapped = _readable_methods(pipeline, find_encode_methods(pipeline, settings.methods))
     find_encodes = settings.find_encodes
     watchable = find_encodes and bool(text_encoders(pipeline))
@@ -142,6 +151,24 @@ def install_prompt_embed_cache(
         _watch_described(installation, find_encodes),
     )
     return cache
+
+
+def _for_install(settings: PromptEmbedCacheSettings, max_size: int, enabled: bool) -> PromptEmbedCacheSettings:
+    """Return ``settings`` with its signing key read; raise when a value resolved from a user (not a default)
+    for ``max_size`` or ``enabled`` differs from the keyword, which would silently win over it."""
+    for setting, keyword in ((MAX_SIZE, max_size), (ENABLE, enabled)):
+        source = settings.sources.get(setting.name, "default")
+        if source != "default" and getattr(settings, setting.field) != keyword:
+            raise PromptEmbedCacheConfigError(
+                f"{setting.name}={getattr(settings, setting.field)!r} from {source} differs from "
+                f"install_prompt_embed_cache's {setting.field}={keyword!r}: pass the resolved value as the keyword"
+            )
+    if settings.directory is None or settings.directory_key is not None:
+        return settings
+    if settings.directory_key_file is None and settings.directory_key_id is None:
+        return settings  # unsigned: no key was given, or resolved
+    source = settings.sources.get(DIRECTORY_KEY_FILE.name, "keyword argument")
+    return settings.replace(directory_key=read_key(settings.directory_key_file, source))
 
 
 def uninstall_prompt_embed_cache(pipeline: Any) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
 from vllm_omni_prompt_cache.store import PromptEmbedCache
-from vllm_omni_prompt_cache.text_encoders import text_encoders
+from vllm_omni_prompt_cache.text_encoders import embedding_sources
 from vllm_omni_prompt_cache.vllm_omni.hook_points import LORA_STATE_CHANGERS, WEIGHT_UPDATE_SESSION
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
@@ -157,8 +157,9 @@ def _settle_placement(pipeline: Any) -> None:
 
 
 def _encoder_prefixes(pipeline: Any) -> tuple[str, ...]:
-    """Return the prefixes of the names of text-encoder layers and weights (``text_encoder.`` and the like)."""
-    names = tuple(text_encoders(pipeline))
+    """Return the prefixes of the names of the layers and weights of the modules whose outputs the cache keeps
+    (``text_encoder.`` and the like, see :func:`~..text_encoders.embedding_sources`)."""
+    names = tuple(embedding_sources(pipeline))
     return tuple(f"{name}." for name in names) + names
 
 
