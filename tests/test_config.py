@@ -363,19 +363,14 @@ def test_settings_given_in_code_only_do_not_travel() -> None:
         PromptEmbedCacheSettings(max_sise=3)
 
 
-def test_the_settings_object_parses_what_it_is_given_and_pickles_as_it_holds(tmp_path) -> None:
+def test_the_settings_object_pickles_and_copies_as_it_holds(tmp_path) -> None:
     import copy
     import pickle
 
-    settings = PromptEmbedCacheSettings(max_bytes="512MiB", methods={"pkg.mod.A": "x+y"}, directory=tmp_path / "d")
-    assert settings.max_bytes == 512 * 2**20 and settings.methods == {"pkg.mod.A": ("x", "y")}
-    assert settings.directory == str(tmp_path / "d") and settings.host_bytes == "auto"
-    assert PromptEmbedCacheSettings(max_bytes=None, host_bytes=None).host_bytes is None  # no limit, no host tier
-    for given, named in (({"max_bytes": 0}, "prompt_embed_cache_max_bytes=0"), ({"max_size": None}, "size=None")):
-        with pytest.raises(PromptEmbedCacheConfigError, match=named):
-            PromptEmbedCacheSettings(**given)
+    settings = resolve_prompt_embed_cache_settings(enable=True, max_bytes="512MiB", directory=tmp_path, environ={})
     for copied in (pickle.loads(pickle.dumps(settings)), copy.copy(settings), copy.deepcopy(settings)):
-        assert copied == settings and copied is not settings
+        assert copied == settings and copied is not settings and copied.max_bytes == 512 * 2**20
+    assert copied.replace(max_bytes=None).max_bytes is None and settings.max_bytes == 512 * 2**20
 
 
 def test_a_row_layout_object_stays_in_the_process() -> None:

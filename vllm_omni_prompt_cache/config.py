@@ -558,15 +558,6 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
     )
 
 
-def _checked_value(setting: Setting, value: Any) -> Any:
-    """Return ``value`` as ``setting`` holds it; None only where it means something (no limit, off, not given)."""
-    if value is not None:
-        return setting.parse(value, "keyword argument")
-    if setting.default is None or setting.convert(setting.none_written) in (_NO_LIMIT, _OFF):
-        return None
-    raise PromptEmbedCacheConfigError(f"invalid {setting.name}=None from keyword argument: expected {setting.allowed}")
-
-
 def _settings_from(values: Mapping[str, Any], sources: Mapping[str, str], key: str | None) -> PromptEmbedCacheSettings:
     """Rebuild a pickled or copied :class:`PromptEmbedCacheSettings` from the values it held."""
     settings = object.__new__(PromptEmbedCacheSettings)
@@ -607,8 +598,14 @@ class PromptEmbedCacheSettings:
         if unknown:
             raise TypeError(f"unknown prompt-embed cache setting(s) {sorted(unknown)}: expected {', '.join(by_field)}")
         resolved = {name: copy.copy(setting.default) for name, setting in by_field.items()}
-        for name, value in values.items():  # each value parsed as its setting's own (an already parsed one reads back)
-            resolved[name] = _checked_value(by_field[name], value)
+        for name, value in values.items():
+            setting = by_field[name]
+            # Given in code only: checked here, no other source checks it. A carried value is checked where it
+            # comes from (resolution, from_dict); given directly, it is taken as the keyword was before the
+            # settings object (a directory that cannot be written leaves the calls served, uncached on disk).
+            if not setting.carried and value is not None:
+                setting.parse(value, "keyword argument")
+            resolved[name] = value
         object.__setattr__(self, "_values", resolved)
         object.__setattr__(self, "sources", dict(sources or {}))
         object.__setattr__(self, "directory_key_id", directory_key_id)
