@@ -247,9 +247,11 @@ class FirstUse:
         if gate_run.kept_record is not None:
             state.note_recorded()
         value = seal(pack(unaliased(result, (args, kwargs)), state.replayed(trace)), gate_run.kept_record)
-        self.store.serve(
-            key, lambda: value, lambda outcome, reason: self.count(tally(outcome, reason=reason)), self.method
-        )
+
+        def count(outcome: Outcome, reason: str | None) -> None:  # it encoded: a miss, whatever the store held
+            self.count(tally(Outcome.MISS if outcome is Outcome.HIT else outcome, reason=reason))
+
+        self.store.serve(key, lambda: value, count, self.method)
         return result
 
     def first_hit_check(self, args: tuple, kwargs: dict, served: Any, before: Mapping[str, Any]) -> Any:

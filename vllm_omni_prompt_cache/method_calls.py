@@ -44,7 +44,7 @@ from vllm_omni_prompt_cache.encoder_inputs import (
 )
 from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, Unproven
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
-from vllm_omni_prompt_cache.logs import warn_once
+from vllm_omni_prompt_cache.logs import logger, warn_once
 from vllm_omni_prompt_cache.proofs import ONE_ROW, LayoutProof, compare_outputs, infer_layout, row_strength
 from vllm_omni_prompt_cache.reads import MethodState, current_attribute, is_packed, pack, unpack
 from vllm_omni_prompt_cache.row_batches import RowTally
@@ -183,10 +183,24 @@ class MethodCalls(FirstUse):
         if self.key_builder.precomputed(arguments) is not None:
             return self.whole.call(args, kwargs, arguments)
         held = state.state_argument(self.instance)
-        if type(held) is Bypass:  # a component was replaced: learn the method again
-            state.relearn()
+        if type(held) is Bypass:  # a component was replaced: its entries were made with the old one
+            self._component_replaced()
             return self._learn(args, kwargs, arguments)
         return self.strategy.serve(args, kwargs, arguments, held)
+
+    def _component_replaced(self) -> None:
+        """Learn the method again, guarded by the components it reads now, and drop every entry (one made with a
+        replaced encoder or tokenizer would be proven by the same token ids, and served wrong)."""
+        replaced = self.state.relearn(self.instance)
+        if not replaced:  # another call saw it first and cleared
+            return
+        self.store.clear()
+        logger.info(
+            "Prompt-embed cache: %s.%s: %s was replaced; every entry was dropped and the method is learned again.",
+            self.pipeline_class.__qualname__,
+            self.method,
+            ", ".join(f"self.{name}" for name in replaced),
+        )
 
     def serve_found(self, args: tuple, kwargs: dict, found: Found, *, row: Callable[[Any], Any] | None = None) -> Any:
         """Serve a call whose key found ``found.value`` (an entry, another call's encode, a lower tier's file):

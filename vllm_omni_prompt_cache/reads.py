@@ -477,10 +477,15 @@ class MethodState:
         with self.lock:
             self.recorded = True
 
-    def relearn(self) -> None:
-        """Serve its next call uncached and observed (a component it is guarded by was replaced)."""
+    def relearn(self, instance: Any) -> list[str]:
+        """Guard it by the components ``instance`` holds now and serve its next call uncached and observed;
+        return the names of those replaced since they were observed (empty: another call took them already)."""
         with self.lock:
-            self.learning = True
+            now = {name: current_attribute(instance, name) for name in self.components}
+            replaced = [name for name, component in self.components.items() if now[name] is not component]
+            if replaced:
+                self.components, self.learning = now, True
+            return replaced
 
     def finish_learning(self, *, check: bool) -> bool:
         """End its first use, its first hit checked when ``check``; return False when another call already ended

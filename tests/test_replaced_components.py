@@ -1,0 +1,92 @@
+"""A component an encode reads (a text encoder, a tokenizer) replaced on the pipeline after install.
+
+The key holds a component by name, guarded by its identity: the entries were made with the old one, and a
+hit's proof would find the same token ids reaching the new encoder and serve what the old one computed.
+So a replacement drops every entry and the method is learned again; the call that sees it encodes (a miss),
+and the calls after are served what the new encoder computes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+
+
+def _ids() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    return ids, ids != 0
+
+
+def _uncached(encoder: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return TokenIdTextPipeline(encoder).encode_prompt(ids, mask)
+
+
+def _counts(pipeline: TokenIdTextPipeline) -> tuple[int, int, int]:
+    stats = pipeline._prompt_embed_cache.stats()
+    return pipeline.encoder_runs, stats["hits"], stats["misses"]
+
+
+def _replace_encoder_after_hits(pipeline: TokenIdTextPipeline) -> tuple[torch.nn.Module, tuple]:
+    """Serve one prompt three times (a miss, two hits), then put another encoder (other weights) in its place."""
+    ids, mask = _ids()
+    for _ in range(3):
+        pipeline.encode_prompt(ids.clone(), mask.clone())
+    assert _counts(pipeline) == (1, 2, 1)
+    replacement = build_qwen2_encoder(seed=1)
+    pipeline.text_encoder = replacement
+    return replacement, (ids, mask)
+
+
+def test_a_replaced_text_encoder_is_never_served_the_old_encoders_embedding(caplog) -> None:
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder(seed=0))
+    old = _uncached(build_qwen2_encoder(seed=0), *_ids())
+    install_prompt_embed_cache(pipeline, max_size=8)
+    replacement, (ids, mask) = _replace_encoder_after_hits(pipeline)
+    expected = _uncached(replacement, ids, mask)
+    assert not torch.equal(expected[0], old[0]), "the two encoders must differ for this test to mean anything"
+
+    with caplog.at_level(logging.INFO, logger="vllm_omni_prompt_cache"):
+        first = pipeline.encode_prompt(ids.clone(), mask.clone())
+    assert torch.equal(first[0], expected[0])
+    assert _counts(pipeline) == (2, 2, 2), "the call that saw the replacement encodes and is counted a miss"
+    assert "TokenIdTextPipeline.encode_prompt: self.text_encoder was replaced" in caplog.text
+
+    # Learned again, guarded by the new encoder: the calls after are hits of what it computed.
+    for _ in range(3):
+        served = pipeline.encode_prompt(ids.clone(), mask.clone())
+        assert torch.equal(served[0], expected[0])
+    assert _counts(pipeline) == (2, 5, 2)
+
+
+def test_the_directory_tier_files_the_new_encoders_entry_under_its_own_weights(tmp_path) -> None:
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder(seed=0))
+    install_prompt_embed_cache(pipeline, max_size=8, settings=PromptEmbedCacheSettings(directory=tmp_path))
+    replacement, (ids, mask) = _replace_encoder_after_hits(pipeline)
+    expected = _uncached(replacement, ids, mask)
+
+    served = pipeline.encode_prompt(ids.clone(), mask.clone())
+    assert torch.equal(served[0], expected[0])
+    assert _counts(pipeline) == (2, 2, 2)
+
+    # Another process with the new weights reads the file the call after the replacement wrote.
+    reader = TokenIdTextPipeline(build_qwen2_encoder(seed=1))
+    install_prompt_embed_cache(reader, max_size=8, settings=PromptEmbedCacheSettings(directory=tmp_path))
+    assert torch.equal(reader.encode_prompt(ids.clone(), mask.clone())[0], expected[0])
+    assert reader.encoder_runs == 0
+
+
+def test_the_same_component_set_again_keeps_the_entries() -> None:
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    install_prompt_embed_cache(pipeline, max_size=8)
+    ids, mask = _ids()
+    pipeline.encode_prompt(ids, mask)
+    pipeline.text_encoder = pipeline.text_encoder  # the same object: nothing to relearn
+
+    pipeline.encode_prompt(ids.clone(), mask.clone())
+
+    assert _counts(pipeline) == (1, 1, 1)
