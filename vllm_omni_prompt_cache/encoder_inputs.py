@@ -178,8 +178,11 @@ class EncoderGate:
     def run(self, expected: str | None = None, *, abort_on_refute: bool = False) -> Iterator[GateRun]:
         """Run the block as one gate run on this thread: the first encoder call is recorded into the yielded
         :class:`GateRun`; with ``expected``, a call whose record equals it raises :class:`Proven`, and one that
-        differs raises :class:`Refuted` when ``abort_on_refute``. A run inside a run records nothing."""
+        differs raises :class:`Refuted` when ``abort_on_refute``. A run inside a run records nothing. The
+        encoders the pipeline holds now are hooked first (see :meth:`refresh`)."""
         outer = getattr(self._local, "run", None)
+        if outer is None:
+            self.refresh()
         gate_run = GateRun(expected, abort_on_refute)
         if outer is not None:  # a wrapped method called from another's encode: the outer run records
             gate_run.reached = True

@@ -98,7 +98,6 @@ class FirstUse:
         unplaced and raises :class:`~.encoder_inputs.Proven` when what reaches the encoder equals it, or when
         ``alternative`` finds an entry made with what reaches it (the Proven carries that entry's value)."""
         state, gate = self.state, self.gate
-        gate.refresh()
         encode_fn = self.encode_fn if expected is None else self.original
         placed = expected is not None and getattr(self.pipeline, PLACEMENT_ATTRIBUTE, None) is not None
         with gate.run(expected, abort_on_refute=placed) as gate_run:
@@ -205,7 +204,6 @@ class FirstUse:
             if state.inferred:
                 return self._not_an_encode(args, kwargs, f"its arguments cannot be keyed ({before.reason})")
             return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=before.reason))
-        self.gate.refresh()
         try:
             with self.gate.run() as gate_run, observed(pipeline) as observation, traced(self.instance) as trace:
                 gate_run.trace = trace
@@ -248,10 +246,15 @@ class FirstUse:
             state.note_recorded()
         value = seal(pack(unaliased(result, (args, kwargs)), state.replayed(trace)), gate_run.kept_record)
 
-        def count(outcome: Outcome, reason: str | None) -> None:  # it encoded: a miss, whatever the store held
-            self.count(tally(Outcome.MISS if outcome is Outcome.HIT else outcome, reason=reason))
+        counted: list[Outcome] = []
+
+        def count(outcome: Outcome, reason: str | None) -> None:
+            counted.append(outcome)
+            self.count(tally(outcome, reason=reason))
 
         self.store.serve(key, lambda: value, count, self.method)
+        if not counted:  # the store held the key already; this call encoded all the same: a miss
+            self.count(tally(Outcome.MISS))
         return result
 
     def first_hit_check(self, args: tuple, kwargs: dict, served: Any, before: Mapping[str, Any]) -> Any:

@@ -5,12 +5,11 @@
 miss, the placement (:data:`~.residency.PLACEMENT_ATTRIBUTE`): the store, each wrapped
 method's original, layout proof and state, and the encoder watch that finds more methods while the
 pipeline runs (see :mod:`.discovery`). Each wrapped method's calls are served by a
-:class:`~.method_calls.MethodCalls`, entered through :func:`_cached`.
+:class:`~.method_calls.MethodCalls`, entered through :func:`~.method_calls.cached_method`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -20,17 +19,15 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.discovery import EncoderWatch, OpenEncode, child_modules
 from vllm_omni_prompt_cache.encoder_inputs import EncoderGate
 from vllm_omni_prompt_cache.keys import CallKeyBuilder
 from vllm_omni_prompt_cache.layouts import layout_proof, method_layout_proof
 from vllm_omni_prompt_cache.logs import warn_once
-from vllm_omni_prompt_cache.method_calls import MethodCalls
+from vllm_omni_prompt_cache.method_calls import MethodCalls, cached_method, noting_encodes
 from vllm_omni_prompt_cache.proofs import LayoutProof
 from vllm_omni_prompt_cache.reads import MethodState, instance_attributes
-from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
 from vllm_omni_prompt_cache.rows import RowLayout
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 
@@ -112,7 +109,7 @@ class Installation:
         state = MethodState(name, source, inferred, learning=inferred or _several_ranks(), configuration=configuration)
         calls = MethodCalls(
             self.cache,
-            _noting_encodes(encode_fn, self.inside, pipeline),
+            noting_encodes(encode_fn, self.inside, pipeline),
             signature,
             CallKeyBuilder(signature, method_tag, digest=self.digest),
             proof,
@@ -126,7 +123,7 @@ class Installation:
         )
         if not inferred:
             self.cache.register(name)  # listed in stats() from now on; a candidate once it is confirmed
-        _set_attribute(pipeline, name, _cached(calls, encode_fn, self.cache, self.report, self.inside, pipeline))
+        _set_attribute(pipeline, name, cached_method(calls, encode_fn, self.cache, self.report, self.inside, pipeline))
         self.originals[name] = encode_fn
         self.methods[name] = calls
 
@@ -257,87 +254,6 @@ def restore(pipeline: Any, name: str, original: Callable[..., Any]) -> None:
         object.__delattr__(pipeline, name)  # the original was the class's bound method
     else:
         _set_attribute(pipeline, name, original)
-
-
-def _cached(
-    calls: MethodCalls,
-    encode_fn: Callable[..., Any],
-    cache: PromptEmbedCache,
-    report: Callable[[PromptEmbedCache], None] | None,
-    inside: threading.local,
-    pipeline: Any,
-) -> Callable[..., Any]:
-    """Return the function that replaces ``encode_fn`` on the pipeline.
-
-    A wrapped method called from inside another (MAGI-2's ``encode_prompt`` calls its
-    ``_encode_prompts``) runs straight through: the outer call is the one keyed, counted and
-    stored, so one encode is one entry and one call in the counts. A call runs in a session of the
-    pipeline's encoder placement when it has one (the encoders leave the device when it ends; they
-    are placed only if it calls the original, see :func:`_noting_encodes`); a call that did not
-    encode counts the encoder moves it saved.
-    """
-
-    @functools.wraps(encode_fn)
-    def cached_encode(*args: Any, **kwargs: Any) -> Any:
-        if getattr(inside, "active", False):
-            return encode_fn(*args, **kwargs)
-        inside.active = True
-        try:
-            moves, audit = cache.moves, cache.audit
-            if moves is None and audit is None:  # nothing moves the encoders, no audit: the hit path as it was
-                result = calls(args, kwargs)
-            else:
-                result = _observed(calls, args, kwargs, moves, audit, inside, pipeline)
-        finally:
-            inside.active = False
-        if report is not None:
-            report(cache)
-        return result
-
-    cached_encode.__wrapped__ = encode_fn  # type: ignore[attr-defined]
-    return cached_encode
-
-
-def _observed(
-    calls: MethodCalls,
-    args: tuple,
-    kwargs: dict,
-    moves: EncoderMoves | None,
-    audit: Audit | None,
-    inside: threading.local,
-    pipeline: Any,
-) -> Any:
-    """Run one cached call in a session of the pipeline's encoder placement (when it has one); when it
-    was served without encoding, tell ``moves`` and let ``audit`` check it."""
-    inside.encoded = False
-    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
-    with contextlib.nullcontext() if placement is None else placement.session():
-        result = calls(args, kwargs)
-        if inside.encoded:
-            return result
-        if audit is not None and audit.due():  # its encode places the encoders: no placement was saved
-            return calls.audited(args, kwargs, result)
-        if moves is not None:
-            moves.served_without_encoding()
-    return result
-
-
-def _noting_encodes(encode_fn: Callable[..., Any], inside: threading.local, pipeline: Any) -> Callable[..., Any]:
-    """Return ``encode_fn``, noting on ``inside`` that the current call encoded (every bypass does too),
-    with the pipeline's encoders placed for it when they wait off the device between calls: placed
-    before the call, not at the encoder's first forward, since code reads where an encoder's
-    parameters are before running it (vLLM-Omni's ByT5 glyph encoder, FLUX.2's prompt helpers when
-    given no device)."""
-
-    def encode(*args: Any, **kwargs: Any) -> Any:
-        inside.encoded = True
-        placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
-        if placement is None:
-            return encode_fn(*args, **kwargs)
-        with placement.held():
-            return encode_fn(*args, **kwargs)
-
-    return encode
 
 
 def _several_ranks() -> bool:

@@ -84,6 +84,16 @@ class Bypass(NamedTuple):
     reason: str
 
 
+class ReadCall(NamedTuple):
+    """A call as :meth:`CallKeyBuilder.read` found it: everything its key rests on, read once."""
+
+    arguments: dict[str, Any]  # by name in signature order, defaults applied
+    learning: bool  # its method is learning: nothing else was read
+    precomputed: Bypass | None  # why it is a pass-through (it gives precomputed embeddings), if it is
+    held: tuple | Bypass | None  # the pipeline state its key holds; a Bypass: a component was replaced
+    key: CallKey | Bypass | None  # the whole call's key, when asked for and the rest allows one
+
+
 class _Uncacheable(Exception):
     """Raised while encoding a value that has no exact key; carries the reason."""
 
@@ -302,6 +312,25 @@ class CallKeyBuilder:
         self._precomputed_names = tuple(name for name in PRECOMPUTED_EMBED_ARGS if name in signature.parameters)
         self._var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
+    def read(
+        self, args: tuple, kwargs: Mapping[str, Any], state: Any, instance: Any, *, whole: bool
+    ) -> ReadCall | Bypass:
+        """Read a call of the method whose :class:`~.reads.MethodState` is ``state``, bound to ``instance``: its
+        arguments, whether it is a pass-through, the state its key holds, and with ``whole`` its whole-call key;
+        a Bypass when its arguments do not bind."""
+        arguments = self.bind(args, kwargs)
+        if type(arguments) is Bypass:
+            return arguments
+        if state.learning:
+            return ReadCall(arguments, True, None, None, None)
+        precomputed = self.precomputed(arguments)
+        if precomputed is not None:
+            return ReadCall(arguments, False, precomputed, None, None)
+        held = state.state_argument(instance)
+        if not whole or type(held) is Bypass:
+            return ReadCall(arguments, False, None, held, None)
+        return ReadCall(arguments, False, None, held, self._key(arguments, held, False, None))
+
     def build(self, args: tuple, kwargs: Mapping[str, Any]) -> CallKey | Bypass:
         """Return the call's key, or a Bypass saying why it has none."""
         arguments = self.bind(args, kwargs)
@@ -350,6 +379,11 @@ class CallKeyBuilder:
             precomputed = self.precomputed(arguments)
             if precomputed is not None:
                 return precomputed
+        return self._key(arguments, held, row, host_views)
+
+    def _key(
+        self, arguments: Mapping[str, Any], held: tuple | None, row: bool, host_views: Mapping[int, np.ndarray] | None
+    ) -> CallKey | Bypass:
         if held is not None:
             arguments = {**arguments, STATE: held}
         encoder = _Encoder(self.digest, host_views)

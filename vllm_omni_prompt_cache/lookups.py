@@ -34,7 +34,8 @@ COLLISION_REASON = "digest collision: identity matched, bytes differed"
 #: Bypass reason for a call the encoder makes into the same key while computing it.
 REENTRANT_REASON = "re-entrant call for a key being computed by the same thread"
 
-#: How a caller of :meth:`Lookups.serve` counts its call: told what it came to (and why, for a bypass).
+#: How a caller of :meth:`Lookups.serve` counts a call that was not a hit: told what it came to (and why, for a
+#: bypass).
 CountCall = Callable[[Outcome, "str | None"], None]
 #: How evictions are counted: (method, counts).
 Record = Callable[[str, dict[Count, Any]], None]
@@ -103,14 +104,14 @@ class Lookups:
     def serve(self, key: CallKey, compute: Callable[[], T], count: CountCall, method: str) -> T:
         """Return the value for ``key``: its entry, another caller's encode of it, or ``compute()`` (once).
 
-        ``count(outcome, reason)`` is called once, before this returns or raises: a hit, a miss (this
-        call encoded, or tried to), or a bypass (a collision, a re-entrant call) with its reason.
+        ``count(outcome, reason)`` is called once, before this returns or raises, for a miss (this call
+        encoded, or tried to) or a bypass (a collision, a re-entrant call) with its reason; never for a hit
+        (a value this call did not compute), which the caller counts (it may first have to prove it).
         """
         while True:
             with self.lock:
                 decision, claimed = self._claim(key, method)
             if decision is Claim.HIT:
-                count(Outcome.HIT, None)
                 return claimed
             if decision is Claim.DIRECT:
                 count(Outcome.BYPASS, claimed)
@@ -121,9 +122,9 @@ class Lookups:
                     result, encoded = self.complete(key, claimed, compute, method)
                     return result
                 finally:
-                    count(Outcome.MISS if encoded else Outcome.HIT, None)
+                    if encoded:
+                        count(Outcome.MISS, None)
             if claimed.wait():
-                count(Outcome.HIT, None)
                 return claimed.value
             # The owner's encode raised and its caller got the error; try again ourselves.
 
@@ -148,7 +149,8 @@ class Lookups:
         """Return ``identity``'s entry, or None; one changed in place since it was stored is dropped (counted
         under ``method``). The lock is held."""
         entry = self.entries.get(identity)
-        if entry is not None and entry.versions and changed_in_place(entry.versions):
+        # A tensor a caller wrote into (the served value, not a copy) moved its version counter.
+        if entry is not None and any(tensor._version != version for tensor, version in entry.versions):
             self.entries.pop(identity)
             self._record(method, {CHANGED_ENTRIES: 1})
             return None

@@ -1,11 +1,14 @@
 """How one wrapped method's calls are served: bypassed with a reason, learned on first use, or by the
 method's strategy, whole or row by row.
 
-:class:`MethodCalls` is the front. It says why a call bypasses (the cache is off, the method is refused,
-its arguments do not bind), hands a method's first use to :class:`~.first_use.FirstUse`, and every later
-call to the method's strategy: :class:`WholeCalls` keys a call whole (and on a miss may infer a row layout
-from it, see :mod:`.proofs`); :class:`RowCalls` serves each row of a batched call from an entry of its own
-under a row layout (see :mod:`.rows`), checked against the uncached call on first use.
+:func:`cached_method` makes the function that replaces the method on the pipeline; it hands each call to
+the method's :class:`MethodCalls`, the front, which reads the call once (:meth:`~.keys.CallKeyBuilder.read`:
+its arguments, whether it is a pass-through, the pipeline state its key holds, its key). The front says why
+a call bypasses (the cache is off, the method is refused, its arguments do not bind), hands a method's
+first use to :class:`~.first_use.FirstUse`, and every later call to the method's strategy:
+:class:`WholeCalls` keys a call whole (and on a miss may infer a row layout from it, see :mod:`.proofs`);
+:class:`RowCalls` serves each row of a batched call from an entry of its own under a row layout (see
+:mod:`.rows`), checked against the uncached call on first use.
 
 The strategy is chosen when the method is wrapped, from its layout proof, and chosen again
 (:meth:`MethodCalls.choose_strategy`) only when what it rests on changes: a layout refuted, a layout
@@ -14,6 +17,8 @@ inferred and adopted, or calls seen to write pipeline state (a hit replays one c
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Mapping
@@ -22,6 +27,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.audit import turn_off as turn_off_for_class
 from vllm_omni_prompt_cache.counters import (
     PROVEN_HITS,
@@ -43,10 +49,11 @@ from vllm_omni_prompt_cache.encoder_inputs import (
     with_encoder_input,
 )
 from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, Unproven
-from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder, ReadCall
 from vllm_omni_prompt_cache.logs import logger, warn_once
 from vllm_omni_prompt_cache.proofs import ONE_ROW, LayoutProof, compare_outputs, infer_layout, row_strength
 from vllm_omni_prompt_cache.reads import MethodState, current_attribute, is_packed, pack, unpack
+from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
 from vllm_omni_prompt_cache.row_batches import RowTally
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, SingleRow, UnstackableRows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
@@ -168,25 +175,24 @@ class MethodCalls(FirstUse):
             return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=learned.reason or LEARNED_REASON))
 
     def _serve(self, args: tuple, kwargs: dict) -> Any:
-        store, state = self.store, self.state
+        store, state, strategy = self.store, self.state, self.strategy
         if not store.enabled:
             return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=store.off_reason or DISABLED_REASON))
         if state.refusal is not None:
             return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=state.refusal))
-        arguments = self.key_builder.bind(args, kwargs)
-        if type(arguments) is Bypass:
+        call = self.key_builder.read(args, kwargs, state, self.instance, whole=type(strategy) is WholeCalls)
+        if type(call) is Bypass:
             if state.inferred and state.learning:
                 return self._not_an_encode(args, kwargs, "its calls do not bind to its signature")
-            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=arguments.reason))
-        if state.learning:
-            return self._learn(args, kwargs, arguments)
-        if self.key_builder.precomputed(arguments) is not None:
-            return self.whole.call(args, kwargs, arguments)
-        held = state.state_argument(self.instance)
-        if type(held) is Bypass:  # a component was replaced: its entries were made with the old one
+            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=call.reason))
+        if call.learning:
+            return self._learn(args, kwargs, call.arguments)
+        if call.precomputed is not None:
+            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=call.precomputed.reason))
+        if type(call.held) is Bypass:  # a component was replaced: its entries were made with the old one
             self._component_replaced()
-            return self._learn(args, kwargs, arguments)
-        return self.strategy.serve(args, kwargs, arguments, held)
+            return self._learn(args, kwargs, call.arguments)
+        return strategy.serve(args, kwargs, call)
 
     def _component_replaced(self) -> None:
         """Learn the method again, guarded by the components it reads now, and drop every entry (one made with a
@@ -271,6 +277,87 @@ class MethodCalls(FirstUse):
         return fresh
 
 
+def cached_method(
+    calls: MethodCalls,
+    encode_fn: Callable[..., Any],
+    cache: PromptEmbedCache,
+    report: Callable[[PromptEmbedCache], None] | None,
+    inside: threading.local,
+    pipeline: Any,
+) -> Callable[..., Any]:
+    """Return the function that replaces ``encode_fn`` on the pipeline.
+
+    A wrapped method called from inside another (MAGI-2's ``encode_prompt`` calls its
+    ``_encode_prompts``) runs straight through: the outer call is the one keyed, counted and
+    stored, so one encode is one entry and one call in the counts. A call runs in a session of the
+    pipeline's encoder placement when it has one (the encoders leave the device when it ends; they
+    are placed only if it calls the original, see :func:`noting_encodes`); a call that did not
+    encode counts the encoder moves it saved.
+    """
+
+    @functools.wraps(encode_fn)
+    def cached_encode(*args: Any, **kwargs: Any) -> Any:
+        if getattr(inside, "active", False):
+            return encode_fn(*args, **kwargs)
+        inside.active = True
+        try:
+            moves, audit = cache.moves, cache.audit
+            if moves is None and audit is None:  # nothing moves the encoders, no audit: the hit path as it was
+                result = calls(args, kwargs)
+            else:
+                result = _observed(calls, args, kwargs, moves, audit, inside, pipeline)
+        finally:
+            inside.active = False
+        if report is not None:
+            report(cache)
+        return result
+
+    cached_encode.__wrapped__ = encode_fn  # type: ignore[attr-defined]
+    return cached_encode
+
+
+def _observed(
+    calls: MethodCalls,
+    args: tuple,
+    kwargs: dict,
+    moves: EncoderMoves | None,
+    audit: Audit | None,
+    inside: threading.local,
+    pipeline: Any,
+) -> Any:
+    """Run one cached call in a session of the pipeline's encoder placement (when it has one); when it
+    was served without encoding, tell ``moves`` and let ``audit`` check it."""
+    inside.encoded = False
+    placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
+    with contextlib.nullcontext() if placement is None else placement.session():
+        result = calls(args, kwargs)
+        if inside.encoded:
+            return result
+        if audit is not None and audit.due():  # its encode places the encoders: no placement was saved
+            return calls.audited(args, kwargs, result)
+        if moves is not None:
+            moves.served_without_encoding()
+    return result
+
+
+def noting_encodes(encode_fn: Callable[..., Any], inside: threading.local, pipeline: Any) -> Callable[..., Any]:
+    """Return ``encode_fn``, noting on ``inside`` that the current call encoded (every bypass does too),
+    with the pipeline's encoders placed for it when they wait off the device between calls: placed
+    before the call, not at the encoder's first forward, since code reads where an encoder's
+    parameters are before running it (vLLM-Omni's ByT5 glyph encoder, FLUX.2's prompt helpers when
+    given no device)."""
+
+    def encode(*args: Any, **kwargs: Any) -> Any:
+        inside.encoded = True
+        placement = getattr(pipeline, PLACEMENT_ATTRIBUTE, None)
+        if placement is None:
+            return encode_fn(*args, **kwargs)
+        with placement.held():
+            return encode_fn(*args, **kwargs)
+
+    return encode
+
+
 class WholeCalls:
     """Strategy: each call keyed whole, one entry per call. ``infer``: a miss may suggest a row layout, which
     its rows, encoded alone, then have to match before it is adopted."""
@@ -279,9 +366,9 @@ class WholeCalls:
         self.calls = calls
         self.infer = infer
 
-    def serve(self, args: tuple, kwargs: dict, arguments: dict[str, Any], held: tuple | None) -> Any:
-        """Serve a call past its method's first use; ``held``: the pipeline state its key also holds."""
-        return self.call(args, kwargs, arguments, infer=self.infer, held=held)
+    def serve(self, args: tuple, kwargs: dict, call: ReadCall) -> Any:
+        """Serve a call past its method's first use, as :meth:`CallKeyBuilder.read` found it."""
+        return self.call(args, kwargs, call.arguments, infer=self.infer, held=call.held, key=call.key)
 
     def call(
         self,
@@ -293,9 +380,11 @@ class WholeCalls:
         why: str | None = None,
         infer: bool = False,
         held: tuple | None = None,
+        key: CallKey | Bypass | None = None,
     ) -> Any:
         """Serve the call under one key; ``rows``: how many rows it encodes, when a layout says; ``why``:
-        why a call with a row layout is keyed whole; ``held``: the pipeline state the key also holds.
+        why a call with a row layout is keyed whole; ``held``: the pipeline state the key also holds;
+        ``key``: the key, when it was read already.
 
         ``infer``: on a miss, try to infer a row layout from the call and its output (then check it).
         """
@@ -312,7 +401,8 @@ class WholeCalls:
                 return
             calls.count(tally(outcome, reason=reason, whole_call=why, rows_encoded=rows or 0))
 
-        key = calls.key_builder.build_from_arguments(arguments, held=held)
+        if key is None:
+            key = calls.key_builder.build_from_arguments(arguments, held=held)
         if type(key) is Bypass:
             count(Outcome.BYPASS, key.reason)
             result = calls.encode_fn(*args, **kwargs)
@@ -363,9 +453,10 @@ class RowCalls:
         self.calls = calls
         self.layout = layout
 
-    def serve(self, args: tuple, kwargs: dict, arguments: dict[str, Any], held: tuple | None) -> Any:
-        """Serve a call past its method's first use; ``held``: the pipeline state its keys also hold."""
+    def serve(self, args: tuple, kwargs: dict, call: ReadCall) -> Any:
+        """Serve a call past its method's first use, as :meth:`CallKeyBuilder.read` found it."""
         calls, layout = self.calls, self.layout
+        arguments, held = call.arguments, call.held
         try:
             single = layout.single_row_key(arguments)
             split = None

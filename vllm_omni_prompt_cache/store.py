@@ -206,13 +206,21 @@ class PromptEmbedCache:
     def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, method: str = ENCODE_PROMPT) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result; count the
         call under ``method`` (the pipeline method whose call it is)."""
-        return self.serve(
-            key, compute, lambda outcome, reason: self.record(method, tally(outcome, reason=reason)), method
-        )
+        counted: list[Outcome] = []
+
+        def count(outcome: Outcome, reason: str | None) -> None:
+            counted.append(outcome)
+            self.record(method, tally(outcome, reason=reason))
+
+        value = self.serve(key, compute, count, method)
+        if not counted:  # served without computing: a hit
+            self.record(method, WHOLE_HIT)
+        return value
 
     def serve(self, key: CallKey, compute: Callable[[], T], count: CountCall, method: str = ENCODE_PROMPT) -> T:
         """Return the value for ``key`` from its entry, another caller's encode, or ``compute()``; the caller
-        counts the call through ``count(outcome, reason)`` (see :meth:`.lookups.Lookups.serve`)."""
+        counts the call: through ``count(outcome, reason)`` for a miss or bypass, itself for a hit (see
+        :meth:`.lookups.Lookups.serve`)."""
         return self._lookups.serve(key, compute, count, method)
 
     def serve_rows(
