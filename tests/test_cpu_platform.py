@@ -183,3 +183,59 @@ def test_a_batch_output_that_arrives_before_its_split_is_registered_is_adopted()
     assert executor._batch_split_map == {} and "batch" not in executor._completed_outputs
     for name in ("a", "b"):
         assert executor._completed_outputs[f"batch/{name}"].result() is batch.get_request_output(name).result
+
+
+@pytest.mark.release
+def test_an_output_whose_waiter_registers_while_the_pump_files_it_reaches_the_waiter(monkeypatch) -> None:
+    """vLLM-Omni 0.27's race, made to happen: the release's own result pump files a single request's output
+    while the engine thread registers its waiter (0.27 looks for the waiter, unpacks, then files, taking the
+    lock twice; a waiter in between waited 30 s and the engine's warm-up failed in CI). Later releases look
+    and file under one lock; there the filing finds no waiter and the fix does nothing."""
+    import queue
+    import threading
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    import vllm_omni.diffusion.executor.multiproc_executor as executor_module
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.worker.diffusion_worker import AsyncDiffusionOutput, AsyncOutputKind
+
+    from vllm_omni_prompt_cache.cpu_platform.platform import answer_waiters_that_register_while_filing
+
+    output = DiffusionOutput(error=None)
+    message = AsyncDiffusionOutput(kind=AsyncOutputKind.OUTPUT_READY, async_output_id="out", output=output)
+
+    class Executor(executor_module.MultiprocDiffusionExecutor):
+        def _init_executor(self) -> None:  # what the releases' pumps and wait_output_ready read; no workers
+            self._futures_lock = threading.Lock()
+            self._output_futures, self._completed_outputs, self._rpc_futures, self._batch_split_map = {}, {}, {}, {}
+            self._dropped_output_ids = OrderedDict()
+            self._sync_result_buffer, self._pump_stop = queue.Queue(), threading.Event()
+            self._is_failed = self._closed = False
+
+    answer_waiters_that_register_while_filing(SimpleNamespace(MultiprocDiffusionExecutor=Executor))
+    executor = object.__new__(Executor)
+    executor._init_executor()
+    waiters: list = []
+    unpack = executor_module.unpack_diffusion_output_shm
+
+    def unpack_while_the_engine_waits(unpacked) -> None:
+        unpack(unpacked)
+        engine = threading.Thread(target=lambda: waiters.append(executor.wait_output_ready("out")))
+        engine.start()
+        engine.join(timeout=2)  # a release that unpacks under the lock registers the waiter after filing
+
+    def dequeue(timeout=None):
+        if not executor._pump_stop.is_set():
+            executor._pump_stop.set()
+            return message
+        raise TimeoutError
+
+    monkeypatch.setattr(executor_module, "unpack_diffusion_output_shm", unpack_while_the_engine_waits)
+    executor._result_pump(SimpleNamespace(dequeue=dequeue))
+    for _ in range(500):  # the engine thread, if it is still blocked on the lock the pump held
+        if waiters:
+            break
+        threading.Event().wait(0.01)
+    assert waiters[0].result(timeout=5) is output
+    assert executor._output_futures == {} and "out" not in executor._completed_outputs

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import psutil
@@ -186,6 +187,58 @@ def _deliver_split(executor: Any, early: Any, split: dict[str, str]) -> None:
                 executor._completed_outputs[per_request_id] = future
 
 
+def answer_waiters_that_register_while_filing(module: Any) -> None:
+    """Give vLLM-Omni 0.27's multiprocess executor the fix 0.28 made to its result pump: an output whose
+    waiter registers while the pump files it goes to that waiter.
+
+    0.27's pump looks for the output's waiter under the executor's lock and, finding none, unpacks the
+    output and files it for a later ``wait_output_ready`` under the lock again. A waiter registered
+    between the two (the engine thread, just told ``COMPUTE_DONE``) is never answered: a 30 s time-out,
+    first seen in the engine's warm-up run. On a GPU the output trails ``COMPUTE_DONE`` by its copy to
+    the host; on the CPU it follows at once, into the gap, more often the busier the machine. From 0.28
+    the pump looks and files under one lock, so no waiter is there when it files: this does nothing.
+    """
+    from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
+
+    replace_once(module.MultiprocDiffusionExecutor, "_init_executor", _filing_for_late_waiters)
+
+
+def _filing_for_late_waiters(init_executor: Any) -> Any:
+    def init_executor_filing_for_late_waiters(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = init_executor(self, *args, **kwargs)
+        self._completed_outputs = CompletedOutputs(self, self._completed_outputs)
+        return result
+
+    return init_executor_filing_for_late_waiters
+
+
+class CompletedOutputs(dict):
+    """The executor's outputs filed for a later ``wait_output_ready``: one whose waiter is already
+    registered goes to the waiter instead (see :func:`answer_waiters_that_register_while_filing`).
+    The pump files under the executor's lock, which ``wait_output_ready`` registers under too."""
+
+    def __init__(self, executor: Any, filed: dict) -> None:
+        super().__init__(filed)
+        self._executor = executor
+
+    def __setitem__(self, output_id: str, output: Future) -> None:
+        waiters = self._executor._output_futures
+        waiter = waiters.get(output_id)
+        if type(waiter) is not Future or waiter.done():  # none, or a release's own placeholder: filed
+            super().__setitem__(output_id, output)
+            return
+        del waiters[output_id]
+        output.add_done_callback(lambda filed: _pass_on(filed, waiter))
+
+
+def _pass_on(filed: Future, waiter: Future) -> None:
+    error = filed.exception()
+    if error is not None:
+        waiter.set_exception(error)
+    else:
+        waiter.set_result(filed.result())
+
+
 def _retire_nothing_on_shutdown() -> None:
     """0.32's worker shutdown retires the allocator's device allocations through CUDA's allocator
     module, which cannot load here; the host allocator has none to retire."""
@@ -220,6 +273,7 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
         from vllm_omni_prompt_cache.vllm_omni.imports import when_imported
 
         when_imported("vllm_omni.diffusion.executor.multiproc_executor", adopt_early_batch_outputs)
+        when_imported("vllm_omni.diffusion.executor.multiproc_executor", answer_waiters_that_register_while_filing)
 
     # --- device -----------------------------------------------------------------------------
     @classmethod
