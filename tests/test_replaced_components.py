@@ -90,3 +90,58 @@ def test_the_same_component_set_again_keeps_the_entries() -> None:
     pipeline.encode_prompt(ids.clone(), mask.clone())
 
     assert _counts(pipeline) == (1, 1, 1)
+
+
+def test_an_encode_of_the_replaced_encoder_that_ends_after_the_clear_is_not_kept(monkeypatch) -> None:
+    """Two threads, the replacement between them: call X learns with encoder E1; after its encode, before it
+    keeps the result, E1 is replaced by E2 and call Y sees it and drops every entry. X's result was made with
+    E1: kept after the clear, the calls after would be served it (the same token ids reach E2, so their proof
+    passes). Made to happen: X waits until Y has cleared, and Y waits there until X has kept."""
+    import threading
+
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder(seed=0))
+    install_prompt_embed_cache(pipeline, max_size=8)
+    ids, mask = _ids()
+    pipeline.encode_prompt(ids.clone(), mask.clone())
+    pipeline.text_encoder = build_qwen2_encoder(seed=1)  # E1: the next call (X) learns the method again with it
+    e2 = build_qwen2_encoder(seed=2)
+    expected = _uncached(e2, ids, mask)
+
+    installation = pipeline._prompt_embed_cache_installation
+    state = installation.methods["encode_prompt"].state
+    cache = pipeline._prompt_embed_cache
+    y_cleared, x_kept = threading.Event(), threading.Event()
+    finish_learning, clear = state.finish_learning, cache.clear
+    y_served: list = []
+
+    def y() -> None:
+        pipeline.text_encoder = e2
+        y_served.append(pipeline.encode_prompt(ids.clone(), mask.clone()))
+
+    def finish_learning_then_replace(*, check: bool) -> bool:
+        ended = finish_learning(check=check)
+        if threading.current_thread() is threading.main_thread():  # X: Y replaces E1 and clears
+            monkeypatch.setattr(state, "finish_learning", finish_learning)
+            threading.Thread(target=y).start()
+            assert y_cleared.wait(10)
+        return ended
+
+    def clear_then_signal() -> None:
+        clear()
+        if threading.current_thread() is not threading.main_thread():  # Y: it goes on once X has kept its result
+            y_cleared.set()
+            assert x_kept.wait(10)
+
+    monkeypatch.setattr(state, "finish_learning", finish_learning_then_replace)
+    monkeypatch.setattr(cache, "clear", clear_then_signal)
+
+    pipeline.encode_prompt(ids.clone(), mask.clone())  # X
+    assert y_cleared.is_set(), "the race did not happen"
+    x_kept.set()
+    for _ in range(100):
+        if y_served:
+            break
+        threading.Event().wait(0.05)
+    assert torch.equal(y_served[0][0], expected[0])
+    served = pipeline.encode_prompt(ids.clone(), mask.clone())
+    assert torch.equal(served[0], expected[0]), "served the embedding of the encoder that was replaced"

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from vllm_omni_prompt_cache.counters import Outcome, tally
 from vllm_omni_prompt_cache.discovery import observed
 from vllm_omni_prompt_cache.encoder_inputs import GateRun, Proven, Refuted, seal, with_encoder_input
+from vllm_omni_prompt_cache.flights import Ticket
 from vllm_omni_prompt_cache.keys import Bypass, CallKey
 from vllm_omni_prompt_cache.proofs import LayoutProof, compare_outputs
 from vllm_omni_prompt_cache.reads import CannotTrace, Trace, current_attribute, is_absent, pack, traced
@@ -167,15 +168,18 @@ class FirstUse:
         """Note that the current call ran the text encoder (a proof run that went on through it)."""
         self.host.inside.encoded = True
 
-    def keep_learned(self, args: tuple, kwargs: dict, arguments: dict[str, Any], learned: Learned) -> Any:
-        """Keep a whole call's result under the key its grown state gives it (the values before it ran)."""
+    def keep_learned(
+        self, args: tuple, kwargs: dict, arguments: dict[str, Any], learned: Learned, made_under: Ticket
+    ) -> Any:
+        """Keep a whole call's result under the key its grown state gives it (the values before it ran), unless a
+        clear() came since ``made_under`` was the store's ticket (before it encoded)."""
         state = self.state
         if state.refusal is None and self.key_builder.precomputed(arguments) is None:
             held = state.state_argument_before(learned.trace, self.instance)
             key = self.key_builder.build_from_arguments(arguments, held=held)
             if type(key) is not Bypass:
                 kept = pack(unaliased(learned.result, (args, kwargs)), self.state.replayed(learned.trace))
-                self.store.put(key, seal(kept, learned.record))
+                self.store.keep(key, seal(kept, learned.record), made_under)
         self._rows_off()
         return learned.result
 
@@ -204,6 +208,7 @@ class FirstUse:
             if state.inferred:
                 return self._not_an_encode(args, kwargs, f"its arguments cannot be keyed ({before.reason})")
             return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=before.reason))
+        made_under = self.store.ticket()  # a clear() while it encodes (a component replaced, say) voids its entry
         try:
             with self.gate.run() as gate_run, observed(pipeline) as observation, traced(self.instance) as trace:
                 gate_run.trace = trace
@@ -252,7 +257,7 @@ class FirstUse:
             counted.append(outcome)
             self.count(tally(outcome, reason=reason))
 
-        self.store.serve(key, lambda: value, count, self.method)
+        self.store.serve(key, lambda: value, count, self.method, made_under)
         if not counted:  # the store held the key already; this call encoded all the same: a miss
             self.count(tally(Outcome.MISS))
         return result

@@ -83,11 +83,13 @@ class Lookups:
             self._keep(identity, Entry.of(value, freeze_witness(witness) if self.verify else None), method, stamp)
         return found, value
 
-    def put(self, key: CallKey | Hashable, value: Any, method: str) -> None:
-        """Keep ``value`` under ``key`` as given (insert or overwrite) and write it through (a :class:`CallKey`'s)."""
+    def put(self, key: CallKey | Hashable, value: Any, method: str, made_under: Ticket | None = None) -> None:
+        """Keep ``value`` under ``key`` as given (insert or overwrite) and write it through (a :class:`CallKey`'s);
+        ``made_under``: the ticket it was computed under (None: now), void if a clear() or a sleep came since."""
         keyed = type(key) is CallKey
         entry = Entry.of(value, freeze_witness(key.witness) if keyed and self.verify else None, keyed=keyed)
-        stamp = self._keep(key.identity if keyed else key, entry, method)
+        stamp = None if made_under is None else Stamp(made_under, self.tiers.epoch())
+        stamp = self._keep(key.identity if keyed else key, entry, method, stamp)
         # A clear() or a sleep since voids the write, as it voids an encode's.
         if keyed and stamp.ticket is self.ticket:
             self.tiers.write(key, entry, stamp)
@@ -101,8 +103,12 @@ class Lookups:
         """Keep the result being computed on this thread out of the lower tiers (see :meth:`complete`)."""
         self.withheld.active = True
 
-    def serve(self, key: CallKey, compute: Callable[[], T], count: CountCall, method: str) -> T:
+    def serve(
+        self, key: CallKey, compute: Callable[[], T], count: CountCall, method: str, made_under: Ticket | None = None
+    ) -> T:
         """Return the value for ``key``: its entry, another caller's encode of it, or ``compute()`` (once).
+        ``made_under``: the ticket a value ``compute`` returns was made under, when it was made before the call
+        (None: now); one a clear() or a sleep has voided since is returned, not kept.
 
         ``count(outcome, reason)`` is called once, before this returns or raises, for a miss (this call
         encoded, or tried to) or a bypass (a collision, a re-entrant call) with its reason; never for a hit
@@ -110,7 +116,7 @@ class Lookups:
         """
         while True:
             with self.lock:
-                decision, claimed = self._claim(key, method)
+                decision, claimed = self._claim(key, method, made_under)
             if decision is Claim.HIT:
                 return claimed
             if decision is Claim.DIRECT:
@@ -156,8 +162,9 @@ class Lookups:
             return None
         return entry
 
-    def _claim(self, key: CallKey, method: str) -> tuple[Claim, Any]:
-        """Decide how ``key`` is served; the lock is held."""
+    def _claim(self, key: CallKey, method: str, made_under: Ticket | None = None) -> tuple[Claim, Any]:
+        """Decide how ``key`` is served (an owned flight under ``made_under``, None: the ticket now); the lock is
+        held."""
         entry = self._intact(key.identity, method)
         if entry is not None:
             if entry.witness is None or witness_matches(entry.witness, key.witness):
@@ -167,7 +174,8 @@ class Lookups:
         flight = self.flights.get(key.identity)
         if flight is None:
             witness = freeze_witness(key.witness) if self.verify else None
-            return Claim.OWN, self.flights.begin(key.identity, witness, self.ticket, self.tiers.epoch())
+            ticket = self.ticket if made_under is None else made_under
+            return Claim.OWN, self.flights.begin(key.identity, witness, ticket, self.tiers.epoch())
         if flight.witness is not None and not witness_matches(flight.witness, key.witness):
             return Claim.DIRECT, COLLISION_REASON
         if flight.owner == threading.get_ident():

@@ -49,6 +49,7 @@ from vllm_omni_prompt_cache.encoder_inputs import (
     with_encoder_input,
 )
 from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, Unproven
+from vllm_omni_prompt_cache.flights import Ticket
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder, ReadCall
 from vllm_omni_prompt_cache.logs import logger, warn_once
 from vllm_omni_prompt_cache.proofs import ONE_ROW, LayoutProof, compare_outputs, infer_layout, row_strength
@@ -89,6 +90,7 @@ class Found:
     key: CallKey
     value: Any
     counts: FoundCounts
+    made_under: Ticket  # the store's ticket before the call was looked up: what its own encode may be kept under
     proven: bool | None = None
 
 
@@ -233,7 +235,12 @@ class MethodCalls(FirstUse):
         return value if row is not None else unpack(value, self.instance)
 
     def _encoded_instead(
-        self, args: tuple, kwargs: dict, found: Found, unproven: Unproven, row: Callable[[Any], Any] | None
+        self,
+        args: tuple,
+        kwargs: dict,
+        found: Found,
+        unproven: Unproven,
+        row: Callable[[Any], Any] | None,
     ) -> Any:
         """Serve a call whose entry was not proven from its own encode, kept beside the entry; count it."""
         if unproven.reason == NOT_REACHED:  # it ran, but encoded nothing: a bypass, not a miss
@@ -245,7 +252,8 @@ class MethodCalls(FirstUse):
             fresh = row(fresh)
         if unproven.trace is not None and unproven.record is not None:  # kept beside the entry it differed from
             kept = fresh if row is not None else pack(fresh, self.state.replayed(unproven.trace))
-            self.store.put(with_encoder_input(found.key, unproven.record), seal(kept, unproven.record))
+            beside = with_encoder_input(found.key, unproven.record)
+            self.store.keep(beside, seal(kept, unproven.record), found.made_under)  # not if a clear() came since
         return fresh if row is not None else unproven.result
 
     def whole_found(self, why: str | None, rows: int | None) -> FoundCounts:
@@ -396,9 +404,7 @@ class WholeCalls:
             encoded.append(result)
             return seal(pack(unaliased(result, (args, kwargs)), calls.state.replayed(trace)), gate_run.kept_record)
 
-        def count(outcome: Outcome, reason: str | None) -> None:
-            if outcome is Outcome.HIT:  # counted once the entry is proven (serve_found)
-                return
+        def count(outcome: Outcome, reason: str | None) -> None:  # a miss or bypass; a hit counts once proven
             calls.count(tally(outcome, reason=reason, whole_call=why, rows_encoded=rows or 0))
 
         if key is None:
@@ -408,12 +414,13 @@ class WholeCalls:
             result = calls.encode_fn(*args, **kwargs)
             encoded.append(result)
             return result
+        made_under = calls.store.ticket()
         try:
             value = calls.store.serve(key, encode, count, calls.method)
         except Learned as learned:  # the key grew while encoding: kept under the key it has now
-            return calls.keep_learned(args, kwargs, arguments, learned)
+            return calls.keep_learned(args, kwargs, arguments, learned, made_under)
         if not encoded:  # an entry, another call's encode, a lower tier's file: proven first
-            return self._found(args, kwargs, Found(key, value, calls.whole_found(why, rows)))
+            return self._found(args, kwargs, Found(key, value, calls.whole_found(why, rows), made_under))
         value = unseal(value)[0]  # this call encoded: the pipeline holds what it wrote already
         result = value[1] if is_packed(value) else value
         if infer and encoded and calls.proof.claim_inference():
@@ -494,21 +501,21 @@ class RowCalls:
             encoded.append(True)
             return self._encode_to_keep(args, kwargs, self.layout.check_row)
 
+        made_under = calls.store.ticket()
         try:
             value = calls.store.serve(key, encode, self._count_row, calls.method)
             if len(calls.state.data) > known:  # its encode read more state: keep it under the key that holds it
                 calls.keep_rows([single.arguments], [key], [value], single.host_views)
             if encoded:
                 return unseal(value)[0]
-            return calls.serve_found(args, kwargs, Found(key, value, ROW_FOUND), row=self.layout.check_row)
+            return calls.serve_found(args, kwargs, Found(key, value, ROW_FOUND, made_under), row=self.layout.check_row)
         except LayoutMismatch as error:  # the row was not stored; serve the call whole and uncached
             calls.refute(self.layout, str(error))
             return calls.uncached(args, kwargs, tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=1))
 
     def _count_row(self, outcome: Outcome, reason: str | None) -> None:
-        """Count a call that is one row, as a call and as a row (a hit once it is proven: serve_found)."""
-        if outcome is Outcome.HIT:
-            return
+        """Count a call that is one row, missed or bypassed, as a call and as a row (a hit counts once it is
+        proven: serve_found)."""
         self.calls.count(
             tally(
                 outcome,
@@ -639,6 +646,7 @@ class RowCalls:
         if record is None:
             return row
         args, kwargs = _row_call(self.calls.signature, split, index)
+        made_under = self.calls.store.ticket()
         beside, unproven = self.calls.prove(args, kwargs, key, record, rows=True)
         if unproven is None:
             rows.proven += 1
@@ -650,7 +658,7 @@ class RowCalls:
             rows.not_proven(unproven.reason)
         fresh = split.check_row(unaliased(unproven.result, (args, kwargs)))
         if unproven.trace is not None and unproven.record is not None:  # kept beside the entry it differed from
-            self.calls.store.put(with_encoder_input(key, unproven.record), seal(fresh, unproven.record))
+            self.calls.store.keep(with_encoder_input(key, unproven.record), seal(fresh, unproven.record), made_under)
         return fresh
 
     def _encode_to_keep(self, args: tuple, kwargs: dict, check_row: Callable[[Any], Any]) -> Any:

@@ -44,7 +44,7 @@ from vllm_omni_prompt_cache.counters import (
 )
 from vllm_omni_prompt_cache.directory_tier import DirectoryTier
 from vllm_omni_prompt_cache.entries import LRU
-from vllm_omni_prompt_cache.flights import Flights
+from vllm_omni_prompt_cache.flights import Flights, Ticket
 from vllm_omni_prompt_cache.host_tier import HOST_AT_SLEEP, HostTier
 from vllm_omni_prompt_cache.keys import CallKey
 from vllm_omni_prompt_cache.lookups import COLLISION_REASON, REENTRANT_REASON, CountCall, Lookups
@@ -217,11 +217,28 @@ class PromptEmbedCache:
             self.record(method, WHOLE_HIT)
         return value
 
-    def serve(self, key: CallKey, compute: Callable[[], T], count: CountCall, method: str = ENCODE_PROMPT) -> T:
+    def serve(
+        self,
+        key: CallKey,
+        compute: Callable[[], T],
+        count: CountCall,
+        method: str = ENCODE_PROMPT,
+        made_under: Ticket | None = None,
+    ) -> T:
         """Return the value for ``key`` from its entry, another caller's encode, or ``compute()``; the caller
         counts the call: through ``count(outcome, reason)`` for a miss or bypass, itself for a hit (see
-        :meth:`.lookups.Lookups.serve`)."""
-        return self._lookups.serve(key, compute, count, method)
+        :meth:`.lookups.Lookups.serve`). ``made_under``: a :meth:`ticket` taken before the value was computed."""
+        return self._lookups.serve(key, compute, count, method, made_under)
+
+    def ticket(self) -> Ticket:
+        """Return what entries are made under now: a value computed under it and kept after a :meth:`clear`
+        (or a sleep) since is not kept (an encoder replaced meanwhile made it, say)."""
+        return self._lookups.ticket
+
+    def keep(self, key: CallKey, value: Any, made_under: Ticket, method: str = ENCODE_PROMPT) -> None:
+        """:meth:`put` for a value computed under ``made_under`` (a :meth:`ticket`), counted under ``method``:
+        not kept if a clear() or a sleep came since."""
+        self._lookups.put(key, value, method, made_under)
 
     def serve_rows(
         self, keys: Sequence[CallKey], compute: Callable[[int], T], rows: RowTally, method: str = ENCODE_PROMPT

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import psutil
@@ -233,10 +233,11 @@ class CompletedOutputs(dict):
 
 def _pass_on(filed: Future, waiter: Future) -> None:
     error = filed.exception()
-    if error is not None:
-        waiter.set_exception(error)
-    else:
-        waiter.set_result(filed.result())
+    with contextlib.suppress(InvalidStateError):  # the waiter was cancelled meanwhile: nobody waits for it
+        if error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(filed.result())
 
 
 def _retire_nothing_on_shutdown() -> None:
