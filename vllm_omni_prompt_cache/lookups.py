@@ -25,7 +25,7 @@ from vllm_omni_prompt_cache.entries import LRU, Departures, Entry
 from vllm_omni_prompt_cache.flights import Claim, Flight, Flights, Ticket
 from vllm_omni_prompt_cache.keys import CallKey, freeze_witness, witness_matches
 from vllm_omni_prompt_cache.tiers import Stamp, Tiers
-from vllm_omni_prompt_cache.values import changed_in_place, detach_value
+from vllm_omni_prompt_cache.values import detach_value
 
 T = TypeVar("T")
 
@@ -39,6 +39,13 @@ REENTRANT_REASON = "re-entrant call for a key being computed by the same thread"
 CountCall = Callable[[Outcome, "str | None"], None]
 #: How evictions are counted: (method, counts).
 Record = Callable[[str, dict[Count, Any]], None]
+
+
+def changed_in_place(versions: tuple[tuple[Any, int], ...]) -> bool:
+    """Return True when a tensor of an entry (``versions``: see :func:`~.values.tensor_versions`) was written in
+    place since it was stored: a caller wrote into the served value, not a copy. Here, beside the look-ups that
+    drop such entries, so that a hit checks it without leaving the module."""
+    return any(tensor._version != version for tensor, version in versions)
 
 
 class Lookups:
@@ -155,8 +162,7 @@ class Lookups:
         """Return ``identity``'s entry, or None; one changed in place since it was stored is dropped (counted
         under ``method``). The lock is held."""
         entry = self.entries.get(identity)
-        # A tensor a caller wrote into (the served value, not a copy) moved its version counter.
-        if entry is not None and any(tensor._version != version for tensor, version in entry.versions):
+        if entry is not None and changed_in_place(entry.versions):
             self.entries.pop(identity)
             self._record(method, {CHANGED_ENTRIES: 1})
             return None
@@ -270,11 +276,7 @@ class Lookups:
 
     def _unchanged(self, departures: Departures, method: str) -> Departures:
         """Return the departures still as they were stored: one a caller wrote into goes nowhere (counted)."""
-        kept = [
-            (identity, entry)
-            for identity, entry in departures
-            if not (entry.versions and changed_in_place(entry.versions))
-        ]
+        kept = [(identity, entry) for identity, entry in departures if not changed_in_place(entry.versions)]
         if len(kept) < len(departures):
             self._record(method, {CHANGED_ENTRIES: len(departures) - len(kept)})
         return kept

@@ -47,7 +47,8 @@ def owned_by_cache(value: Any) -> Any:
 
 
 def tensor_versions(value: Any) -> tuple[tuple[torch.Tensor, int], ...]:
-    """Return each tensor of ``value`` with its version counter now (what :func:`changed_in_place` compares)."""
+    """Return each tensor of ``value`` with its version counter now (what the look-ups compare to drop an entry a
+    caller wrote into, see :func:`.lookups.changed_in_place`)."""
     found: list[tuple[torch.Tensor, int]] = []
 
     def note(tensor: torch.Tensor) -> torch.Tensor:
@@ -57,11 +58,6 @@ def tensor_versions(value: Any) -> tuple[tuple[torch.Tensor, int], ...]:
 
     map_tensors(value, note)
     return tuple(found)
-
-
-def changed_in_place(versions: tuple[tuple[torch.Tensor, int], ...]) -> bool:
-    """Return True when a tensor of ``versions`` was written in place since they were noted."""
-    return any(tensor._version != version for tensor, version in versions)
 
 
 def value_nbytes(value: Any) -> int:
