@@ -1,43 +1,96 @@
-"""How a wrapped method earns the cache's trust, and what its calls taught it.
+"""How a wrapped method earns the cache's trust, and what its calls teach it.
 
-A method's first call (for a method found by watching, or wherever several ranks run) is served
-uncached and observed (:meth:`FirstUse._learn`); every encode after is traced
-(:meth:`FirstUse.encode_traced`), and what it read beyond the method's key grows the key. A call whose
-key grew is kept under the grown key, never under the one it was looked up with. Every encode records
-what reached its first text encoder, and a hit of an entry with a record is proven against it before it is served
-(:meth:`FirstUse.prove`, see :mod:`.encoder_inputs`). The first hit of an inferred key is encoded again
-and compared (:meth:`FirstUse.first_hit_check`). ``FirstUse`` is
-mixed into :class:`~.method_calls.MethodCalls`, whose attributes it uses.
+:class:`FirstUse` runs every encode a call makes outside a hit. A method's first call (for a method
+found by watching, or wherever several ranks run) is served uncached and observed (:meth:`FirstUse.learn`);
+every encode after is traced (:meth:`FirstUse.encode_traced`), and what it read beyond the method's key
+grows the key. A call whose key grew is kept under the grown key, never under the one it was looked up
+with. Every encode records what reached its first text encoder, and a hit of an entry with a record is
+proven against it before it is served (:meth:`FirstUse.prove`, see :mod:`.encoder_inputs`). The first hit
+of an inferred key is encoded again and compared (:meth:`FirstUse.first_hit_check`).
+
+What a call decides about its method comes back as a :class:`Verdict`, which the front
+(:class:`~.method_calls.MethodCalls`) acts on in one place: a candidate that is not an encode, a method
+refused, a first use confirmed, calls to be keyed whole. A refusal is written into the method's state at
+once, so that no encode running meanwhile is kept; the verdict carries the saying of it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from vllm_omni_prompt_cache.counters import Outcome, tally
-from vllm_omni_prompt_cache.discovery import observed
-from vllm_omni_prompt_cache.encoder_inputs import GateRun, Proven, Refuted, seal, with_encoder_input
+from vllm_omni_prompt_cache.counters import Count, Outcome, tally
+from vllm_omni_prompt_cache.discovery import Observation, observed
+from vllm_omni_prompt_cache.encoder_inputs import EncoderGate, GateRun, Proven, Refuted, seal, with_encoder_input
 from vllm_omni_prompt_cache.flights import Ticket
-from vllm_omni_prompt_cache.keys import Bypass, CallKey
-from vllm_omni_prompt_cache.proofs import LayoutProof, compare_outputs
-from vllm_omni_prompt_cache.reads import CannotTrace, Trace, current_attribute, is_absent, pack, traced
+from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.proofs import compare_outputs
+from vllm_omni_prompt_cache.reads import (
+    CannotTrace,
+    MethodState,
+    Trace,
+    current_attribute,
+    is_absent,
+    pack,
+    traced,
+)
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
+from vllm_omni_prompt_cache.store import PromptEmbedCache
 from vllm_omni_prompt_cache.values import unaliased
 
 #: Bypass reason for a row call whose encode read or wrote pipeline state earlier calls had not.
 LEARNED_REASON = "its encode read or wrote pipeline state no earlier call had: served whole and uncached"
 
 
+class Verdict(NamedTuple):
+    """What a call decided about its method, for the front to act on (:meth:`~.method_calls.MethodCalls.settle`)."""
+
+    refusal: str | None = None  # the method is not cached from now on (already in its state): say why, once
+    rejection: str | None = None  # a candidate found by watching is not an encode: unwrap it, for this reason
+    confirmed: bool = False  # its first use ended: it is cached from now on
+    whole_only: bool = False  # its calls read or write pipeline state: keyed whole, no row layout
+    restrategize: bool = False  # its calls were seen to write pipeline state: choose how calls are served again
+
+    def __or__(self, other: Verdict) -> Verdict:  # type: ignore[override]
+        """Both verdicts: the first refusal and rejection stand, the flags add up."""
+        return Verdict(
+            self.refusal or other.refusal,
+            self.rejection or other.rejection,
+            self.confirmed or other.confirmed,
+            self.whole_only or other.whole_only,
+            self.restrategize or other.restrategize,
+        )
+
+
+#: A call that decided nothing about its method.
+NO_VERDICT = Verdict()
+#: What :meth:`FirstUse.learn` returns for a call it did not run (a candidate that is not an encode: the front
+#: runs it outside the cache, so that the methods it calls are seen).
+NOT_RUN = object()
+
+
 class Learned(BaseException):
     """Raised out of an encode that read or wrote more than the method's key holds (or cannot be cached):
     its result must not be kept under the key the call was looked up with. A BaseException, so that no
-    handler of encoder failures takes it for one. ``record``: what reached its text encoder."""
+    handler of encoder failures takes it for one. ``record``: what reached its text encoder; ``verdict``:
+    what it decided about the method."""
 
-    def __init__(self, result: Any, trace: Trace, refusal: str | None, record: str | None = None) -> None:
+    def __init__(
+        self, result: Any, trace: Trace, refusal: str | None, record: str | None = None, verdict: Verdict = NO_VERDICT
+    ) -> None:
         super().__init__(refusal or LEARNED_REASON)
-        self.result, self.trace, self.reason, self.record = result, trace, refusal, record
+        self.result, self.trace, self.reason, self.record, self.verdict = result, trace, refusal, record, verdict
+
+
+class Encode(NamedTuple):
+    """One traced encode (see :meth:`FirstUse._encode`)."""
+
+    result: Any  # what the method returned
+    trace: Trace  # what it read from and wrote to the instance
+    gate_run: GateRun  # what reached its first text encoder, and what a proof run found
+    observation: Observation | None  # which modules and collectives it ran (None: not watched)
 
 
 class Unproven(NamedTuple):
@@ -47,6 +100,7 @@ class Unproven(NamedTuple):
     trace: Trace | None  # what that encode read and wrote; None: not to be kept (its key lacked state)
     record: str | None  # what reached its text encoder, for the entry that replaces the old one
     reason: str  # why the entry was not served (see encoder_inputs)
+    verdict: Verdict = NO_VERDICT  # what its encode decided about the method
 
 
 def unprovable_refusal(why: Bypass) -> str:
@@ -63,7 +117,38 @@ def collectives_refusal(collectives: Sequence[str]) -> str:
 
 
 class FirstUse:
-    """First use, learning and refusal of one wrapped method (mixed into the wrapper's method server)."""
+    """The encodes of one wrapped method's calls outside a hit: first use, traced misses, proofs, first-hit
+    checks; each hands back what it decided (a :class:`Verdict`)."""
+
+    def __init__(
+        self,
+        store: PromptEmbedCache,
+        state: MethodState,
+        key_builder: CallKeyBuilder,
+        gate: EncoderGate,
+        *,
+        method: str,
+        pipeline: Any,
+        instance: Any,
+        encode_fn: Callable[..., Any],
+        original: Callable[..., Any],
+        inside: threading.local,
+    ) -> None:
+        self.store = store
+        self.state = state
+        self.key_builder = key_builder
+        self.gate = gate  # what records and compares the inputs of the pipeline's text encoders
+        self.method = method
+        self.count = store.recorder(method)
+        self.pipeline = pipeline  # whose modules an observed encode watches, and where a placement is
+        self.instance = instance  # whose attributes a call reads and writes (see MethodCalls.instance)
+        self.encode_fn = encode_fn  # the method, noting that the call encoded and placed for it
+        self.original = original  # the method as the pipeline had it: what a proof run calls, unplaced
+        self.inside = inside  # .encoded: the current call ran the text encoder
+
+    def refusal(self, why: str) -> Verdict:
+        """Stop caching the method at once (no encode running meanwhile is kept); the verdict says so, once."""
+        return Verdict(refusal=why) if self.state.refuse(why) else NO_VERDICT
 
     def keep_rows(
         self,
@@ -82,6 +167,43 @@ class FirstUse:
             if type(new) is not Bypass:
                 self.store.rekey(old, new, value)
 
+    def _encode(
+        self,
+        args: tuple,
+        kwargs: dict,
+        *,
+        observe: bool,
+        expected: str | None = None,
+        alternative: Callable[[str], tuple[bool, Any]] | None = None,
+    ) -> Encode:
+        """Run the call's encode traced (what it reads and writes on the instance) inside a gate run (what reaches
+        its first text encoder); ``observe``: also watch which modules and collectives it runs. A first use and
+        every later encode run this way (see :meth:`learn` and :meth:`encode_traced`)."""
+        encode_fn = self.encode_fn if expected is None else self.original
+        placed = expected is not None and getattr(self.pipeline, PLACEMENT_ATTRIBUTE, None) is not None
+        watching = observed(self.pipeline) if observe else contextlib.nullcontext()
+        with self.gate.run(expected, abort_on_refute=placed) as gate_run:
+            gate_run.on_refute, gate_run.alternative = self.note_encoded, alternative
+            with watching as observation, traced(self.instance) as trace:
+                gate_run.trace = trace
+                result = encode_fn(*args, **kwargs)
+        return Encode(result, trace, gate_run, observation)
+
+    def _judge(self, encode: Encode, refusal: str | None = None) -> tuple[bool, str | None]:
+        """Merge what an encode read and wrote into the method's state (unless ``refusal`` already says why it is
+        not cached); return whether its key grew, and why the method cannot be cached, if so. A first use and
+        every later encode are judged alike: collectives, then what it read and wrote, then its encoder's input."""
+        if encode.gate_run.kept_record is not None:
+            self.state.note_recorded()
+        if refusal is None and encode.observation is not None and encode.observation.collectives:
+            refusal = collectives_refusal(encode.observation.collectives)
+        grew = False
+        if refusal is None:
+            grew, refusal = self.state.learn(encode.trace, encode.result)
+        if refusal is None and type(encode.gate_run.record) is Bypass:
+            refusal = unprovable_refusal(encode.gate_run.record)
+        return grew, refusal
+
     def encode_traced(
         self,
         args: tuple,
@@ -93,43 +215,31 @@ class FirstUse:
     ) -> tuple[Any, Trace, GateRun]:
         """Encode, seeing what the call reads from and writes to the pipeline and what reaches its first text
         encoder (the returned :class:`~.encoder_inputs.GateRun`); raise :class:`Learned` when that is more than
-        earlier calls showed (the call's key lacked it) or cannot be cached.
+        earlier calls showed (the call's key lacked it) or cannot be cached, with what it decided.
 
         ``expected``: an entry's encoder-input record, for a proof run (see :meth:`prove`): the original runs
         unplaced and raises :class:`~.encoder_inputs.Proven` when what reaches the encoder equals it, or when
         ``alternative`` finds an entry made with what reaches it (the Proven carries that entry's value)."""
-        state, gate = self.state, self.gate
-        encode_fn = self.encode_fn if expected is None else self.original
-        placed = expected is not None and getattr(self.pipeline, PLACEMENT_ATTRIBUTE, None) is not None
-        with gate.run(expected, abort_on_refute=placed) as gate_run:
-            gate_run.on_refute, gate_run.alternative = self.note_encoded, alternative
-            if not state.observed:  # the first encode: which collectives run (a hit would skip them on one rank)
-                with observed(self.pipeline) as observation, traced(self.instance) as trace:
-                    gate_run.trace = trace
-                    result = encode_fn(*args, **kwargs)
-                state.note_observed()
-                if observation.collectives:
-                    self._refuse(collectives_refusal(observation.collectives))
-                    raise Learned(result, trace, state.refusal)
-            else:
-                with traced(self.instance) as trace:
-                    gate_run.trace = trace
-                    result = encode_fn(*args, **kwargs)
+        state = self.state
+        # The method's first encode is watched for collectives (a hit would skip them on one rank).
+        first = not state.observed
+        encode = self._encode(args, kwargs, observe=first, expected=expected, alternative=alternative)
+        result, trace, gate_run = encode.result, encode.trace, encode.gate_run
+        if first:
+            state.note_observed()
         if gate_run.proven:  # the method's own code swallowed the Proven: the run's trace and result are no encode's
             return result, trace, gate_run
-        if gate_run.kept_record is not None:
-            state.note_recorded()
         # Writes another call learned meanwhile count as this one's: it is then served, not kept (the safe side).
         writes_before = len(state.writes)
-        grew, refusal = state.learn(trace, result)
-        if refusal is None and type(gate_run.record) is Bypass:
-            refusal = unprovable_refusal(gate_run.record)
-        if refusal is not None:
-            self._refuse(refusal)
+        grew, refusal = self._judge(encode)
+        verdict = NO_VERDICT if refusal is None else self.refusal(refusal)
         if len(state.writes) > writes_before:  # its calls write state: rows are off from the next call
-            self.choose_strategy()
-        if refusal is not None or (grew and not rows) or len(state.writes) > writes_before:
-            raise Learned(result, trace, refusal, gate_run.kept_record)
+            verdict |= Verdict(restrategize=True)
+        # A row is never kept for a method whose calls write state (a hit replays a call's writes, not a row's),
+        # whichever strategy the call was served by.
+        written = len(state.writes) > writes_before or (rows and not state.rows_allowed)
+        if refusal is not None or (grew and not rows) or written:
+            raise Learned(result, trace, refusal, gate_run.kept_record, verdict)
         if grew and expected is None:  # a row: kept, and moved to a key holding what it read (keep_rows), no file
             self.store.withhold_write_through()
         gate_run.grew = grew
@@ -142,7 +252,7 @@ class FirstUse:
         ``record``, what reached it when the entry under ``found`` was made. Return ``(value, None)`` when equal,
         or when an entry made with the input it has now is found (``value`` is that entry's; None: the one
         compared): the run stopped there, before the encoder. Otherwise the call ran on through the encoder, as
-        a miss does: ``(None, its result and what to keep of it)`` (see :mod:`.encoder_inputs`)."""
+        a miss does: ``(None, its result, what to keep of it and what it decided)`` (see :mod:`.encoder_inputs`)."""
         try:
             try:
                 result, trace, gate_run = self.encode_traced(
@@ -154,7 +264,7 @@ class FirstUse:
         except Proven as proven:
             return proven.args[0] if proven.args else None, None
         except Learned as learned:  # it read or wrote what the key does not hold: served, not kept
-            return None, Unproven(learned.result, None, None, learned.reason or LEARNED_REASON)
+            return None, Unproven(learned.result, None, None, learned.reason or LEARNED_REASON, learned.verdict)
         if gate_run.proven:  # proven, but the method's own code swallowed the Proven and went on
             return gate_run.beside, None
         # A run whose key grew read state this key lacks: served, not kept beside under it.
@@ -166,90 +276,72 @@ class FirstUse:
 
     def note_encoded(self) -> None:
         """Note that the current call ran the text encoder (a proof run that went on through it)."""
-        self.host.inside.encoded = True
+        self.inside.encoded = True
 
     def keep_learned(
         self, args: tuple, kwargs: dict, arguments: dict[str, Any], learned: Learned, made_under: Ticket
     ) -> Any:
         """Keep a whole call's result under the key its grown state gives it (the values before it ran), unless a
-        clear() came since ``made_under`` was the store's ticket (before it encoded)."""
-        state = self.state
-        if state.refusal is None and self.key_builder.precomputed(arguments) is None:
-            held = state.state_argument_before(learned.trace, self.instance)
-            key = self.key_builder.build_from_arguments(arguments, held=held)
+        clear() came since ``made_under`` was the store's ticket (before it encoded); return the result."""
+        if self.state.refusal is None and self.key_builder.precomputed(arguments) is None:
+            key, value = self._entry(args, kwargs, arguments, learned.result, learned.trace, learned.record)
             if type(key) is not Bypass:
-                kept = pack(unaliased(learned.result, (args, kwargs)), self.state.replayed(learned.trace))
-                self.store.keep(key, seal(kept, learned.record), made_under)
-        self._rows_off()
+                self.store.keep(key, value, made_under)
         return learned.result
 
-    def _rows_off(self) -> None:
-        """Key this method's calls whole: its calls read or write pipeline state that rows cannot split."""
-        if self.state.rows_allowed:
-            return
-        self.proof = LayoutProof(
-            self.pipeline_class,
-            None,
-            "whole calls: it reads or writes pipeline state",
-            may_infer=False,
-            method=self.method,
-        )
-        self.choose_strategy()
+    def _entry(
+        self, args: tuple, kwargs: dict, arguments: dict[str, Any], result: Any, trace: Trace, record: str | None
+    ) -> tuple[CallKey | Bypass, Any]:
+        """Return the key a call whose encode was traced is kept under (the state it read, as it was before the
+        call wrote it) and the entry: its result, the writes a hit replays, what reached its text encoder."""
+        state = self.state
+        key = self.key_builder.build_from_arguments(arguments, held=state.state_argument_before(trace, self.instance))
+        return key, seal(pack(unaliased(result, (args, kwargs)), state.replayed(trace)), record)
 
-    def _learn(self, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> Any:
+    def learn(self, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> tuple[Any, Verdict]:
         """Serve a method's first call uncached and watch it: what it reads and writes, which modules and
-        collectives it runs; keep its result if it may be cached, else say why not (see :mod:`.discovery`)."""
-        state, pipeline = self.state, self.pipeline
+        collectives it runs; keep its result if it may be cached. Return the result (:data:`NOT_RUN` for a
+        candidate that is not an encode) and what the call decided (see :mod:`.discovery`)."""
+        state = self.state
         precomputed = self.key_builder.precomputed(arguments)
         if precomputed is not None:  # a pass-through teaches nothing
-            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=precomputed.reason))
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=precomputed.reason)), NO_VERDICT
         before = self.key_builder.build_from_arguments(arguments)
         if type(before) is Bypass:
             if state.inferred:
-                return self._not_an_encode(args, kwargs, f"its arguments cannot be keyed ({before.reason})")
-            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=before.reason))
+                return NOT_RUN, Verdict(rejection=f"its arguments cannot be keyed ({before.reason})")
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=before.reason)), NO_VERDICT
         made_under = self.store.ticket()  # a clear() while it encodes (a component replaced, say) voids its entry
         try:
-            with self.gate.run() as gate_run, observed(pipeline) as observation, traced(self.instance) as trace:
-                gate_run.trace = trace
-                result = self.encode_fn(*args, **kwargs)
+            encode = self._encode(args, kwargs, observe=True)
         except CannotTrace as error:
-            self._refuse(str(error))
-            return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=str(error)))
+            verdict = self.refusal(str(error))
+            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=str(error))), verdict
+        result, trace, observation = encode.result, encode.trace, encode.observation
+        assert observation is not None
         if state.inferred:
             others = observation.other_modules()
             why = "it returns nothing" if result is None else f"it also runs {', '.join(others)}" if others else None
             if why is not None:
-                self.host.reject(self.method, why)
-                return result
+                return result, Verdict(rejection=why)
             if not observation.encoders:  # this call encoded nothing: learn from a later one
-                return result
+                return result, NO_VERDICT
         after = self.key_builder.build_from_arguments(arguments)
-        refusal = None
-        if type(after) is Bypass or after.identity != before.identity:
-            refusal = "it changes its arguments in place, which a hit could not repeat"
-        elif observation.collectives:
-            refusal = collectives_refusal(observation.collectives)
-        refusal = refusal or state.learn(trace, result)[1]
-        if refusal is None and type(gate_run.record) is Bypass:
-            refusal = unprovable_refusal(gate_run.record)
+        changed = type(after) is Bypass or after.identity != before.identity
+        refusal = self._judge(
+            encode, "it changes its arguments in place, which a hit could not repeat" if changed else None
+        )[1]
         if refusal is not None:
-            self._refuse(refusal)
+            verdict = self.refusal(refusal)
             self.count(tally(Outcome.BYPASS, reason=refusal))
-            return result
+            return result, verdict
         # Calls that learn at once each keep their encode; the one that ends the first use confirms it.
         ended = state.finish_learning(check=state.inferred or bool(state.data) or bool(state.writes))
-        self._rows_off()
-        if ended:
-            self.host.confirmed(state)
-        held = state.state_argument_before(trace, self.instance)
-        key = self.key_builder.build_from_arguments(arguments, held=held)
+        verdict = Verdict(confirmed=ended, whole_only=True)
+        key, value = self._entry(args, kwargs, arguments, result, trace, encode.gate_run.kept_record)
         if type(key) is Bypass:
             self.count(tally(Outcome.BYPASS, reason=key.reason))
-            return result
-        if gate_run.kept_record is not None:
-            state.note_recorded()
-        value = seal(pack(unaliased(result, (args, kwargs)), state.replayed(trace)), gate_run.kept_record)
+            return result, verdict
 
         counted: list[Outcome] = []
 
@@ -260,15 +352,16 @@ class FirstUse:
         self.store.serve(key, lambda: value, count, self.method, made_under)
         if not counted:  # the store held the key already; this call encoded all the same: a miss
             self.count(tally(Outcome.MISS))
-        return result
+        return result, verdict
 
-    def first_hit_check(self, args: tuple, kwargs: dict, served: Any, before: Mapping[str, Any]) -> Any:
+    def first_hit_check(self, args: tuple, kwargs: dict, served: Any, before: Mapping[str, Any]) -> tuple[Any, Verdict]:
         """Encode the first hit of a method whose key was inferred again, and compare output and writes;
-        a difference serves the fresh encode and stops caching the method. Counted as an audit. ``before``:
-        what the attributes the hit replayed held before it did (the encode runs on that state, as the call's)."""
+        a difference serves the fresh encode and refuses the method. Counted as an audit. ``before``:
+        what the attributes the hit replayed held before it did (the encode runs on that state, as the call's).
+        Return what the call gets and what the check decided."""
         state = self.state
         if not state.take_check():
-            return served
+            return served, NO_VERDICT
         replayed = {name: current_attribute(self.instance, name) for name in state.writes}
         for name, value in before.items():
             if is_absent(value):
@@ -276,10 +369,11 @@ class FirstUse:
                     delattr(self.instance, name)
             else:
                 setattr(self.instance, name, value)
+        verdict = NO_VERDICT
         try:
             fresh, trace, _ = self.encode_traced(args, kwargs)
         except Learned as learned:
-            fresh, trace = learned.result, learned.trace
+            fresh, trace, verdict = learned.result, learned.trace, learned.verdict
         why = compare_outputs(served, fresh)[0]
         for name, written in state.replayed(trace).items():
             if why is None and (differs := compare_outputs(replayed.get(name), written)[0]) is not None:
@@ -288,19 +382,10 @@ class FirstUse:
         if why is None:
             for name, value in replayed.items():  # the pipeline holds what the hit replayed, as on any hit
                 setattr(self.instance, name, value)
-            return served
-        self._refuse(f"its first hit differed from an uncached call ({why})")
-        return fresh
+            return served, verdict
+        return fresh, verdict | self.refusal(f"its first hit differed from an uncached call ({why})")
 
-    def _not_an_encode(self, args: tuple, kwargs: dict, why: str) -> Any:
-        """Unwrap a candidate found by watching that is not an encode; run it so the methods it calls are seen."""
-        host = self.host
-        host.reject(self.method, why)
-        host.inside.active = False
-        try:
-            return self.encode_fn(*args, **kwargs)
-        finally:
-            host.inside.active = True
-
-    def _refuse(self, why: str) -> None:
-        self.host.refused(self.state, why)
+    def _uncached(self, args: tuple, kwargs: dict, counts: Mapping[Count, Any]) -> Any:
+        """Serve the call from the original function, not cached, counted as ``counts``."""
+        self.count(counts)
+        return self.encode_fn(*args, **kwargs)

@@ -114,6 +114,7 @@ class Installation:
             CallKeyBuilder(signature, method_tag, digest=self.digest),
             proof,
             method=name,
+            tag=self.tag,
             pipeline=pipeline,
             state=state,
             host=self,
@@ -201,25 +202,6 @@ class Installation:
             following = [inner for inner in self._inner.pop(name, []) if inner not in self.methods]
             if following:
                 self._try([inner for inner in following if inner not in self.rejected])
-
-    def confirmed(self, state: MethodState) -> None:
-        """Say once which method was found, how, and what it is keyed on; list it in stats()."""
-        self.cache.register(state.name)
-        logger.info(
-            "Prompt-embed cache: %s.%s is cached (%s), keyed on %s%s.",
-            self.tag,
-            state.name,
-            state.source,
-            ", ".join(state.keyed_on()),
-            f"; hits replay {', '.join('self.' + name for name in state.writes)}" if state.writes else "",
-        )
-
-    def refused(self, state: MethodState, why: str) -> None:
-        """Stop caching ``state``'s method, and say so once."""
-        if not state.refuse(why):
-            return
-        self.cache.register(state.name)
-        logger.warning("Prompt-embed cache: %s.%s is not cached: %s.", self.tag, state.name, why)
 
     def describe(self) -> dict[str, Any]:
         """Return what stats() says of the encode methods: found, how, keyed on what; and the rejected."""

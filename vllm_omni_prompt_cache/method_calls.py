@@ -5,7 +5,10 @@ method's strategy, whole or row by row.
 the method's :class:`MethodCalls`, the front, which reads the call once (:meth:`~.keys.CallKeyBuilder.read`:
 its arguments, whether it is a pass-through, the pipeline state its key holds, its key). The front says why
 a call bypasses (the cache is off, the method is refused, its arguments do not bind), hands a method's
-first use to :class:`~.first_use.FirstUse`, and every later call to the method's strategy:
+first use to :class:`~.first_use.FirstUse`, and every later call to the method's strategy. What an encode
+decides about the method comes back as a :class:`~.first_use.Verdict`; the front acts on it in one place
+(:meth:`MethodCalls.settle`), and asks the installation only to unwrap a candidate that is not an encode.
+The strategies:
 :class:`WholeCalls` keys a call whole (and on a miss may infer a row layout from it, see :mod:`.proofs`);
 :class:`RowCalls` serves each row of a batched call from an entry of its own under a row layout (see
 :mod:`.rows`), checked against the uncached call on first use.
@@ -48,7 +51,15 @@ from vllm_omni_prompt_cache.encoder_inputs import (
     unseal,
     with_encoder_input,
 )
-from vllm_omni_prompt_cache.first_use import LEARNED_REASON, FirstUse, Learned, Unproven
+from vllm_omni_prompt_cache.first_use import (
+    LEARNED_REASON,
+    NO_VERDICT,
+    NOT_RUN,
+    FirstUse,
+    Learned,
+    Unproven,
+    Verdict,
+)
 from vllm_omni_prompt_cache.flights import Ticket
 from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder, ReadCall
 from vllm_omni_prompt_cache.logs import logger, warn_once
@@ -95,21 +106,15 @@ class Found:
 
 
 class MethodHost(Protocol):
-    """What a method's calls tell the pipeline's state (see :class:`~.installation.Installation`)."""
+    """What only the pipeline's installation can do for a method (see :class:`~.installation.Installation`)."""
 
     inside: threading.local  # .active: a wrapped method of the pipeline runs on this thread
 
     def reject(self, name: str, why: str) -> None:
-        """Unwrap a candidate found by watching that is not an encode."""
-
-    def confirmed(self, state: MethodState) -> None:
-        """Note that the method of ``state`` is cached from now on."""
-
-    def refused(self, state: MethodState, why: str) -> None:
-        """Stop caching the method of ``state``."""
+        """Unwrap a candidate found by watching that is not an encode (and try the method around it)."""
 
 
-class MethodCalls(FirstUse):
+class MethodCalls:
     """Serves one pipeline method's calls: whole, row by row, or bypassed with a reason; counts each call once."""
 
     def __init__(
@@ -121,6 +126,7 @@ class MethodCalls(FirstUse):
         proof: LayoutProof,
         *,
         method: str,
+        tag: str,
         pipeline: Any,
         state: MethodState,
         host: MethodHost,
@@ -129,12 +135,11 @@ class MethodCalls(FirstUse):
         gate: EncoderGate,
     ) -> None:
         self.store = store
-        self.original = original  # the method as the pipeline had it: what a proof run calls, unplaced
-        self.gate = gate  # what records and compares the inputs of its text encoders
         #: Whose attributes a call reads and writes: the object the method is bound to (the pipeline's own
         #: methods are bound to it; an encode_prompt given to an instance may be bound to another object).
         self.instance = pipeline if instance is None else instance
         self.method = method  # whose counters every count made here goes to
+        self.tag = tag  # the pipeline's, in what the cache says of the method
         self.count = store.recorder(method)  # adds one tally to them
         self.pipeline = pipeline
         self.pipeline_class = type(pipeline)  # what an audit's mismatch turns the cache off for
@@ -144,6 +149,19 @@ class MethodCalls(FirstUse):
         self.proof = proof
         self.state = state
         self.host = host
+        #: the encodes its calls make outside a hit: first use, traced misses, proofs, first-hit checks
+        self.first_use = FirstUse(
+            store,
+            state,
+            key_builder,
+            gate,
+            method=method,
+            pipeline=pipeline,
+            instance=self.instance,
+            encode_fn=encode_fn,
+            original=original,
+            inside=host.inside,
+        )
         self.whole = WholeCalls(self)  # precomputed calls, and calls the row layout cannot read
         self.strategy: WholeCalls | RowCalls = self.whole
         self._choosing = threading.Lock()
@@ -170,10 +188,49 @@ class MethodCalls(FirstUse):
         self.proof.end_inference(layout)
         self.choose_strategy()
 
+    def settle(self, verdict: Verdict) -> None:
+        """Act on what a call decided about the method (see :class:`~.first_use.Verdict`)."""
+        if verdict == NO_VERDICT:
+            return
+        if verdict.rejection is not None:
+            self.host.reject(self.method, verdict.rejection)
+        if verdict.refusal is not None:
+            self.store.register(self.method)
+            logger.warning("Prompt-embed cache: %s.%s is not cached: %s.", self.tag, self.method, verdict.refusal)
+        if verdict.whole_only:
+            self._rows_off()
+        elif verdict.restrategize:
+            self.choose_strategy()
+        if verdict.confirmed:
+            state = self.state
+            self.store.register(self.method)
+            logger.info(
+                "Prompt-embed cache: %s.%s is cached (%s), keyed on %s%s.",
+                self.tag,
+                self.method,
+                state.source,
+                ", ".join(state.keyed_on()),
+                f"; hits replay {', '.join('self.' + name for name in state.writes)}" if state.writes else "",
+            )
+
+    def _rows_off(self) -> None:
+        """Key this method's calls whole when they read or write pipeline state that rows cannot split."""
+        if self.state.rows_allowed:
+            return
+        self.proof = LayoutProof(
+            self.pipeline_class,
+            None,
+            "whole calls: it reads or writes pipeline state",
+            may_infer=False,
+            method=self.method,
+        )
+        self.choose_strategy()
+
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         try:
             return self._serve(args, kwargs)
         except Learned as learned:  # a row's encode read or wrote what earlier calls had not: served whole
+            self.settle(learned.verdict)
             return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=learned.reason or LEARNED_REASON))
 
     def _serve(self, args: tuple, kwargs: dict) -> Any:
@@ -185,7 +242,8 @@ class MethodCalls(FirstUse):
         call = self.key_builder.read(args, kwargs, state, self.instance, whole=type(strategy) is WholeCalls)
         if type(call) is Bypass:
             if state.inferred and state.learning:
-                return self._not_an_encode(args, kwargs, "its calls do not bind to its signature")
+                self.settle(Verdict(rejection="its calls do not bind to its signature"))
+                return self._run_outside(args, kwargs)
             return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=call.reason))
         if call.learning:
             return self._learn(args, kwargs, call.arguments)
@@ -195,6 +253,21 @@ class MethodCalls(FirstUse):
             self._component_replaced()
             return self._learn(args, kwargs, call.arguments)
         return strategy.serve(args, kwargs, call)
+
+    def _learn(self, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> Any:
+        """Serve a call of the method's first use (see :meth:`FirstUse.learn`), and act on what it decided."""
+        result, verdict = self.first_use.learn(args, kwargs, arguments)
+        self.settle(verdict)
+        return self._run_outside(args, kwargs) if result is NOT_RUN else result
+
+    def _run_outside(self, args: tuple, kwargs: dict) -> Any:
+        """Run a rejected candidate as if it were not wrapped, so that the methods it calls are seen."""
+        inside = self.host.inside
+        inside.active = False
+        try:
+            return self.encode_fn(*args, **kwargs)
+        finally:
+            inside.active = True
 
     def _component_replaced(self) -> None:
         """Learn the method again, guarded by the components it reads now, and drop every entry (one made with a
@@ -222,12 +295,13 @@ class MethodCalls(FirstUse):
             record = NO_RECORD
         if record is not None:
             try:
-                beside, unproven = self.prove(args, kwargs, found.key, record, rows=row is not None)
+                beside, unproven = self.first_use.prove(args, kwargs, found.key, record, rows=row is not None)
             except Exception as error:  # raised as the uncached call would; counted, not lost
                 self.count(tally(Outcome.BYPASS, reason=f"its proof run raised {type(error).__qualname__}"))
                 raise
             found.proven = unproven is None
             if unproven is not None:
+                self.settle(unproven.verdict)
                 return self._encoded_instead(args, kwargs, found, unproven, row)
             if beside is not None:
                 value = unseal(beside)[0]
@@ -400,7 +474,7 @@ class WholeCalls:
         encoded: list[Any] = []
 
         def encode() -> Any:
-            result, trace, gate_run = calls.encode_traced(args, kwargs)
+            result, trace, gate_run = calls.first_use.encode_traced(args, kwargs)
             encoded.append(result)
             return seal(pack(unaliased(result, (args, kwargs)), calls.state.replayed(trace)), gate_run.kept_record)
 
@@ -418,7 +492,9 @@ class WholeCalls:
         try:
             value = calls.store.serve(key, encode, count, calls.method)
         except Learned as learned:  # the key grew while encoding: kept under the key it has now
-            return calls.keep_learned(args, kwargs, arguments, learned, made_under)
+            result = calls.first_use.keep_learned(args, kwargs, arguments, learned, made_under)
+            calls.settle(learned.verdict | Verdict(whole_only=True))
+            return result
         if not encoded:  # an entry, another call's encode, a lower tier's file: proven first
             return self._found(args, kwargs, Found(key, value, calls.whole_found(why, rows), made_under))
         value = unseal(value)[0]  # this call encoded: the pipeline holds what it wrote already
@@ -438,7 +514,8 @@ class WholeCalls:
         before = {name: current_attribute(calls.instance, name) for name in state.writes} if state.check_pending else {}
         result = calls.serve_found(args, kwargs, found)
         if found.proven is not False and state.check_pending:
-            return calls.first_hit_check(args, kwargs, result, before)
+            result, verdict = calls.first_use.first_hit_check(args, kwargs, result, before)
+            calls.settle(verdict)
         return result
 
     def _infer(self, arguments: dict[str, Any], output: Any, held: tuple | None) -> RowLayout | None:
@@ -505,7 +582,7 @@ class RowCalls:
         try:
             value = calls.store.serve(key, encode, self._count_row, calls.method)
             if len(calls.state.data) > known:  # its encode read more state: keep it under the key that holds it
-                calls.keep_rows([single.arguments], [key], [value], single.host_views)
+                calls.first_use.keep_rows([single.arguments], [key], [value], single.host_views)
             if encoded:
                 return unseal(value)[0]
             return calls.serve_found(args, kwargs, Found(key, value, ROW_FOUND, made_under), row=self.layout.check_row)
@@ -538,7 +615,8 @@ class RowCalls:
             try:
                 values = calls.store.serve_rows(keys, self._row_encoder(split, encoded), rows, calls.method)
                 if len(calls.state.data) > known:  # a row's encode read more state: keep them under keys holding it
-                    calls.keep_rows([split.key_arguments(index) for index in range(split.batch)], keys, values)
+                    served = [split.key_arguments(index) for index in range(split.batch)]
+                    calls.first_use.keep_rows(served, keys, values)
                 values = self._proven_rows(split, keys, values, encoded, rows)
             except LayoutMismatch as error:
                 calls.refute(layout, str(error))
@@ -647,7 +725,9 @@ class RowCalls:
             return row
         args, kwargs = _row_call(self.calls.signature, split, index)
         made_under = self.calls.store.ticket()
-        beside, unproven = self.calls.prove(args, kwargs, key, record, rows=True)
+        beside, unproven = self.calls.first_use.prove(args, kwargs, key, record, rows=True)
+        if unproven is not None:
+            self.calls.settle(unproven.verdict)
         if unproven is None:
             rows.proven += 1
             return row if beside is None else unseal(beside)[0]
@@ -666,7 +746,7 @@ class RowCalls:
         ``check_row``; outputs that are the call's own input tensors are copied. Returns the entry's value."""
         # A row's encode that reads more state than the rows' keys hold is kept under those keys, which no
         # later lookup builds (the state's names are in every key); one that writes state raises Learned.
-        result, _, gate_run = self.calls.encode_traced(args, kwargs, rows=True)
+        result, _, gate_run = self.calls.first_use.encode_traced(args, kwargs, rows=True)
         return seal(check_row(unaliased(result, (args, kwargs))), gate_run.kept_record)
 
 
