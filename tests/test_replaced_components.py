@@ -14,7 +14,8 @@ import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
+from vllm_omni_prompt_cache.layouts import TOKEN_IDS
+from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 
 
 def _ids() -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,3 +146,60 @@ def test_an_encode_of_the_replaced_encoder_that_ends_after_the_clear_is_not_kept
     assert torch.equal(y_served[0][0], expected[0])
     served = pipeline.encode_prompt(ids.clone(), mask.clone())
     assert torch.equal(served[0], expected[0]), "served the embedding of the encoder that was replaced"
+
+
+class ScaledRows(QwenStyleTokenPipeline):
+    """Qwen-Image's token-id encode (as ``QwenStyleTokenPipeline``) scaled by ``self.scale``, pipeline data its
+    rows' keys come to hold once an encode has read it (their first rows are moved to the grown keys)."""
+
+    def __init__(self, text_encoder: torch.nn.Module) -> None:
+        super().__init__(text_encoder)
+        self.scale = 0.5
+
+    def encode_prompt(
+        self,
+        prompt_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_images_per_prompt: int = 1,
+        max_sequence_length: int = 1024,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, mask = super().encode_prompt(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
+        return embeds * self.scale, mask
+
+
+def test_rows_moved_to_their_grown_keys_after_a_clear_are_not_kept(monkeypatch) -> None:
+    """Call X encodes two rows with encoder E1; their encodes read ``self.scale``, so they are moved to keys that
+    hold it. Before X moves them, E1 is replaced by E2 and call Y sees it and drops every entry. X's rows were
+    made with E1: moved after the clear, a later call of one of them would be served E1's embedding (the same
+    token ids reach E2, so its proof passes). Made to happen: X's move waits until Y has run to its end."""
+    import threading
+
+    pipeline = ScaledRows(build_qwen2_encoder(seed=0))
+    install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
+    e2 = build_qwen2_encoder(seed=2)
+    first = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    second = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(1))
+    batch = torch.cat([first, second])
+    calls = pipeline._prompt_embed_cache_installation.methods["encode_prompt"]
+    keep_rows = calls.first_use.keep_rows
+    raced: list[bool] = []
+
+    def y() -> None:  # Y: the replacement, seen by a call of the first row alone
+        pipeline.text_encoder = e2
+        pipeline.encode_prompt(first.clone(), first != 0)
+
+    def replace_then_keep_rows(*args, **kwargs) -> None:
+        if not raced:
+            raced.append(True)
+            thread = threading.Thread(target=y)
+            thread.start()
+            thread.join(30)
+        keep_rows(*args, **kwargs)
+
+    monkeypatch.setattr(calls.first_use, "keep_rows", replace_then_keep_rows)
+    pipeline.encode_prompt(batch.clone(), batch != 0)  # X
+    assert raced, "the race did not happen: X's rows were not moved"
+
+    expected = ScaledRows(e2).encode_prompt(second, second != 0)
+    served = pipeline.encode_prompt(second.clone(), second != 0)
+    assert torch.equal(served[0], expected[0]), "served the row the replaced encoder made"

@@ -155,17 +155,20 @@ class FirstUse:
         arguments: list[Mapping[str, Any]],
         served_under: list[CallKey],
         values: list[Any],
+        made_under: Ticket,
         host_views: Mapping[int, Any] | None = None,
     ) -> None:
         """Move rows served while the method's key grew to the keys that hold the state they read (their
-        encodes write nothing, so that state is the state now); no later lookup builds their old keys."""
+        encodes write nothing, so that state is the state now); no later lookup builds their old keys. Not kept
+        if a clear() came since ``made_under``, the store's ticket before they were looked up (their encoder
+        may have been replaced meanwhile)."""
         held = self.state.state_argument(self.instance)
         if type(held) is Bypass:
             return
         for row_arguments, old, value in zip(arguments, served_under, values, strict=True):
             new = self.key_builder.build_from_arguments(row_arguments, held=held, row=True, host_views=host_views)
             if type(new) is not Bypass:
-                self.store.rekey(old, new, value)
+                self.store.rekey(old, new, value, made_under, self.method)
 
     def _encode(
         self,

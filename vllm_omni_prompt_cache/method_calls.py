@@ -582,7 +582,7 @@ class RowCalls:
         try:
             value = calls.store.serve(key, encode, self._count_row, calls.method)
             if len(calls.state.data) > known:  # its encode read more state: keep it under the key that holds it
-                calls.first_use.keep_rows([single.arguments], [key], [value], single.host_views)
+                calls.first_use.keep_rows([single.arguments], [key], [value], made_under, single.host_views)
             if encoded:
                 return unseal(value)[0]
             return calls.serve_found(args, kwargs, Found(key, value, ROW_FOUND, made_under), row=self.layout.check_row)
@@ -611,12 +611,13 @@ class RowCalls:
         dropped = tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=split.batch)  # then served uncached
         known = len(calls.state.data)
         encoded: set[int] = set()
+        made_under = calls.store.ticket()  # rows moved to grown keys are not kept across a clear() since
         try:
             try:
                 values = calls.store.serve_rows(keys, self._row_encoder(split, encoded), rows, calls.method)
                 if len(calls.state.data) > known:  # a row's encode read more state: keep them under keys holding it
                     served = [split.key_arguments(index) for index in range(split.batch)]
-                    calls.first_use.keep_rows(served, keys, values)
+                    calls.first_use.keep_rows(served, keys, values, made_under)
                 values = self._proven_rows(split, keys, values, encoded, rows)
             except LayoutMismatch as error:
                 calls.refute(layout, str(error))

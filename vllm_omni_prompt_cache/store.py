@@ -198,9 +198,10 @@ class PromptEmbedCache:
         with: its encode read state that key does not hold (the caller keeps it under one that does)."""
         self._lookups.withhold_write_through()
 
-    def rekey(self, old: CallKey, new: CallKey, value: Any) -> None:
-        """Keep ``value`` under ``new`` instead of ``old`` (a key that came to hold more than it was built with)."""
-        self._lookups.put(new, value, ENCODE_PROMPT)
+    def rekey(self, old: CallKey, new: CallKey, value: Any, made_under: Ticket, method: str = ENCODE_PROMPT) -> None:
+        """Keep ``value`` under ``new`` instead of ``old`` (a key that came to hold more than it was built with),
+        unless a clear() or a sleep came since ``made_under`` (a :meth:`ticket` taken before it was looked up)."""
+        self._lookups.put(new, value, method, made_under)
         self._lookups.forget(old.identity)
 
     def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, method: str = ENCODE_PROMPT) -> T:
