@@ -175,21 +175,32 @@ class FirstUse:
         args: tuple,
         kwargs: dict,
         *,
-        observe: bool,
         expected: str | None = None,
         alternative: Callable[[str], tuple[bool, Any]] | None = None,
+        observe: bool | None = None,
     ) -> Encode:
         """Run the call's encode traced (what it reads and writes on the instance) inside a gate run (what reaches
-        its first text encoder); ``observe``: also watch which modules and collectives it runs. A first use and
-        every later encode run this way (see :meth:`learn` and :meth:`encode_traced`)."""
+        its first text encoder); ``observe``: also watch which modules and collectives it runs (None: when no
+        encode of the method was watched yet, a hit would skip its collectives on one rank). A first use, every
+        later encode and a hit's proof run this way (see :meth:`learn`, :meth:`encode_traced`, :meth:`prove`).
+
+        ``expected``: an entry's encoder-input record, for a proof run: the original runs unplaced and raises
+        :class:`~.encoder_inputs.Proven` when what reaches the encoder equals it, or when ``alternative`` finds an
+        entry made with what reaches it (the Proven carries that entry's value)."""
+        observe = not self.state.observed if observe is None else observe
         encode_fn = self.encode_fn if expected is None else self.original
         placed = expected is not None and getattr(self.pipeline, PLACEMENT_ATTRIBUTE, None) is not None
-        watching = observed(self.pipeline) if observe else contextlib.nullcontext()
         with self.gate.run(expected, abort_on_refute=placed) as gate_run:
             gate_run.on_refute, gate_run.alternative = self.note_encoded, alternative
-            with watching as observation, traced(self.instance) as trace:
+            if not observe:  # a hit's proof run, and every encode after the first: traced only
+                with traced(self.instance) as trace:
+                    gate_run.trace = trace
+                    result = encode_fn(*args, **kwargs)
+                return Encode(result, trace, gate_run, None)
+            with observed(self.pipeline) as observation, traced(self.instance) as trace:
                 gate_run.trace = trace
                 result = encode_fn(*args, **kwargs)
+        self.state.note_observed()
         return Encode(result, trace, gate_run, observation)
 
     def _judge(self, encode: Encode, refusal: str | None = None) -> tuple[bool, str | None]:
@@ -207,29 +218,16 @@ class FirstUse:
             refusal = unprovable_refusal(encode.gate_run.record)
         return grew, refusal
 
-    def encode_traced(
-        self,
-        args: tuple,
-        kwargs: dict,
-        *,
-        rows: bool = False,
-        expected: str | None = None,
-        alternative: Callable[[str], tuple[bool, Any]] | None = None,
-    ) -> tuple[Any, Trace, GateRun]:
+    def encode_traced(self, args: tuple, kwargs: dict, *, rows: bool = False) -> tuple[Any, Trace, GateRun]:
         """Encode, seeing what the call reads from and writes to the pipeline and what reaches its first text
         encoder (the returned :class:`~.encoder_inputs.GateRun`); raise :class:`Learned` when that is more than
-        earlier calls showed (the call's key lacked it) or cannot be cached, with what it decided.
+        earlier calls showed (the call's key lacked it) or cannot be cached, with what it decided."""
+        return self._judged(self._encode(args, kwargs), rows=rows)
 
-        ``expected``: an entry's encoder-input record, for a proof run (see :meth:`prove`): the original runs
-        unplaced and raises :class:`~.encoder_inputs.Proven` when what reaches the encoder equals it, or when
-        ``alternative`` finds an entry made with what reaches it (the Proven carries that entry's value)."""
+    def _judged(self, encode: Encode, *, rows: bool) -> tuple[Any, Trace, GateRun]:
+        """Judge an encode past the method's first use (see :meth:`encode_traced`)."""
         state = self.state
-        # The method's first encode is watched for collectives (a hit would skip them on one rank).
-        first = not state.observed
-        encode = self._encode(args, kwargs, observe=first, expected=expected, alternative=alternative)
         result, trace, gate_run = encode.result, encode.trace, encode.gate_run
-        if first:
-            state.note_observed()
         if gate_run.proven:  # the method's own code swallowed the Proven: the run's trace and result are no encode's
             return result, trace, gate_run
         # Writes another call learned meanwhile count as this one's: it is then served, not kept (the safe side).
@@ -243,7 +241,7 @@ class FirstUse:
         written = len(state.writes) > writes_before or (rows and not state.rows_allowed)
         if refusal is not None or (grew and not rows) or written:
             raise Learned(result, trace, refusal, gate_run.kept_record, verdict)
-        if grew and expected is None:  # a row: kept, and moved to a key holding what it read (keep_rows), no file
+        if grew and gate_run.expected is None:  # a row: kept, then moved to a key holding what it read, no file
             self.store.withhold_write_through()
         gate_run.grew = grew
         return result, trace, gate_run
@@ -255,15 +253,15 @@ class FirstUse:
         ``record``, what reached it when the entry under ``found`` was made. Return ``(value, None)`` when equal,
         or when an entry made with the input it has now is found (``value`` is that entry's; None: the one
         compared): the run stopped there, before the encoder. Otherwise the call ran on through the encoder, as
-        a miss does: ``(None, its result, what to keep of it and what it decided)`` (see :mod:`.encoder_inputs`)."""
+        a miss does, and is judged as one: ``(None, its result, what to keep of it and what it decided)`` (see
+        :mod:`.encoder_inputs`)."""
         try:
             try:
-                result, trace, gate_run = self.encode_traced(
-                    args, kwargs, rows=rows, expected=record, alternative=self._alternative(found)
-                )
+                encode = self._encode(args, kwargs, expected=record, alternative=self._alternative(found))
             except Refuted:  # its encoders wait off the device: encoded again, placed, as a miss is
-                result, trace, gate_run = self.encode_traced(args, kwargs, rows=rows)
-                gate_run.expected = record
+                encode = self._encode(args, kwargs)
+            result, trace, gate_run = self._judged(encode, rows=rows)
+            gate_run.expected = record
         except Proven as proven:
             return proven.args[0] if proven.args else None, None
         except Learned as learned:  # it read or wrote what the key does not hold: served, not kept
