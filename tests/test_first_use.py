@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import first_use, install_prompt_embed_cache
-from vllm_omni_prompt_cache.first_use import NOT_RUN, Verdict
+from vllm_omni_prompt_cache.first_use import NotRun, Verdict
 from vllm_omni_prompt_cache.installation import INSTALLATION_ATTRIBUTE
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
@@ -129,4 +129,4 @@ def test_a_candidate_that_is_not_an_encode_stays_wrapped_until_the_front_settles
     calls.settle(verdict)
     assert "_embed_ids" not in installation.methods
     assert installation.rejected["_embed_ids"] == "it also runs dit"
-    assert result is not NOT_RUN
+    assert type(result) is not NotRun

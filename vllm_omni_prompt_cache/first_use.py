@@ -1,17 +1,19 @@
 """How a wrapped method earns the cache's trust, and what its calls teach it.
 
-:class:`FirstUse` runs every encode a call makes outside a hit. A method's first call (for a method
-found by watching, or wherever several ranks run) is served uncached and observed (:meth:`FirstUse.learn`);
-every encode after is traced (:meth:`FirstUse.encode_traced`), and what it read beyond the method's key
-grows the key. A call whose key grew is kept under the grown key, never under the one it was looked up
-with. Every encode records what reached its first text encoder, and a hit of an entry with a record is
-proven against it before it is served (:meth:`FirstUse.prove`, see :mod:`.encoder_inputs`). The first hit
-of an inferred key is encoded again and compared (:meth:`FirstUse.first_hit_check`).
+:class:`FirstUse` runs every traced encode of a method: its first use, its misses, a hit's proof. A
+method's first call (for a method found by watching, or wherever several ranks run) is served uncached
+and observed (:meth:`FirstUse.learn`); every encode after is traced (:meth:`FirstUse.encode_traced`), and
+what it read beyond the method's key grows the key. A call whose key grew is kept under the grown key,
+never under the one it was looked up with. Every encode records what reached its first text encoder, and
+a hit of an entry with a record is proven against it before it is served (:meth:`FirstUse.prove`, see
+:mod:`.encoder_inputs`). The first hit of an inferred key is encoded again and compared
+(:meth:`FirstUse.first_hit_check`).
 
 What a call decides about its method comes back as a :class:`Verdict`, which the front
 (:class:`~.method_calls.MethodCalls`) acts on in one place: a candidate that is not an encode, a method
 refused, a first use confirmed, calls to be keyed whole. A refusal is written into the method's state at
-once, so that no encode running meanwhile is kept; the verdict carries the saying of it.
+once, so that the calls after it bypass and no encode judged after it is kept; the verdict carries the
+saying of it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from vllm_omni_prompt_cache.counters import Count, Outcome, tally
+from vllm_omni_prompt_cache.counters import Outcome, tally
 from vllm_omni_prompt_cache.discovery import Observation, observed
 from vllm_omni_prompt_cache.encoder_inputs import EncoderGate, GateRun, Proven, Refuted, seal, with_encoder_input
 from vllm_omni_prompt_cache.flights import Ticket
@@ -66,9 +68,12 @@ class Verdict(NamedTuple):
 
 #: A call that decided nothing about its method.
 NO_VERDICT = Verdict()
-#: What :meth:`FirstUse.learn` returns for a call it did not run (a candidate that is not an encode: the front
-#: runs it outside the cache, so that the methods it calls are seen).
-NOT_RUN = object()
+
+
+class NotRun(NamedTuple):
+    """A call :meth:`FirstUse.learn` left for the front to run once it has acted on the verdict."""
+
+    bypass: str | None  # run uncached, counted as a bypass for this reason; None: not an encode, run outside the cache
 
 
 class Learned(BaseException):
@@ -117,8 +122,8 @@ def collectives_refusal(collectives: Sequence[str]) -> str:
 
 
 class FirstUse:
-    """The encodes of one wrapped method's calls outside a hit: first use, traced misses, proofs, first-hit
-    checks; each hands back what it decided (a :class:`Verdict`)."""
+    """The traced encodes of one wrapped method's calls: first use, misses, a hit's proof, first-hit checks; each
+    hands back what it decided (a :class:`Verdict`)."""
 
     def __init__(
         self,
@@ -147,7 +152,8 @@ class FirstUse:
         self.inside = inside  # .encoded: the current call ran the text encoder
 
     def refusal(self, why: str) -> Verdict:
-        """Stop caching the method at once (no encode running meanwhile is kept); the verdict says so, once."""
+        """Stop caching the method at once (the calls after bypass, and no encode ending after it is kept); the
+        verdict says so, once."""
         return Verdict(refusal=why) if self.state.refuse(why) else NO_VERDICT
 
     def keep_rows(
@@ -200,7 +206,8 @@ class FirstUse:
             with observed(self.pipeline) as observation, traced(self.instance) as trace:
                 gate_run.trace = trace
                 result = encode_fn(*args, **kwargs)
-        self.state.note_observed()
+        if not gate_run.proven:  # a proof whose method swallowed the Proven ran no whole encode: watch the next
+            self.state.note_observed()
         return Encode(result, trace, gate_run, observation)
 
     def _judge(self, encode: Encode, refusal: str | None = None) -> tuple[bool, str | None]:
@@ -222,10 +229,11 @@ class FirstUse:
         """Encode, seeing what the call reads from and writes to the pipeline and what reaches its first text
         encoder (the returned :class:`~.encoder_inputs.GateRun`); raise :class:`Learned` when that is more than
         earlier calls showed (the call's key lacked it) or cannot be cached, with what it decided."""
-        return self._judged(self._encode(args, kwargs), rows=rows)
+        return self._judged(self._encode(args, kwargs), rows=rows, in_flight=True)
 
-    def _judged(self, encode: Encode, *, rows: bool) -> tuple[Any, Trace, GateRun]:
-        """Judge an encode past the method's first use (see :meth:`encode_traced`)."""
+    def _judged(self, encode: Encode, *, rows: bool, in_flight: bool) -> tuple[Any, Trace, GateRun]:
+        """Judge an encode past the method's first use (see :meth:`encode_traced`); ``in_flight``: it computes a
+        store flight's value (a proof's encode does not)."""
         state = self.state
         result, trace, gate_run = encode.result, encode.trace, encode.gate_run
         if gate_run.proven:  # the method's own code swallowed the Proven: the run's trace and result are no encode's
@@ -239,9 +247,11 @@ class FirstUse:
         # A row is never kept for a method whose calls write state (a hit replays a call's writes, not a row's),
         # whichever strategy the call was served by.
         written = len(state.writes) > writes_before or (rows and not state.rows_allowed)
+        if refusal is None and state.refusal is not None:  # another call refused the method while this one ran
+            refusal = state.refusal
         if refusal is not None or (grew and not rows) or written:
             raise Learned(result, trace, refusal, gate_run.kept_record, verdict)
-        if grew and gate_run.expected is None:  # a row: kept, then moved to a key holding what it read, no file
+        if grew and in_flight:  # a row: kept, then moved to a key holding what it read (keep_rows), no file
             self.store.withhold_write_through()
         gate_run.grew = grew
         return result, trace, gate_run
@@ -253,14 +263,14 @@ class FirstUse:
         ``record``, what reached it when the entry under ``found`` was made. Return ``(value, None)`` when equal,
         or when an entry made with the input it has now is found (``value`` is that entry's; None: the one
         compared): the run stopped there, before the encoder. Otherwise the call ran on through the encoder, as
-        a miss does, and is judged as one: ``(None, its result, what to keep of it and what it decided)`` (see
-        :mod:`.encoder_inputs`)."""
+        a miss does, and is judged as one: ``(None, Unproven)``, its result, what to keep of it and what it decided
+        (see :mod:`.encoder_inputs`)."""
         try:
             try:
                 encode = self._encode(args, kwargs, expected=record, alternative=self._alternative(found))
             except Refuted:  # its encoders wait off the device: encoded again, placed, as a miss is
                 encode = self._encode(args, kwargs)
-            result, trace, gate_run = self._judged(encode, rows=rows)
+            result, trace, gate_run = self._judged(encode, rows=rows, in_flight=False)
             gate_run.expected = record
         except Proven as proven:
             return proven.args[0] if proven.args else None, None
@@ -301,23 +311,23 @@ class FirstUse:
 
     def learn(self, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> tuple[Any, Verdict]:
         """Serve a method's first call uncached and watch it: what it reads and writes, which modules and
-        collectives it runs; keep its result if it may be cached. Return the result (:data:`NOT_RUN` for a
-        candidate that is not an encode) and what the call decided (see :mod:`.discovery`)."""
+        collectives it runs; keep its result if it may be cached. Return the result, or :class:`NotRun` for a call
+        left to the front (a pass-through, arguments no key holds, an instance that cannot be traced), and what
+        the call decided (see :mod:`.discovery`)."""
         state = self.state
         precomputed = self.key_builder.precomputed(arguments)
         if precomputed is not None:  # a pass-through teaches nothing
-            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=precomputed.reason)), NO_VERDICT
+            return NotRun(precomputed.reason), NO_VERDICT
         before = self.key_builder.build_from_arguments(arguments)
         if type(before) is Bypass:
             if state.inferred:
-                return NOT_RUN, Verdict(rejection=f"its arguments cannot be keyed ({before.reason})")
-            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=before.reason)), NO_VERDICT
+                return NotRun(None), Verdict(rejection=f"its arguments cannot be keyed ({before.reason})")
+            return NotRun(before.reason), NO_VERDICT
         made_under = self.store.ticket()  # a clear() while it encodes (a component replaced, say) voids its entry
         try:
             encode = self._encode(args, kwargs, observe=True)
         except CannotTrace as error:
-            verdict = self.refusal(str(error))
-            return self._uncached(args, kwargs, tally(Outcome.BYPASS, reason=str(error))), verdict
+            return NotRun(str(error)), self.refusal(str(error))
         result, trace, observation = encode.result, encode.trace, encode.observation
         assert observation is not None
         if state.inferred:
@@ -339,6 +349,9 @@ class FirstUse:
         # Calls that learn at once each keep their encode; the one that ends the first use confirms it.
         ended = state.finish_learning(check=state.inferred or bool(state.data) or bool(state.writes))
         verdict = Verdict(confirmed=ended, whole_only=True)
+        if state.refusal is not None:  # another call refused the method while this one ran: not kept
+            self.count(tally(Outcome.BYPASS, reason=state.refusal))
+            return result, verdict
         key, value = self._entry(args, kwargs, arguments, result, trace, encode.gate_run.kept_record)
         if type(key) is Bypass:
             self.count(tally(Outcome.BYPASS, reason=key.reason))
@@ -385,8 +398,3 @@ class FirstUse:
                 setattr(self.instance, name, value)
             return served, verdict
         return fresh, verdict | self.refusal(f"its first hit differed from an uncached call ({why})")
-
-    def _uncached(self, args: tuple, kwargs: dict, counts: Mapping[Count, Any]) -> Any:
-        """Serve the call from the original function, not cached, counted as ``counts``."""
-        self.count(counts)
-        return self.encode_fn(*args, **kwargs)

@@ -54,9 +54,9 @@ from vllm_omni_prompt_cache.encoder_inputs import (
 from vllm_omni_prompt_cache.first_use import (
     LEARNED_REASON,
     NO_VERDICT,
-    NOT_RUN,
     FirstUse,
     Learned,
+    NotRun,
     Unproven,
     Verdict,
 )
@@ -141,7 +141,6 @@ class MethodCalls:
         self.method = method  # whose counters every count made here goes to
         self.tag = tag  # the pipeline's, in what the cache says of the method
         self.count = store.recorder(method)  # adds one tally to them
-        self.pipeline = pipeline
         self.pipeline_class = type(pipeline)  # what an audit's mismatch turns the cache off for
         self.encode_fn = encode_fn
         self.signature = signature
@@ -258,7 +257,11 @@ class MethodCalls:
         """Serve a call of the method's first use (see :meth:`FirstUse.learn`), and act on what it decided."""
         result, verdict = self.first_use.learn(args, kwargs, arguments)
         self.settle(verdict)
-        return self._run_outside(args, kwargs) if result is NOT_RUN else result
+        if type(result) is not NotRun:
+            return result
+        if result.bypass is None:  # a candidate that is not an encode
+            return self._run_outside(args, kwargs)
+        return self.uncached(args, kwargs, tally(Outcome.BYPASS, reason=result.bypass))
 
     def _run_outside(self, args: tuple, kwargs: dict) -> Any:
         """Run a rejected candidate as if it were not wrapped, so that the methods it calls are seen."""
@@ -492,9 +495,8 @@ class WholeCalls:
         try:
             value = calls.store.serve(key, encode, count, calls.method)
         except Learned as learned:  # the key grew while encoding: kept under the key it has now
-            result = calls.first_use.keep_learned(args, kwargs, arguments, learned, made_under)
             calls.settle(learned.verdict | Verdict(whole_only=True))
-            return result
+            return calls.first_use.keep_learned(args, kwargs, arguments, learned, made_under)
         if not encoded:  # an entry, another call's encode, a lower tier's file: proven first
             return self._found(args, kwargs, Found(key, value, calls.whole_found(why, rows), made_under))
         value = unseal(value)[0]  # this call encoded: the pipeline holds what it wrote already
@@ -727,11 +729,10 @@ class RowCalls:
         args, kwargs = _row_call(self.calls.signature, split, index)
         made_under = self.calls.store.ticket()
         beside, unproven = self.calls.first_use.prove(args, kwargs, key, record, rows=True)
-        if unproven is not None:
-            self.calls.settle(unproven.verdict)
         if unproven is None:
             rows.proven += 1
             return row if beside is None else unseal(beside)[0]
+        self.calls.settle(unproven.verdict)
         if unproven.reason == NOT_REACHED:  # it ran, but encoded nothing
             rows.hit -= 1
             rows.bypassed[NOT_REACHED] += 1

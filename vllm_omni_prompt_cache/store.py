@@ -198,7 +198,7 @@ class PromptEmbedCache:
         with: its encode read state that key does not hold (the caller keeps it under one that does)."""
         self._lookups.withhold_write_through()
 
-    def rekey(self, old: CallKey, new: CallKey, value: Any, made_under: Ticket, method: str = ENCODE_PROMPT) -> None:
+    def rekey(self, old: CallKey, new: CallKey, value: Any, made_under: Ticket, method: str) -> None:
         """Keep ``value`` under ``new`` instead of ``old`` (a key that came to hold more than it was built with),
         unless a clear() or a sleep came since ``made_under`` (a :meth:`ticket` taken before it was looked up)."""
         self._lookups.put(new, value, method, made_under)
