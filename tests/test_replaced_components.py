@@ -15,6 +15,7 @@ import torch
 from vllm_omni_prompt_cache import install_prompt_embed_cache
 from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.layouts import TOKEN_IDS
+from vllm_omni_prompt_cache.method_calls import RowCalls
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 
 
@@ -180,8 +181,7 @@ def test_rows_moved_to_their_grown_keys_after_a_clear_are_not_kept(monkeypatch) 
     first = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
     second = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(1))
     batch = torch.cat([first, second])
-    calls = pipeline._prompt_embed_cache_installation.methods["encode_prompt"]
-    keep_rows = calls.first_use.keep_rows
+    keep_rows = RowCalls.keep_rows
     raced: list[bool] = []
 
     def y() -> None:  # Y: the replacement, seen by a call of the first row alone
@@ -196,7 +196,7 @@ def test_rows_moved_to_their_grown_keys_after_a_clear_are_not_kept(monkeypatch) 
             thread.join(30)
         keep_rows(*args, **kwargs)
 
-    monkeypatch.setattr(calls.first_use, "keep_rows", replace_then_keep_rows)
+    monkeypatch.setattr(RowCalls, "keep_rows", replace_then_keep_rows)
     pipeline.encode_prompt(batch.clone(), batch != 0)  # X
     assert raced, "the race did not happen: X's rows were not moved"
 

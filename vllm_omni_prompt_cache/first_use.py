@@ -55,7 +55,7 @@ class Verdict(NamedTuple):
     whole_only: bool = False  # its calls read or write pipeline state: keyed whole, no row layout
     restrategize: bool = False  # its calls were seen to write pipeline state: choose how calls are served again
 
-    def __or__(self, other: Verdict) -> Verdict:  # type: ignore[override]
+    def __or__(self, other: Verdict) -> Verdict:
         """Both verdicts: the first refusal and rejection stand, the flags add up."""
         return Verdict(
             self.refusal or other.refusal,
@@ -156,26 +156,6 @@ class FirstUse:
         verdict says so, once."""
         return Verdict(refusal=why) if self.state.refuse(why) else NO_VERDICT
 
-    def keep_rows(
-        self,
-        arguments: list[Mapping[str, Any]],
-        served_under: list[CallKey],
-        values: list[Any],
-        made_under: Ticket,
-        host_views: Mapping[int, Any] | None = None,
-    ) -> None:
-        """Move rows served while the method's key grew to the keys that hold the state they read (their
-        encodes write nothing, so that state is the state now); no later lookup builds their old keys. Not kept
-        if a clear() came since ``made_under``, the store's ticket before they were looked up (their encoder
-        may have been replaced meanwhile)."""
-        held = self.state.state_argument(self.instance)
-        if type(held) is Bypass:
-            return
-        for row_arguments, old, value in zip(arguments, served_under, values, strict=True):
-            new = self.key_builder.build_from_arguments(row_arguments, held=held, row=True, host_views=host_views)
-            if type(new) is not Bypass:
-                self.store.rekey(old, new, value, made_under, self.method)
-
     def _encode(
         self,
         args: tuple,
@@ -185,14 +165,11 @@ class FirstUse:
         alternative: Callable[[str], tuple[bool, Any]] | None = None,
         observe: bool | None = None,
     ) -> Encode:
-        """Run the call's encode traced (what it reads and writes on the instance) inside a gate run (what reaches
-        its first text encoder); ``observe``: also watch which modules and collectives it runs (None: when no
-        encode of the method was watched yet, a hit would skip its collectives on one rank). A first use, every
-        later encode and a hit's proof run this way (see :meth:`learn`, :meth:`encode_traced`, :meth:`prove`).
-
-        ``expected``: an entry's encoder-input record, for a proof run: the original runs unplaced and raises
-        :class:`~.encoder_inputs.Proven` when what reaches the encoder equals it, or when ``alternative`` finds an
-        entry made with what reaches it (the Proven carries that entry's value)."""
+        """Run the call traced (what it reads and writes on the instance) in a gate run (what reaches its first text
+        encoder): a first use, every later encode and a hit's proof. ``observe``: also watch which modules and
+        collectives run (None: while no encode was watched; a hit would skip collectives on one rank).
+        ``expected``: a proof's entry record: the original runs unplaced and raises :class:`~.encoder_inputs.Proven`
+        when what reaches the encoder equals it, or ``alternative`` finds an entry made with it."""
         observe = not self.state.observed if observe is None else observe
         encode_fn = self.encode_fn if expected is None else self.original
         placed = expected is not None and getattr(self.pipeline, PLACEMENT_ATTRIBUTE, None) is not None
@@ -356,16 +333,10 @@ class FirstUse:
         if type(key) is Bypass:
             self.count(tally(Outcome.BYPASS, reason=key.reason))
             return result, verdict
-
-        counted: list[Outcome] = []
-
-        def count(outcome: Outcome, reason: str | None) -> None:
-            counted.append(outcome)
-            self.count(tally(outcome, reason=reason))
-
-        self.store.serve(key, lambda: value, count, self.method, made_under)
-        if not counted:  # the store held the key already; this call encoded all the same: a miss
-            self.count(tally(Outcome.MISS))
+        counted: list[tuple[Outcome, str | None]] = []  # a miss, or a collision's bypass
+        self.store.serve(key, lambda: value, lambda *outcome: counted.append(outcome), self.method, made_under)
+        outcome, reason = counted[0] if counted else (Outcome.MISS, None)  # the key was held: it encoded all the same
+        self.count(tally(outcome, reason=reason))
         return result, verdict
 
     def first_hit_check(self, args: tuple, kwargs: dict, served: Any, before: Mapping[str, Any]) -> tuple[Any, Verdict]:

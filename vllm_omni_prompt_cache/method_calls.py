@@ -584,13 +584,34 @@ class RowCalls:
         try:
             value = calls.store.serve(key, encode, self._count_row, calls.method)
             if len(calls.state.data) > known:  # its encode read more state: keep it under the key that holds it
-                calls.first_use.keep_rows([single.arguments], [key], [value], made_under, single.host_views)
+                self.keep_rows([single.arguments], [key], [value], made_under, single.host_views)
             if encoded:
                 return unseal(value)[0]
             return calls.serve_found(args, kwargs, Found(key, value, ROW_FOUND, made_under), row=self.layout.check_row)
         except LayoutMismatch as error:  # the row was not stored; serve the call whole and uncached
             calls.refute(self.layout, str(error))
             return calls.uncached(args, kwargs, tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=1))
+
+    def keep_rows(
+        self,
+        arguments: list[Mapping[str, Any]],
+        served_under: list[CallKey],
+        values: list[Any],
+        made_under: Ticket,
+        host_views: Mapping[int, Any] | None = None,
+    ) -> None:
+        """Move rows served while the method's key grew to the keys that hold the state they read (their
+        encodes write nothing, so that state is the state now); no later lookup builds their old keys. Not kept
+        if a clear() came since ``made_under``, the store's ticket before they were looked up (their encoder
+        may have been replaced meanwhile)."""
+        calls = self.calls
+        held = calls.state.state_argument(calls.instance)
+        if type(held) is Bypass:
+            return
+        for row_arguments, old, value in zip(arguments, served_under, values, strict=True):
+            new = calls.key_builder.build_from_arguments(row_arguments, held=held, row=True, host_views=host_views)
+            if type(new) is not Bypass:
+                calls.store.rekey(old, new, value, made_under, calls.method)
 
     def _count_row(self, outcome: Outcome, reason: str | None) -> None:
         """Count a call that is one row, missed or bypassed, as a call and as a row (a hit counts once it is
@@ -619,7 +640,7 @@ class RowCalls:
                 values = calls.store.serve_rows(keys, self._row_encoder(split, encoded), rows, calls.method)
                 if len(calls.state.data) > known:  # a row's encode read more state: keep them under keys holding it
                     served = [split.key_arguments(index) for index in range(split.batch)]
-                    calls.first_use.keep_rows(served, keys, values, made_under)
+                    self.keep_rows(served, keys, values, made_under)
                 values = self._proven_rows(split, keys, values, encoded, rows)
             except LayoutMismatch as error:
                 calls.refute(layout, str(error))
