@@ -35,9 +35,10 @@ def _padded(ids: list[int]) -> torch.Tensor:
 
 
 class FoundAdapter(CountsEncoderRuns, torch.nn.Module):
-    """A token-ID adapter whose encode method no code of ours names: found by watching the encoder, then
-    learned on its first call. ``_embed_ids`` takes a list of token ids, as LTX-2's adapter in verl-omni
-    (``verl_omni/.../ltx2``) hands its helper; ``in_place`` makes it pad the list it was given."""
+    """A minimal pipeline whose encode method no code of ours names: found by watching the encoder, then
+    learned on its first call, so that a first use can be looked at alone. It mirrors no adapter (verl-omni's
+    LTX-2 adapter, whose helper is also found by watching, is mirrored in ``tiny/ltx2_adapter.py`` and run in
+    ``tests/test_ltx2_e2e.py``). ``in_place`` makes it pad the list of token ids it was given."""
 
     def __init__(self, encoder: torch.nn.Module, *, in_place: bool = False, also_runs_dit: bool = False) -> None:
         super().__init__()

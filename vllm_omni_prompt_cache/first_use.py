@@ -289,8 +289,8 @@ class FirstUse:
     def learn(self, args: tuple, kwargs: dict, arguments: dict[str, Any]) -> tuple[Any, Verdict]:
         """Serve a method's first call uncached and watch it: what it reads and writes, which modules and
         collectives it runs; keep its result if it may be cached. Return the result, or :class:`NotRun` for a call
-        left to the front (a pass-through, arguments no key holds, an instance that cannot be traced), and what
-        the call decided (see :mod:`.discovery`)."""
+        left to the front (a pass-through, arguments no key holds, an instance that cannot be traced, a candidate
+        whose arguments show it is not an encode), and what the call decided (see :mod:`.discovery`)."""
         state = self.state
         precomputed = self.key_builder.precomputed(arguments)
         if precomputed is not None:  # a pass-through teaches nothing

@@ -201,7 +201,7 @@ class PromptEmbedCache:
     def rekey(self, old: CallKey, new: CallKey, value: Any, made_under: Ticket, method: str) -> None:
         """Keep ``value`` under ``new`` instead of ``old`` (a key that came to hold more than it was built with),
         unless a clear() or a sleep came since ``made_under`` (a :meth:`ticket` taken before it was looked up)."""
-        self._lookups.put(new, value, method, made_under)
+        self.keep(new, value, made_under, method)
         self._lookups.forget(old.identity)
 
     def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, method: str = ENCODE_PROMPT) -> T:
