@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, Outcome, tally
 from vllm_omni_prompt_cache.keys import CallKey
-from vllm_omni_prompt_cache.row_batches import RowTally
+from vllm_omni_prompt_cache.row_batches import RowTally, serve_rows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 
 T = TypeVar("T")
@@ -30,7 +30,7 @@ def get_or_compute_rows(
     how many rows this call encoded; count the call, a hit when it encoded none."""
     rows = RowTally()
     try:
-        values = cache.serve_rows(keys, compute, rows, method)
+        values = serve_rows(cache.lookups, keys, compute, rows, method)
     except BaseException:
         cache.record(method, rows.counts(Outcome.MISS))
         raise

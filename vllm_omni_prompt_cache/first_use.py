@@ -300,7 +300,7 @@ class FirstUse:
             if state.inferred:
                 return NotRun(None), Verdict(rejection=f"its arguments cannot be keyed ({before.reason})")
             return NotRun(before.reason), NO_VERDICT
-        made_under = self.store.ticket()  # a clear() while it encodes (a component replaced, say) voids its entry
+        made_under = self.store.lookups.ticket  # a clear() while it encodes (a component replaced, say) voids its entry
         try:
             encode = self._encode(args, kwargs, observe=True)
         except CannotTrace as error:
@@ -334,7 +334,7 @@ class FirstUse:
             self.count(tally(Outcome.BYPASS, reason=key.reason))
             return result, verdict
         counted: list[tuple[Outcome, str | None]] = []  # a miss, or a collision's bypass
-        self.store.serve(key, lambda: value, lambda *outcome: counted.append(outcome), self.method, made_under)
+        self.store.lookups.serve(key, lambda: value, lambda *outcome: counted.append(outcome), self.method, made_under)
         outcome, reason = counted[0] if counted else (Outcome.MISS, None)  # the key was held: it encoded all the same
         self.count(tally(outcome, reason=reason))
         return result, verdict

@@ -66,7 +66,7 @@ from vllm_omni_prompt_cache.logs import logger, warn_once
 from vllm_omni_prompt_cache.proofs import ONE_ROW, LayoutProof, compare_outputs, infer_layout, row_strength
 from vllm_omni_prompt_cache.reads import MethodState, current_attribute, is_packed, pack, unpack
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE, EncoderMoves
-from vllm_omni_prompt_cache.row_batches import RowTally
+from vllm_omni_prompt_cache.row_batches import RowTally, serve_rows
 from vllm_omni_prompt_cache.rows import LayoutMismatch, RowLayout, RowSplit, SingleRow, UnstackableRows
 from vllm_omni_prompt_cache.store import PromptEmbedCache
 from vllm_omni_prompt_cache.values import unaliased
@@ -135,6 +135,7 @@ class MethodCalls:
         gate: EncoderGate,
     ) -> None:
         self.store = store
+        self.lookups = store.lookups  # how a key is served, and the ticket entries are made under now
         #: Whose attributes a call reads and writes: the object the method is bound to (the pipeline's own
         #: methods are bound to it; an encode_prompt given to an instance may be bound to another object).
         self.instance = pipeline if instance is None else instance
@@ -491,9 +492,9 @@ class WholeCalls:
             result = calls.encode_fn(*args, **kwargs)
             encoded.append(result)
             return result
-        made_under = calls.store.ticket()
+        made_under = calls.lookups.ticket
         try:
-            value = calls.store.serve(key, encode, count, calls.method)
+            value = calls.lookups.serve(key, encode, count, calls.method)
         except Learned as learned:  # the key grew while encoding: kept under the key it has now
             calls.settle(learned.verdict | Verdict(whole_only=True))
             return calls.first_use.keep_learned(args, kwargs, arguments, learned, made_under)
@@ -580,9 +581,9 @@ class RowCalls:
             encoded.append(True)
             return self._encode_to_keep(args, kwargs, self.layout.check_row)
 
-        made_under = calls.store.ticket()
+        made_under = calls.lookups.ticket
         try:
-            value = calls.store.serve(key, encode, self._count_row, calls.method)
+            value = calls.lookups.serve(key, encode, self._count_row, calls.method)
             if len(calls.state.data) > known:  # its encode read more state: keep it under the key that holds it
                 self.keep_rows([single.arguments], [key], [value], made_under, single.host_views)
             if encoded:
@@ -634,10 +635,10 @@ class RowCalls:
         dropped = tally(whole_call=LAYOUT_DROPPED_REASON, rows_encoded=split.batch)  # then served uncached
         known = len(calls.state.data)
         encoded: set[int] = set()
-        made_under = calls.store.ticket()  # rows moved to grown keys are not kept across a clear() since
+        made_under = calls.lookups.ticket  # rows moved to grown keys are not kept across a clear() since
         try:
             try:
-                values = calls.store.serve_rows(keys, self._row_encoder(split, encoded), rows, calls.method)
+                values = serve_rows(calls.lookups, keys, self._row_encoder(split, encoded), rows, calls.method)
                 if len(calls.state.data) > known:  # a row's encode read more state: keep them under keys holding it
                     served = [split.key_arguments(index) for index in range(split.batch)]
                     self.keep_rows(served, keys, values, made_under)
@@ -675,7 +676,7 @@ class RowCalls:
             return False
         rows = RowTally()
         try:
-            values = calls.store.serve_rows(keys, self._row_encoder(split), rows, calls.method)
+            values = serve_rows(calls.lookups, keys, self._row_encoder(split), rows, calls.method)
         except LayoutMismatch as error:
             calls.refute(layout, str(error), inferred=True)
             return False
@@ -748,7 +749,7 @@ class RowCalls:
         if record is None:
             return row
         args, kwargs = _row_call(self.calls.signature, split, index)
-        made_under = self.calls.store.ticket()
+        made_under = self.calls.lookups.ticket
         beside, unproven = self.calls.first_use.prove(args, kwargs, key, record, rows=True)
         if unproven is None:
             rows.proven += 1

@@ -10,7 +10,10 @@ counters) and composes what a cache shared by concurrent RL requests needs, each
   raises, its caller sees the error and nothing is cached;
 * :mod:`.tiers`: host memory and a shared directory below device memory, both optional. A device
   miss looks there before it encodes, inside the same flight; a hit there is a hit;
-* :mod:`.row_batches`: a batched call's rows as entries of their own;
+* :mod:`.lookups`: how a key is served (its entry, a flight, a lower tier, or an encode), under the ticket
+  entries are made under now. A wrapped method's calls use it directly (:attr:`PromptEmbedCache.lookups`),
+  whole or a batched call's rows as entries of their own (:mod:`.row_batches`), so that a hit makes one
+  stop here, not two;
 * :mod:`.counters` and :mod:`.stats`: counts for every outcome and bypass reason, by method, read
   as one :class:`~.stats.CacheStats` snapshot.
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from vllm_omni_prompt_cache.audit import Audit
@@ -47,9 +50,8 @@ from vllm_omni_prompt_cache.entries import LRU
 from vllm_omni_prompt_cache.flights import Flights, Ticket
 from vllm_omni_prompt_cache.host_tier import HOST_AT_SLEEP, HostTier
 from vllm_omni_prompt_cache.keys import CallKey
-from vllm_omni_prompt_cache.lookups import COLLISION_REASON, REENTRANT_REASON, CountCall, Lookups
+from vllm_omni_prompt_cache.lookups import COLLISION_REASON, REENTRANT_REASON, Lookups
 from vllm_omni_prompt_cache.residency import EncoderMoves
-from vllm_omni_prompt_cache.row_batches import RowTally, serve_rows
 from vllm_omni_prompt_cache.stats import CacheStats, kept_counts
 from vllm_omni_prompt_cache.tiers import Keeps, Tiers
 
@@ -115,7 +117,9 @@ class PromptEmbedCache:
         self.directory = directory
         #: The tiers below device memory, fastest first.
         self.tiers = Tiers([tier for tier in (self.host, self.directory) if tier is not None])
-        self._lookups = Lookups(LRU(max_size, max_bytes), self.tiers, verify=verify, record=self.record)
+        #: How a key is served (entry, flight, lower tier or encode), and the ticket entries are made under now:
+        #: what the wrapped methods' calls use directly, a hit's one stop in the store.
+        self.lookups = Lookups(LRU(max_size, max_bytes), self.tiers, verify=verify, record=self.record)
         self._max_gap = 0.0
         # What others lend the store, through attach(); read on every call, hence plain attributes.
         #: What moves the text encoders between host and device, counted (None: nothing).
@@ -136,7 +140,7 @@ class PromptEmbedCache:
     @property
     def flights(self) -> Flights:
         """The misses being encoded now."""
-        return self._lookups.flights
+        return self.lookups.flights
 
     # Upstream's counters are plain attributes that its wrapper assigns (``cache.bypassed += 1``
     # under ``cache._lock``): readable and assignable here too. They are every method's sums.
@@ -168,7 +172,7 @@ class PromptEmbedCache:
         self._counters.assign(BYPASS_REASONS, value, reason=UNSPECIFIED_REASON)
 
     def __len__(self) -> int:
-        return len(self._lookups.entries)
+        return len(self.lookups.entries)
 
     def get(self, key: CallKey | Hashable) -> Any:
         """Return the value cached under ``key`` (refreshing its recency), or :data:`MISS`.
@@ -177,32 +181,32 @@ class PromptEmbedCache:
         its witness; a collision is a miss (a later ``put`` replaces the entry). A device miss
         looks in the lower tiers, which hold only :class:`CallKey` entries.
         """
-        found, value = self._lookups.get(key, ENCODE_PROMPT)
+        found, value = self.lookups.get(key, ENCODE_PROMPT)
         self.record(ENCODE_PROMPT, WHOLE_HIT if found else tally(Outcome.MISS))
         return value if found else MISS
 
     def peek(self, key: CallKey, method: str = ENCODE_PROMPT) -> tuple[bool, Any]:
         """Return ``(True, value)`` for ``key``'s verified entry (device memory, else a lower tier), else
         ``(False, None)``; counted by the caller, not here (a proof's look-up of an entry kept beside another)."""
-        return self._lookups.get(key, method)
+        return self.lookups.get(key, method)
 
     def put(self, key: CallKey | Hashable, value: Any) -> None:
         """Cache ``value`` under ``key`` as given (insert or overwrite), then evict over budget.
 
         Upstream's contract; a value larger than ``max_bytes`` is not kept.
         """
-        self._lookups.put(key, value, ENCODE_PROMPT)
+        self.lookups.put(key, value, ENCODE_PROMPT)
 
     def withhold_write_through(self) -> None:
         """Keep the result being computed on this thread out of the lower tiers under the key it was looked up
         with: its encode read state that key does not hold (the caller keeps it under one that does)."""
-        self._lookups.withhold_write_through()
+        self.lookups.withhold_write_through()
 
     def rekey(self, old: CallKey, new: CallKey, value: Any, made_under: Ticket, method: str) -> None:
         """Keep ``value`` under ``new`` instead of ``old`` (a key that came to hold more than it was built with),
-        unless a clear() or a sleep came since ``made_under`` (a :meth:`ticket` taken before it was looked up)."""
+        unless a clear() or a sleep came since ``made_under`` (the lookups' ticket before it was looked up)."""
         self.keep(new, value, made_under, method)
-        self._lookups.forget(old.identity)
+        self.lookups.forget(old.identity)
 
     def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, method: str = ENCODE_PROMPT) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result; count the
@@ -213,40 +217,15 @@ class PromptEmbedCache:
             counted.append(outcome)
             self.record(method, tally(outcome, reason=reason))
 
-        value = self.serve(key, compute, count, method)
+        value = self.lookups.serve(key, compute, count, method)
         if not counted:  # served without computing: a hit
             self.record(method, WHOLE_HIT)
         return value
 
-    def serve(
-        self,
-        key: CallKey,
-        compute: Callable[[], T],
-        count: CountCall,
-        method: str = ENCODE_PROMPT,
-        made_under: Ticket | None = None,
-    ) -> T:
-        """Return the value for ``key`` from its entry, another caller's encode, or ``compute()``; the caller
-        counts the call: through ``count(outcome, reason)`` for a miss or bypass, itself for a hit (see
-        :meth:`.lookups.Lookups.serve`). ``made_under``: a :meth:`ticket` taken before the value was computed."""
-        return self._lookups.serve(key, compute, count, method, made_under)
-
-    def ticket(self) -> Ticket:
-        """Return what entries are made under now: a value computed under it and kept after a :meth:`clear`
-        (or a sleep) since is not kept (an encoder replaced meanwhile made it, say)."""
-        return self._lookups.ticket
-
     def keep(self, key: CallKey, value: Any, made_under: Ticket, method: str = ENCODE_PROMPT) -> None:
-        """:meth:`put` for a value computed under ``made_under`` (a :meth:`ticket`), counted under ``method``:
-        not kept if a clear() or a sleep came since."""
-        self._lookups.put(key, value, method, made_under)
-
-    def serve_rows(
-        self, keys: Sequence[CallKey], compute: Callable[[int], T], rows: RowTally, method: str = ENCODE_PROMPT
-    ) -> list[T]:
-        """Return a value for each of ``keys`` (the rows of one call); the caller counts ``rows`` and the
-        call (see :func:`~.row_batches.serve_rows`)."""
-        return serve_rows(self._lookups, keys, compute, rows, method)
+        """:meth:`put` for a value computed under ``made_under`` (the lookups' ticket then), counted under
+        ``method``: not kept if a clear() or a sleep came since."""
+        self.lookups.put(key, value, method, made_under)
 
     def register(self, method: str) -> None:
         """List ``method`` in the stats from now on, at zero."""
@@ -280,7 +259,7 @@ class PromptEmbedCache:
         weights are never read. Callers already waiting on an encode get its result; callers
         arriving after the clear encode again.
         """
-        self._lookups.clear()
+        self.lookups.clear()
 
     def release_device_memory(self) -> int:
         """Drop every entry from device memory (the worker goes to sleep); return how many there were.
@@ -289,7 +268,7 @@ class PromptEmbedCache:
         survive its budget); the directory tier already holds every encoded entry. Results still
         being computed are returned to their callers but not stored.
         """
-        return self._lookups.release_device_memory()
+        return self.lookups.release_device_memory()
 
     def turn_off(self, reason: str) -> None:
         """Bypass every later call, counted under ``reason``, for good (an audit found a wrong entry), and
@@ -331,7 +310,7 @@ class PromptEmbedCache:
             levels.update(encoder_device_bytes=moves.device_bytes(), encoder_placer=moves.placer)
         with self._counters.lock:  # the largest gap is written with its check's counts, under this lock
             (counts, methods), max_gap = self._counters.read(), self._max_gap
-        lookups = self._lookups
+        lookups = self.lookups
         with lookups.lock:
             return CacheStats(
                 **levels,
