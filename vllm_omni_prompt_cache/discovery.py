@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vllm_omni_prompt_cache.reads import (
     original_class,
 )
-from vllm_omni_prompt_cache.text_encoders import child_modules, token_embeddings
+from vllm_omni_prompt_cache.text_encoders import child_modules, note_token_table, token_embeddings
 
 #: Operator namespaces whose ops are collectives (torch.distributed's, and vLLM's custom ones by name).
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
@@ -148,14 +148,28 @@ class EncoderWatch:
         self._handles = []
 
 
+_EMBEDDING = torch.ops.aten.embedding.default
+
+
 class _Collectives(TorchDispatchMode):
     """Notes every collective operator dispatched while active (the first call of each method)."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.seen: list[str] = []
+        self.known = known  # ids of the parameters of token tables recognised already
+        self.tables: list[int] = []  # ids of parameters first seen fed token ids (see text_encoders.note_token_table)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if (  # a parameter looked up by token ids: a token table
+            func is _EMBEDDING
+            and len(args) > 1
+            and isinstance(args[0], torch.nn.Parameter)
+            and id(args[0]) not in self.known
+            and not args[1].is_floating_point()
+            and note_token_table(args[0])
+        ):
+            self.tables.append(id(args[0]))
         namespace = getattr(func, "namespace", "")
         if namespace in _COLLECTIVE_NAMESPACES or (
             namespace == "vllm" and any(word in str(func) for word in _COLLECTIVE_WORDS)
@@ -171,6 +185,7 @@ class Observation:
     called: list[str] = field(default_factory=list)  # child modules called, in order
     encoders: list[str] = field(default_factory=list)  # those whose token embedding was fed integer ids
     collectives: list[str] = field(default_factory=list)
+    new_tables: int = 0  # token tables first recognised by this call: its encode ran encoders nothing watched
 
     def other_modules(self) -> list[str]:
         """Return the child modules called that fed no token embedding (the DiT, the VAE)."""
@@ -199,7 +214,9 @@ def observed(pipeline: Any) -> Iterator[Observation]:
         handles.append(module.register_forward_pre_hook(noting(observation.called, name, False)))
         for embedding in embeddings.get(name, ()):
             handles.append(embedding.register_forward_pre_hook(noting(observation.encoders, name, True)))
-    mode = _Collectives()
+    mode = _Collectives(
+        frozenset(id(p) for tables in embeddings.values() for table in tables for p in table.parameters())
+    )
     try:
         with mode:
             yield observation
@@ -207,3 +224,10 @@ def observed(pipeline: Any) -> Iterator[Observation]:
         for handle in handles:
             handle.remove()
         observation.collectives = list(dict.fromkeys(mode.seen))
+        if mode.tables:  # tables held by a child module the gate can watch from now on
+            new = set(mode.tables)
+            observation.new_tables = sum(
+                1
+                for name, module in child_modules(pipeline).items()
+                if name not in embeddings and any(id(parameter) in new for parameter in module.parameters())
+            )
