@@ -1,11 +1,12 @@
 """Audits: hits encoded again and compared, catching an encode that reads more than its arguments.
 
-The pipeline is a tiny real Qwen2 encoder behind a token-ID ``encode_prompt`` that scales its
-embeddings by a factor kept on its text encoder and read after the encoder ran: a component's state,
-which keys stand for by identity, read where no proof looks (a hit's proof compares what reaches the
-encoder, see ``encoder_inputs.py``). Changing the factor changes the embedding of the same arguments,
-which neither a key nor a proof can see: what an audit is for. A template kept the same way but read
-before the encoder reaches it, and the proof serves nothing stale (the first test).
+The pipeline is a token-ID ``encode_prompt`` that scales its embeddings by a factor kept on its text
+encoder and read after the encoder ran: a component's state, which keys stand for by identity.
+Changing the factor changes the embedding of the same arguments. Where the cache recognises the
+encoder (a tiny real Qwen2), a hit's proof runs the code after the encoder too and sees it (see
+``encoder_inputs.py``); where it does not (an encoder with no token table: a one-hot matmul), hits are
+served on their key alone, and nothing but an audit can see it: what an audit is for. A template kept the
+same way but read before the encoder reaches it, and the proof serves nothing stale (the first test).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from vllm_omni_prompt_cache.config import (
     PromptEmbedCacheSettings,
     resolve_prompt_embed_cache_settings,
 )
-from vllm_omni_prompt_cache.encoder_inputs import DIFFERED
+from vllm_omni_prompt_cache.encoder_inputs import DIFFERED, DIFFERED_AFTER
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
 IDS = torch.tensor([[3, 1, 4, 1, 5, 9]])
@@ -61,6 +62,20 @@ class RescaledPipeline(TokenIdTextPipeline):
         return embeds * self.output_scale, mask
 
 
+class OneHotEncoder(torch.nn.Module):
+    """A text encoder the cache does not recognise (mirrors no model): no token table, a one-hot matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(1024, 8, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> object:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        hidden = torch.nn.functional.one_hot(input_ids, 1024).to(self.weight.dtype) @ self.weight
+        return BaseModelOutput(last_hidden_state=hidden)
+
+
 def same(left: tuple, right: tuple) -> bool:
     return all(torch.equal(a, b) for a, b in zip(left, right, strict=True))
 
@@ -77,17 +92,27 @@ def test_a_template_changed_on_a_component_is_never_served_stale() -> None:
     assert cache.stats()["unproven_reasons"] == {DIFFERED: 1}
 
 
-def test_without_an_audit_a_factor_read_after_the_encoder_is_served_stale() -> None:
-    """What the audit is for: state read after the encoder, on a component, reaches neither key nor proof."""
+def test_a_factor_read_after_the_encoder_is_proven_and_without_a_proof_only_an_audit_sees_it() -> None:
+    """State read after the encoder, on a component, reaches no key: a hit's proof sees what it does to the output
+    where the cache recognises the encoder; where it does not, a hit is served on its key, stale: what the audit
+    is for."""
     pipeline = RescaledPipeline(build_qwen2_encoder())
-    install_prompt_embed_cache(pipeline)
+    cache = install_prompt_embed_cache(pipeline)
     before = pipeline.encode_prompt(IDS)
     pipeline.output_scale = 2.0
-    assert same(pipeline.encode_prompt(IDS), before) and pipeline.encoder_runs == 1
+    again = pipeline.encode_prompt(IDS)
+    assert torch.equal(again[0], before[0] * 2) and pipeline.encoder_runs == 2
+    assert cache.stats()["unproven_reasons"] == {DIFFERED_AFTER: 1}
+    unwatched = RescaledPipeline(OneHotEncoder())
+    cache = install_prompt_embed_cache(unwatched)
+    before = unwatched.encode_prompt(IDS)
+    unwatched.output_scale = 2.0
+    assert same(unwatched.encode_prompt(IDS), before) and unwatched.encoder_runs == 1
+    assert cache.stats()["key_only_hits"] == 1
 
 
 def test_an_audit_serves_the_fresh_encode_and_turns_the_class_off(caplog) -> None:
-    encoder = build_qwen2_encoder()
+    encoder = OneHotEncoder()
     pipeline = RescaledPipeline(encoder)
     cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(audit=1.0))
     first = pipeline.encode_prompt(IDS)

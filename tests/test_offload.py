@@ -343,8 +343,8 @@ class ReadsTheEncoderDeviceFirst(TokenIdTextPipeline):
 def test_the_encoders_are_placed_before_the_original_runs_not_at_their_first_forward() -> None:
     pipeline = ReadsTheEncoderDeviceFirst(build_qwen2_encoder())
     runner.install_for_stage(pipeline, settings(prompt_embed_cache_encoder_on_miss=True), "tiny")
-    pipeline.encode_prompt(IDS)  # a miss
-    pipeline.encode_prompt(IDS)  # a hit: its proof runs the original up to the encoder call, unplaced
+    pipeline.encode_prompt(IDS)  # a miss, and its reference run (the encoders still placed for the miss)
+    pipeline.encode_prompt(IDS)  # a hit: its proof runs the original with the encoder answered, unplaced
     placement = getattr(pipeline, PLACEMENT_ATTRIBUTE)
-    assert pipeline.placed_at_entry == [placement.host_bytes(), 0]
+    assert pipeline.placed_at_entry == [placement.host_bytes(), placement.host_bytes(), 0]
     assert placement.device_bytes() == 0

@@ -218,3 +218,70 @@ def test_the_encoders_a_pipeline_declares_count_for_the_fingerprint_and_clearing
     pipeline._encoder_modules = ("text_encoder", "image_encoder", "missing")
     assert list(text_encoders(pipeline)) == ["text_encoder"]
     assert sorted(embedding_sources(pipeline)) == ["image_encoder", "text_encoder"]
+
+
+class _LabelEmbedding(torch.nn.Module):
+    """diffusers' ``LabelEmbedding`` (``embeddings.py``): a class-label table alone in its module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding_table = torch.nn.Embedding(1001, 16)
+
+
+class _ClassConditionedDiT(torch.nn.Module):
+    """A DiT's layout (diffusers' ``DiTTransformer2DModel``): patches in, a class-label table in its condition."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos_embed = torch.nn.Conv2d(4, 16, 2)
+        self.class_embedder = _LabelEmbedding()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+
+class _VectorQuantizer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(8192, 16)
+
+
+class _VQModel(torch.nn.Module):
+    """A VQ autoencoder's layout (diffusers' ``VQModel``, Kandinsky's ``movq``): a codebook between two convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Conv2d(3, 16, 2)
+        self.quantize = _VectorQuantizer()
+        self.decoder = torch.nn.Conv2d(16, 3, 2)
+
+
+class _TextModel(torch.nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(rows, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+
+class _VisionFirst(torch.nn.Module):
+    """A vision-language encoder's layout (vLLM-Omni's ``MiniMaxH3Qwen3VLEncoder``): a vision tower registered first,
+    with a position table, then a language model whose table leads its layers; no ``get_input_embeddings``."""
+
+    def __init__(self, rows: int = 1024) -> None:
+        super().__init__()
+        self.vision = torch.nn.Sequential(torch.nn.Conv3d(3, 16, 2), torch.nn.Embedding(16, 16))
+        self.text_model = _TextModel(rows)
+
+
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [
+        (_ClassConditionedDiT, False),
+        (_VQModel, False),
+        (lambda: _VisionFirst(rows=8), False),  # a condition type's few rows, not a vocabulary
+        (_VisionFirst, True),
+    ],
+    ids=["DiT class-label table", "VQ codebook", "small table", "language model behind a vision tower"],
+)
+def test_a_table_deeper_inside_makes_a_text_encoder_only_where_text_enters(module: Any, expected: bool) -> None:
+    from vllm_omni_prompt_cache.text_encoders import is_text_encoder
+
+    assert is_text_encoder(module()) is expected

@@ -164,7 +164,18 @@ WHOLE_CALL_REASONS = register(
 # Hits proven before they are served: what would reach the text encoder compared with what reached it
 # when the entry was made (see encoder_inputs.py).
 PROVEN_HITS = register(
-    Count("proven_hits", "Calls and rows served from the cache after their text-encoder inputs matched the entry's.")
+    Count(
+        "proven_hits",
+        "Calls and rows served from the cache after their whole encode was proven: every text-encoder call's inputs "
+        "and what the code after them returned matched the entry's.",
+    )
+)
+KEY_ONLY_HITS = register(
+    Count(
+        "key_only_hits",
+        "Calls and rows served from the cache on their key alone: their encode reaches no text encoder the cache "
+        "watches, so no proof was run (upstream's behaviour).",
+    )
 )
 UNPROVEN_REASONS = register(
     Count(
@@ -365,6 +376,7 @@ def tally(
     whole_call: str | None = None,
     proven: int = 0,
     unproven: Mapping[str, int] | None = None,
+    key_only: int = 0,
 ) -> dict[Count, Any]:
     """Return what one call adds to its method's counters.
 
@@ -395,6 +407,8 @@ def tally(
         counts[PROVEN_HITS] = proven
     if unproven:
         counts[UNPROVEN_REASONS] = unproven
+    if key_only:
+        counts[KEY_ONLY_HITS] = key_only
     return counts
 
 

@@ -1,49 +1,56 @@
-"""What reached the text encoders: recorded when an entry is encoded, compared before a hit is served.
+"""What the text encoders were given and what the code around them did: recorded when an entry is encoded,
+proven again before a hit is served.
 
 A key holds a call's arguments and what the encode read from its pipeline, but an adapter can keep a
 request's token ids anywhere: on its tokenizer or text encoder, in a helper object, a config changed in
 place, a ``ContextVar``, a module-level dict. Whatever the path, the ids end up as the inputs of a text
 encoder's forward: that boundary is the one input no adapter can hide.
 
-So every encode that makes an entry runs under an :class:`EncoderGate` that records its **encoder
-input**: the arguments (positional and keyword) of its first call into a text encoder (a child module
-whose input is token ids, see :mod:`.text_encoders`), or any module between it and its token embedding. The
-record is a BLAKE2b-256 digest of their canonical form (:mod:`.keys`: dtype, shape and bytes of every
-tensor, never the device), kept with the entry (:func:`seal`). Before a hit is served, the method runs
-again up to that same point, and the gate compares what would reach the encoder now with the record:
+So every encode that makes an entry runs under an :class:`EncoderGate` that records **every** call into
+a text encoder (a child module holding a token table, see :mod:`.text_encoders`, or a module between it and
+its table) that no other such call encloses: a BLAKE2b-256 digest of its inputs (:mod:`.keys`: dtype, shape
+and bytes of every tensor, never the device) and the structure of its output (:mod:`.stand_ins`). Then the
+method runs once more, each encoder call answered by a stand-in of that structure, and the digest of what it
+returns completes the entry's :class:`Record` (kept with the entry by :func:`seal`). Before a hit is served,
+the method runs again the same way:
 
-* equal: the encoder would compute what it computed then; the run stops there (:class:`Proven`,
-  raised from a forward pre-hook before the encoder runs or moves) and the entry is served;
-* different: an entry kept beside it for that very input (:func:`with_encoder_input`) is served if
-  there is one; else the run goes on through the encoder (a miss's encode, exactly), and its result
-  is served and kept beside the first entry;
-* not comparable (the inputs cannot be keyed, or no encoder was reached): the run goes on, its result
-  is served and not kept.
+* every encoder call must get the inputs recorded for it, in order (a second encoder's ids, a negative
+  prompt's), and is answered by the same stand-in; the run must return what the recorded stand-in run
+  returned (a layer index, a dropped template, a scale applied after the encoder all show there). Then the
+  entry is served; no encoder ran or moved;
+* a first call whose inputs differ: an entry kept beside it for that very input (:func:`with_encoder_input`)
+  is proven instead if there is one; else the run goes on through the encoder (a miss's encode, exactly),
+  and its result is served and kept beside the first entry;
+* anything else that differs (a later call, the result): the call is encoded again, as a miss.
 
-What the proof cannot see: state read after the first encoder call (a later encoder's inputs, a crop
-index) that is not an argument or a pipeline attribute, which the key holds. An encode that reaches
-no text encoder the gate can see has no record: its entries are served on the key alone, as upstream
-does. Nothing here knows about vLLM-Omni.
+An encode that reaches no text encoder the gate can see has no record: its entries are served on the key
+alone, as upstream does, counted apart (``key_only_hits``). Nothing here knows about vLLM-Omni.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import threading
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
-from vllm_omni_prompt_cache.keys import Bypass, CallKey, value_key
-from vllm_omni_prompt_cache.text_encoders import is_text_encoder, is_token_embedding
+from vllm_omni_prompt_cache.keys import Bypass, CallKey, value_identity, value_key
+from vllm_omni_prompt_cache.stand_ins import ProofGuard, stand_in, structure_of
+from vllm_omni_prompt_cache.text_encoders import TABLES_NOTED, is_text_encoder, is_token_embedding
 
 #: Marks an entry whose value carries its encoder-input record: ``(SEALED, record, value)``.
 SEALED = "prompt-embed-cache:encoder-input"
 #: Why a hit could not be proven (the ``reason`` label of ``unproven_reasons``).
 DIFFERED = "another input reached the text encoder"
+DIFFERED_LATER = "another input reached a later text-encoder call"
+DIFFERED_AFTER = "the code after the text encoder did otherwise with what it returned"
 UNRECORDED = "the entry holds no encoder-input record"
 #: What a proof run expects for an entry without a record, of a method whose encodes make records (a file
 #: from another version, an entry made while a hook was being registered): no digest equals it.
@@ -54,34 +61,63 @@ UNREADABLE = "the encoder's inputs cannot be keyed"
 NOT_REACHED = "the call reached no text encoder: served by the method itself"
 
 
-class Proven(BaseException):
-    """Raised out of a forward pre-hook when what would reach the encoder equals the entry's record (no
-    argument), or an entry made with that input was found beside it (its value the one argument): the run
-    stops before the encoder runs. A BaseException, so that no handler of encoder failures takes it."""
-
-
 class Refuted(BaseException):
-    """Raised out of a forward pre-hook when the inputs differ and the run must not go on through the
-    encoder itself (its encoders wait off the device; the caller encodes again, placed)."""
+    """Raised out of an answered run when it must stop: a later encoder call's inputs differ (stand-ins were
+    handed out already), or the first differs while the encoders wait off the device. The caller encodes again.
+    A BaseException, so that no handler of encoder failures takes it."""
+
+
+class CallRecord(NamedTuple):
+    """One encoder call of an encode: which module, the digest of its inputs, the structure of its output."""
+
+    path: str
+    inputs: str
+    output: Any
+
+
+class Record(NamedTuple):
+    """What an entry's encode did at its text encoders: each call, and the digest of what the encode returned when
+    each call was answered by its stand-in."""
+
+    calls: tuple[CallRecord, ...]
+    result: str
+
+    @property
+    def first_input(self) -> str:
+        return self.calls[0].inputs
+
+    def spell(self) -> str:
+        """Return the record as the string an entry keeps (entries hold plain strings and tensors)."""
+        return json.dumps([[list(call) for call in self.calls], self.result], separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(spelled: str) -> Record | None:
+    """Return the :class:`Record` an entry keeps, or None for one no proof can use (another version's)."""
+    try:
+        calls, result = json.loads(spelled)
+        return Record(tuple(CallRecord(path, inputs, output) for path, inputs, output in calls), result)
+    except (ValueError, TypeError):
+        return None
 
 
 def seal(value: Any, record: str | None) -> Any:
-    """Return what an entry holds for ``value`` encoded with encoder input ``record`` (None: no record)."""
+    """Return what an entry holds for ``value`` encoded with record ``record`` (None: no record)."""
     return value if record is None else (SEALED, record, value)
 
 
 def unseal(value: Any) -> tuple[Any, str | None]:
-    """Return an entry's value and its encoder-input record (None: it has none)."""
+    """Return an entry's value and its record (None: it has none)."""
     if type(value) is tuple and len(value) == 3 and type(value[0]) is str and value[0] == SEALED:
         return value[2], value[1]
     return value, None
 
 
-def with_encoder_input(key: CallKey, record: str) -> CallKey:
-    """Return the key of the entry for ``key``'s call made with encoder input ``record``: a call whose key holds
-    the same arguments and pipeline state while hidden state feeds its encoder another input is kept beside
-    the first entry, not over it, so that each input is encoded once."""
-    return CallKey((*key.identity, (SEALED, record)), key.witness)
+def with_encoder_input(key: CallKey, first_input: str) -> CallKey:
+    """Return the key of the entry for ``key``'s call made with ``first_input`` reaching its first encoder call: a
+    call whose key holds the same arguments and pipeline state while hidden state feeds its encoder another input
+    is kept beside the first entry, not over it, so that each input is encoded once."""
+    return CallKey((*key.identity, (SEALED, first_input)), key.witness)
 
 
 def record_of(name: str, args: tuple, kwargs: dict) -> str | Bypass:
@@ -97,45 +133,183 @@ def record_of(name: str, args: tuple, kwargs: dict) -> str | Bypass:
     return digest.hexdigest()
 
 
+def _comparable(value: Any, depth: int = 0) -> Any:
+    """Return ``value`` with each part no key can read (an object of the adapter's own) replaced by its type's name:
+    what a proof compares of it (a stand-in cannot have shaped such an object's identity, and it is served as kept)."""
+    if depth > 32 or isinstance(value, torch.Tensor) or value is None or type(value) in (bool, int, float, str, bytes):
+        return value
+    if type(value) in (tuple, list):
+        return type(value)(_comparable(item, depth + 1) for item in value)
+    if type(value) is dict:
+        return {key: _comparable(item, depth + 1) for key, item in value.items()}
+    name = (type(value).__module__, type(value).__qualname__)
+    if isinstance(value, tuple):  # a NamedTuple: its fields, and its type
+        return (name, tuple(_comparable(item, depth + 1) for item in value))
+    if isinstance(value, Mapping):  # a ModelOutput, an OrderedDict: its items, and its type
+        return (name, {str(key): _comparable(item, depth + 1) for key, item in value.items()})
+    if type(value_identity(value)) is not Bypass:
+        return value
+    if hasattr(value, "__dict__") and not callable(value):  # an object of the adapter's own: its attributes
+        return (name, {key: _comparable(item, depth + 1) for key, item in vars(value).items()})
+    return ("opaque", *name)
+
+
+def result_digest(value: Any) -> str | Bypass:
+    """Return the digest of what a stand-in run returned (its values are the stand-ins' own: xxh3 digests do)."""
+    with torch.inference_mode(False):
+        identity = value_identity(_comparable(value))
+    if type(identity) is Bypass:
+        return identity
+    return hashlib.blake2b(repr(identity).encode("utf-8", "surrogatepass"), digest_size=32).hexdigest()
+
+
+#: What :meth:`GateRun.answer` returns for a call that goes on through the real encoder.
+GO_ON = object()
+
+
 @dataclass
 class GateRun:
-    """One run of a method under the gate, on one thread: what it expects, and what reached an encoder."""
+    """One run of a method under the gate, on one thread: each encoder call it made, and what a proof expects."""
 
-    expected: str | None  # the entry's record when proving a hit; None when encoding
+    expected: Record | None = None  # a proof's or a reference run's record: its encoder calls are answered
     abort_on_refute: bool = False
-    reached: bool = False
-    record: str | Bypass | None = None  # what reached the first encoder call (None: none was reached)
+    reference: bool = False  # the run that completes a miss's record: nothing to look up, nothing to go on to
+    guard: ProofGuard | None = None
+    #: each encoder call no other encloses: [module path, digest of its inputs (or why none), its output's structure]
+    calls: list[list[Any]] = field(default_factory=list)
+    depth: int = 0  # how deep in watched modules the run is now (recording)
+    reached_inside: bool = False  # a watched module ran inside the encoder method being recorded
     on_refute: Callable[[], None] | None = None  # told when the run goes on through the encoder
-    #: ``alternative(record)``: ``(True, value)`` for an entry made with that encoder input, else ``(False, None)``
+    #: ``alternative(first_input)``: ``(True, entry)`` for an entry made with that first input, else ``(False, None)``
     alternative: Callable[[str], tuple[bool, Any]] | None = None
     trace: Any = None  # the run's :class:`~.reads.Trace`, told when the encoder is reached
-    #: set when the hook proved the run (and, for an entry kept beside, which): a Proven that the method's
-    #: own code swallowed (a bare ``except``) still counts, and what the run went on to return is not kept
-    proven: bool = False
-    beside: Any = None
+    beside: Any = None  # the entry kept beside the one looked up, whose record the run was proven against
+    went_on: bool = False  # a proof whose first encoder input differed went on through the encoder: a miss's encode
+    differed: str | None = None  # why an answered run stopped (see Refuted)
+    nested: bool = False  # a wrapped method called from another's encode: the outer run records
     grew: bool = False  # the key grew while it ran (set by the caller once the run has been learned from)
+    whole: str | None = None  # the record an entry made by this run keeps (set once its reference run is done)
+    unprovable: str | None = None  # why no hit of its method could be proven (set by its reference run)
+
+    @property
+    def kept_record(self) -> str | None:
+        """Return the record an entry made by this run keeps (None: none to prove a hit with)."""
+        return self.whole
+
+    @property
+    def answering(self) -> bool:
+        return self.expected is not None and not self.went_on
+
+    @property
+    def reached(self) -> bool:
+        return bool(self.calls) or self.nested
+
+    @property
+    def record(self) -> str | Bypass | None:
+        """Return the digest of what reached the run's first encoder call (None: none was reached)."""
+        return self.first_input
+
+    @property
+    def first_input(self) -> str | Bypass | None:
+        """Return the digest of what reached the run's first encoder call (None: none was reached)."""
+        return self.calls[0][1] if self.calls else None
+
+    @property
+    def unreadable(self) -> Bypass | None:
+        """Return why an encoder call's inputs could not be keyed, if one could not."""
+        return next((call[1] for call in self.calls if type(call[1]) is Bypass), None)
+
+    @property
+    def recorded(self) -> Record | None:
+        """Return the encoder calls a real encode made, ready for its reference run (None: nothing to prove with)."""
+        if (
+            not self.calls
+            or self.nested
+            or any(type(inputs) is not str or output is None for _, inputs, output in self.calls)
+        ):
+            return None
+        return Record(tuple(CallRecord(*call) for call in self.calls), "")
 
     @property
     def why_unproven(self) -> str:
         """Return why this proof run did not prove its hit."""
-        if self.record is None:
+        if not self.calls:
             return NOT_REACHED
-        if type(self.record) is Bypass:
+        if self.unreadable is not None:
             return UNREADABLE
-        return UNRECORDED if self.expected in (None, NO_RECORD) else DIFFERED
+        if self.differed is not None:
+            return self.differed
+        return DIFFERED
 
-    @property
-    def kept_record(self) -> str | None:
-        """Return the record an entry made by this run keeps (None: none to compare a hit with)."""
-        return self.record if type(self.record) is str else None
+    def answer(self, path: str, args: tuple, kwargs: dict) -> Any:
+        """Answer an encoder call of an answered run with its stand-in, or say why it cannot be (see the module
+        docstring); :data:`GO_ON` when the call goes on through the encoder. The run's guard does not watch this
+        (the cache's own keying and stand-ins; a stand-in's tensors are noted as stand-in data)."""
+        if self.guard is None:
+            return self._answer(path, args, kwargs)
+        with self.guard.paused():
+            answer = self._answer(path, args, kwargs)
+        if answer is not GO_ON:
+            self.guard.plant(answer)
+        return answer
+
+    def _answer(self, path: str, args: tuple, kwargs: dict) -> Any:
+        index = len(self.calls)
+        inputs = record_of(path, args, kwargs)
+        if index == 0 and self.trace is not None:
+            self.trace.reach_encoder()
+        expected = self.expected
+        assert expected is not None
+        if (
+            index == 0
+            and self.alternative is not None
+            and type(inputs) is str
+            and not _matches(expected, 0, path, inputs)
+        ):
+            found, entry = self.alternative(inputs)
+            beside = parse(unseal(entry)[1] or "") if found else None
+            if beside is not None:  # an entry made with the very input that reaches the encoder now
+                self.expected, self.beside, expected = beside, entry, beside
+        if _matches(expected, index, path, inputs):
+            structure = expected.calls[index].output
+            self.calls.append([path, inputs, structure])
+            return stand_in(structure, str(index), _device_of(args, kwargs))
+        if index == 0 and not self.reference:
+            # Encoders waiting off the device: encode again, placed, unless this run already changed pipeline state,
+            # which a second run would change twice; then it goes on, the encoders placed at their forward.
+            if self.abort_on_refute and not (self.trace is not None and self.trace.changed_state()):
+                self.differed = DIFFERED
+                raise Refuted
+            self.went_on = True
+            if self.guard is not None:
+                self.guard.watching = False  # a miss's encode from here: its draws are a miss's
+            if self.on_refute is not None:
+                self.on_refute()
+            return GO_ON
+        self.differed = DIFFERED if index == 0 else DIFFERED_LATER
+        raise Refuted
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
+    """Return the device of the first tensor a call is handed (where its stand-in's tensors belong), if any."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+def _matches(expected: Record, index: int, path: str, inputs: str | Bypass) -> bool:
+    return index < len(expected.calls) and expected.calls[index].path == path and expected.calls[index].inputs == inputs
 
 
 class EncoderGate:
-    """Forward pre-hooks on the pipeline's text encoders (:func:`~.text_encoders.text_encoders`, and every
-    module between each and its token embeddings) that record or check the first encoder call of a run.
+    """Hooks on the pipeline's text encoders (:func:`~.text_encoders.text_encoders`, and every module between each
+    and its token tables) that record each encoder call of a run, and answer them in a proof run.
 
-    The hooks are first in each module's list, before any hook that places the encoder on the device (an
-    offload's, the cache's own placement), and cost one thread-local read outside a run.
+    Recording: forward pre- and post-hooks, first in each module's list, which cost one thread-local read outside
+    a run. Answering: for the length of an answered run, the hooked modules' class is swapped for a subclass whose
+    ``__call__`` hands this thread's call its stand-in before any hook (an offload's, the cache's own placement) or
+    the forward runs; other threads' calls go through as before.
     """
 
     def __init__(self, children: Callable[[], dict[str, torch.nn.Module]]) -> None:
@@ -144,13 +318,21 @@ class EncoderGate:
         self._handles: list[Any] = []
         self._hooked: dict[str, int] = {}  # child name -> id of the module hooked
         self._children_seen: dict[str, int] = {}  # every child's id when the gate last looked
+        #: id of each hooked module -> (its path, itself, whether it is a text encoder itself, not a part of one)
+        self._paths: dict[int, tuple[str, torch.nn.Module, bool]] = {}
         self._lock = threading.Lock()
         self.refresh()
+
+    @property
+    def watching(self) -> list[str]:
+        """Return the names of the text encoders the gate watches."""
+        return list(self._hooked)
 
     def refresh(self) -> None:
         """Hook the text encoders the pipeline holds now (again, if a child module was replaced since)."""
         every = self._children()
         seen = {name: id(module) for name, module in every.items()}
+        seen[""] = TABLES_NOTED[0]  # a token table recognised since: look again
         if seen == self._children_seen:  # the common case, on every run: nothing was replaced
             return
         with self._lock:
@@ -160,11 +342,16 @@ class EncoderGate:
                 return
             for handle in self._handles:
                 handle.remove()
-            self._handles = []
+            self._handles, paths = [], {}
             for name, module in children.items():
                 for path, part in _paths_to_embeddings(name, module):
-                    hook = self._hook(path)
-                    self._handles.append(part.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+                    before, after = self._hooks(path)
+                    self._handles.append(part.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
+                    self._handles.append(
+                        part.register_forward_hook(after, with_kwargs=True, prepend=True, always_call=True)
+                    )
+                    paths[id(part)] = (path, part, part is module)
+            self._paths = paths
             self._hooked = {name: id(module) for name, module in children.items()}
             self._children_seen = seen  # last: until the hooks are in place, every run takes the lock here
 
@@ -172,55 +359,208 @@ class EncoderGate:
         with self._lock:
             for handle in self._handles:
                 handle.remove()
-            self._handles, self._hooked, self._children_seen = [], {}, {}
+            self._handles, self._hooked, self._children_seen, self._paths = [], {}, {}, {}
 
     @contextmanager
-    def run(self, expected: str | None = None, *, abort_on_refute: bool = False) -> Iterator[GateRun]:
-        """Run the block as one gate run on this thread: the first encoder call is recorded into the yielded
-        :class:`GateRun`; with ``expected``, a call whose record equals it raises :class:`Proven`, and one that
-        differs raises :class:`Refuted` when ``abort_on_refute``. A run inside a run records nothing. The
-        encoders the pipeline holds now are hooked first (see :meth:`refresh`)."""
+    def run(
+        self,
+        expected: Record | None = None,
+        *,
+        abort_on_refute: bool = False,
+        reference: bool = False,
+        guard: ProofGuard | None = None,
+    ) -> Iterator[GateRun]:
+        """Run the block as one gate run on this thread: each encoder call is recorded into the yielded
+        :class:`GateRun`; with ``expected``, each is answered by its stand-in (see :meth:`GateRun.answer`). A run
+        inside a run records nothing. The encoders the pipeline holds now are hooked first (see :meth:`refresh`)."""
         outer = getattr(self._local, "run", None)
         if outer is None:
             self.refresh()
-        gate_run = GateRun(expected, abort_on_refute)
+        gate_run = GateRun(expected, abort_on_refute, reference, guard)
         if outer is not None:  # a wrapped method called from another's encode: the outer run records
-            gate_run.reached = True
-        self._local.run = gate_run if outer is None else outer
+            gate_run.nested = True
+            gate_run.expected = None
+        # Answered or recorded, a call of one of an encoder's own methods (``encode_ids``) counts as an encoder call.
+        answered = list(self._paths.values()) if outer is None else []
+        swapped: list[tuple[str, torch.nn.Module, bool]] = []
         try:
+            self._local.run = gate_run if outer is None else outer
+            _answer_calls(answered, self._local, swapped)
             yield gate_run
         finally:
+            _stop_answering(swapped, self._local)
             self._local.run = outer
 
-    def _hook(self, path: str) -> Callable[[torch.nn.Module, tuple, dict], None]:
+    def _hooks(self, path: str) -> tuple[Callable[..., None], Callable[..., None]]:
         local = self._local
 
         def before_encoder(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
             gate_run = getattr(local, "run", None)
-            if gate_run is None or gate_run.reached or kwargs is None:  # None: torch is still registering it
+            if gate_run is None or kwargs is None or gate_run.answering:  # None: torch is still registering it
                 return
-            gate_run.reached = True
-            if gate_run.trace is not None:
+            gate_run.depth += 1
+            if gate_run.trace is not None and not gate_run.trace.encoder_reached:
                 gate_run.trace.reach_encoder()
-            record = gate_run.record = record_of(path, args, kwargs)
-            if gate_run.expected is None:
+            if gate_run.depth > 1:  # inside another watched call (or an encoder's method): that is the encoder call
+                gate_run.reached_inside = True
                 return
-            if record == gate_run.expected:
-                gate_run.proven = True
-                raise Proven
-            if type(record) is str and gate_run.alternative is not None:
-                found, value = gate_run.alternative(record)
-                if found:  # an entry made with the very input that would reach the encoder now
-                    gate_run.proven, gate_run.beside = True, value
-                    raise Proven(value)
-            # Encoders waiting off the device: encode again, placed, unless this run already changed pipeline
-            # state, which a second run would change twice; then it goes on, the encoders placed at their forward.
-            if gate_run.abort_on_refute and not (gate_run.trace is not None and gate_run.trace.changed_state()):
-                raise Refuted
-            if gate_run.on_refute is not None:
-                gate_run.on_refute()
+            gate_run.calls.append([path, record_of(path, args, kwargs), None])
 
-        return before_encoder
+        def after_encoder(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            gate_run = getattr(local, "run", None)
+            if gate_run is None or gate_run.answering or gate_run.depth == 0:
+                return
+            gate_run.depth -= 1
+            if gate_run.depth == 0 and gate_run.calls and gate_run.calls[-1][2] is None:
+                gate_run.calls[-1][2] = structure_of(output)
+
+        return before_encoder, after_encoder
+
+
+# --- Answering: a hooked module's class swapped, for the length of an answered run --------------------------------
+
+_swap_lock = threading.Lock()
+#: id of a module swapped -> [its class, {id of a gate's thread-local: [that local, the module's path, runs]}]
+_answered: dict[int, list[Any]] = {}
+_answering_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+_own_methods_of: dict[type, tuple[str, ...]] = {}
+
+
+def _own_methods(kind: type) -> tuple[str, ...]:
+    """Return the names of the plain methods ``kind`` and its bases define below ``torch.nn.Module``."""
+    found = _own_methods_of.get(kind)
+    if found is None:
+        names: dict[str, None] = {}
+        for base in kind.__mro__:
+            if base is torch.nn.Module or base is object:
+                break
+            for name, value in vars(base).items():
+                if not name.startswith("__") and type(value) is types.FunctionType:
+                    names.setdefault(name)
+        found = _own_methods_of[kind] = tuple(names)
+    return found
+
+
+def _runs_of(module: torch.nn.Module) -> list[tuple[GateRun, str]]:
+    held = _answered.get(id(module))
+    if held is None:
+        return []
+    return [(gate_run, path) for local, path, _ in list(held[1].values()) if (gate_run := getattr(local, "run", None))]
+
+
+def _answering_call_of(kind: type) -> Callable[..., Any]:
+    """Return the ``__call__`` of ``kind``'s answering class: this thread's call of an answered run gets its stand-in
+    before any hook or the forward runs; every other call goes through ``kind``'s own."""
+    call = kind.__call__
+
+    def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        for gate_run, path in _runs_of(self):
+            if gate_run.answering and gate_run.depth == 0:
+                answer = gate_run.answer(path, args, kwargs)
+                if answer is not GO_ON:
+                    return answer
+            if gate_run.guard is not None:  # a real encoder's forward: not watched call by call
+                with gate_run.guard.paused():
+                    return call(self, *args, **kwargs)
+        return call(self, *args, **kwargs)
+
+    return __call__
+
+
+def _answering_method(kind: type, name: str) -> Callable[..., Any]:
+    """Return the override of a text encoder's own method ``name``: a call of it from outside the encoder that
+    reaches the encoder's token table is an encoder call, recorded (or answered) as one."""
+    original = getattr(kind, name)
+
+    def method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        for gate_run, path in _runs_of(self):
+            if gate_run.depth:
+                break
+            spelled = f"{path}:{name}"
+            if gate_run.answering:
+                expected = gate_run.expected
+                wanted = _expected_path(gate_run)
+                # Not what the entry recorded next (a method that reaches no table, a part recorded instead): it runs,
+                # its parts answered. An entry with no calls to compare: answered, so that the run goes on from here.
+                if wanted != spelled and not (expected is not None and not expected.calls and not gate_run.calls):
+                    break
+                answer = gate_run.answer(spelled, args, kwargs)
+                if answer is not GO_ON:
+                    return answer
+            position, inputs, outer = len(gate_run.calls), record_of(spelled, args, kwargs), gate_run.reached_inside
+            gate_run.depth, gate_run.reached_inside = gate_run.depth + 1, False
+            try:
+                output = original(self, *args, **kwargs)
+            finally:
+                gate_run.depth -= 1
+                reached, gate_run.reached_inside = gate_run.reached_inside, outer
+            if reached:  # it reached the token table: an encoder call
+                gate_run.calls.insert(position, [spelled, inputs, structure_of(output)])
+            return output
+        return original(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+def _expected_path(gate_run: GateRun) -> str | None:
+    expected = gate_run.expected
+    index = len(gate_run.calls)
+    return expected.calls[index].path if expected is not None and index < len(expected.calls) else None
+
+
+def _answering_class(kind: type, methods: tuple[str, ...]) -> type:
+    found = _answering_classes.get((kind, methods))
+    if found is None:
+        namespace: dict[str, Any] = {
+            "__call__": _answering_call_of(kind),
+            "__slots__": (),
+            "__module__": kind.__module__,
+        }
+        namespace.update((name, _answering_method(kind, name)) for name in methods)
+        found = type(kind.__name__, (kind,), namespace)
+        found.__qualname__ = kind.__qualname__
+        _answering_classes[(kind, methods)] = found
+    return found
+
+
+#: A hooked module's path, the module, and whether it is a text encoder itself (not a part of one).
+_Hooked = tuple[str, torch.nn.Module, bool]
+
+
+def _answer_calls(modules: list[_Hooked], local: threading.local, swapped: list[_Hooked]) -> None:
+    """Swap each module's class for its answering class (counted per gate); note each one done in ``swapped``."""
+    if not modules:
+        return
+    with _swap_lock:
+        for path, module, encoder in modules:
+            held = _answered.get(id(module))
+            if held is None:
+                original = type(module)
+                methods = _own_methods(original) if encoder else ()
+                object.__setattr__(module, "__class__", _answering_class(original, methods))
+                held = _answered[id(module)] = [original, {}]
+            runs = held[1].setdefault(id(local), [local, path, 0])
+            runs[2] += 1
+            swapped.append((path, module, encoder))
+
+
+def _stop_answering(modules: list[_Hooked], local: threading.local) -> None:
+    if not modules:
+        return
+    with _swap_lock:
+        for _, module, _ in modules:
+            held = _answered.get(id(module))
+            if held is None:
+                continue
+            runs = held[1].get(id(local))
+            if runs is not None:
+                runs[2] -= 1
+                if runs[2] == 0:
+                    del held[1][id(local)]
+            if not held[1]:
+                object.__setattr__(module, "__class__", held[0])
+                del _answered[id(module)]
 
 
 def _paths_to_embeddings(name: str, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -33,6 +33,7 @@ import torch
 from vllm_omni_prompt_cache.audit import Audit
 from vllm_omni_prompt_cache.audit import turn_off as turn_off_for_class
 from vllm_omni_prompt_cache.counters import (
+    KEY_ONLY_HITS,
     PROVEN_HITS,
     PROVEN_ROW_HIT,
     PROVEN_WHOLE_HIT,
@@ -309,7 +310,14 @@ class MethodCalls:
                 return self._encoded_instead(args, kwargs, found, unproven, row)
             if beside is not None:
                 value = unseal(beside)[0]
-        self.count(found.counts.proven if found.proven else found.counts.hit)
+        if found.proven:
+            self.count(found.counts.proven)
+        else:
+            warn_once(
+                f"{self.tag}.{self.method}'s hits are served on their key alone (key_only_hits): its encode reaches no "
+                "text encoder the cache recognises, so none can be proven"
+            )
+            self.count({**found.counts.hit, KEY_ONLY_HITS: 1})
         return value if row is not None else unpack(value, self.instance)
 
     def _encoded_instead(
@@ -328,10 +336,11 @@ class MethodCalls:
         fresh = unaliased(unproven.result, (args, kwargs))
         if row is not None:
             fresh = row(fresh)
-        if unproven.trace is not None and unproven.record is not None:  # kept beside the entry it differed from
+        if (
+            unproven.trace is not None and unproven.record is not None
+        ):  # kept beside (or over) the entry it differed from
             kept = fresh if row is not None else pack(fresh, self.state.replayed(unproven.trace))
-            beside = with_encoder_input(found.key, unproven.record)
-            self.store.keep(beside, seal(kept, unproven.record), found.made_under)  # not if a clear() came since
+            self.store.keep(_kept_under(found.key, unproven), seal(kept, unproven.record), found.made_under)
         return fresh if row is not None else unproven.result
 
     def whole_found(self, why: str | None, rows: int | None) -> FoundCounts:
@@ -747,6 +756,7 @@ class RowCalls:
         if record is None and self.calls.state.recorded:
             record = NO_RECORD
         if record is None:
+            rows.key_only += 1
             return row
         args, kwargs = _row_call(self.calls.signature, split, index)
         made_under = self.calls.lookups.ticket
@@ -761,8 +771,10 @@ class RowCalls:
         else:
             rows.not_proven(unproven.reason)
         fresh = split.check_row(unaliased(unproven.result, (args, kwargs)))
-        if unproven.trace is not None and unproven.record is not None:  # kept beside the entry it differed from
-            self.calls.store.keep(with_encoder_input(key, unproven.record), seal(fresh, unproven.record), made_under)
+        if (
+            unproven.trace is not None and unproven.record is not None
+        ):  # kept beside (or over) the entry it differed from
+            self.calls.store.keep(_kept_under(key, unproven), seal(fresh, unproven.record), made_under)
         return fresh
 
     def _encode_to_keep(self, args: tuple, kwargs: dict, check_row: Callable[[Any], Any]) -> Any:
@@ -772,6 +784,12 @@ class RowCalls:
         # later lookup builds (the state's names are in every key); one that writes state raises Learned.
         result, _, gate_run = self.calls.first_use.encode_traced(args, kwargs, rows=True)
         return seal(check_row(unaliased(result, (args, kwargs))), gate_run.kept_record)
+
+
+def _kept_under(key: CallKey, unproven: Unproven) -> CallKey:
+    """Return the key an encode made instead of a hit is kept under: beside the entry it differed from when another
+    input reached its first encoder call, else over it (what it did after that call differed)."""
+    return key if unproven.first_input is None else with_encoder_input(key, unproven.first_input)
 
 
 def _row_call(signature: inspect.Signature, split: RowSplit, index: int) -> tuple[tuple, dict]:

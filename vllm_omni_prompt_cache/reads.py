@@ -29,11 +29,14 @@ about vLLM-Omni.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
+import inspect
 import logging
 import threading
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,10 +127,57 @@ class Trace:
     #: attributes written after that point, and the content of those read before it, as it was at that point
     written_late: set[str] = field(default_factory=set)
     identities_at_encoder: dict[str, Any] = field(default_factory=dict)
+    #: a proof run's: the instance as it was at the first encoder call (see :meth:`undo_after_encoder`)
+    snapshot_at_encoder: bool = False
+    snapshot: Snapshot | None = None
+    #: properties set through their setter (their value lives elsewhere), with what they read before: after the
+    #: encoder call, or from the start when ``setters_from_start`` (a reference run, undone whole)
+    setters_from_start: bool = False
+    setters: dict[str, Any] = field(default_factory=dict)
+    #: numbers this call set (attributes after the encoder call, properties): the value before its first write and
+    #: its last, so that undoing them takes back this call's change only (other threads may count meanwhile)
+    numbers: dict[str, list[Any]] = field(default_factory=dict)
+
+    def note_number(self, name: str, before: Any, value: Any) -> None:
+        if _is_number(value) and (name in self.numbers or _is_number(before)):
+            self.numbers.setdefault(name, [before, value])[1] = value
+
+    def undo_after_encoder(self, *, release: bool = False, since: Snapshot | None = None) -> None:
+        """Put back what the call changed on the instance after its first encoder call: a proof run answered by
+        stand-ins leaves nothing behind (a hit then replays the entry's writes, as it always does). ``since``: the
+        instance before the call; what the call's own code put back as it was (a tokenizer swapped in and restored
+        in a ``finally``) stays. ``release``: then drop the values this trace holds (see :meth:`release`)."""
+        if self.snapshot is not None:
+            touched = {*self.reads, *self.writes, *self.overwritten, *self.read_identities}
+            self.snapshot.restore(skip=self.numbers, unless_as=since, names=touched)
+        self.undo_setters()
+        if release:
+            self.release()
+
+    def release(self) -> None:
+        """Drop the values this trace holds (a proof run's carry stand-in data: nothing of it may stay alive)."""
+        self.reads, self.writes, self.overwritten, self.setters, self.snapshot = {}, {}, {}, {}, None
+        self.numbers = {}
+
+    def undo_setters(self) -> None:
+        """Take back what this call set through properties, and the numbers it changed (by what it added)."""
+        instance_dict = _instance_dict(self.instance)
+        for name, (before, last) in self.numbers.items():
+            with contextlib.suppress(Exception):
+                if name in self.setters:
+                    setattr(self.instance, name, getattr(self.instance, name) - (last - before))
+                elif _is_number(instance_dict.get(name)):
+                    instance_dict[name] = instance_dict[name] - (last - before)
+        for name, before in self.setters.items():
+            if name not in self.numbers:
+                with contextlib.suppress(Exception):
+                    setattr(self.instance, name, before)
 
     def reach_encoder(self) -> None:
         """Note that the call reached its first text-encoder call (see encoder_inputs.py)."""
         self.encoder_reached = True
+        if self.snapshot_at_encoder:
+            self.snapshot = Snapshot(self.instance)
         instance_dict = _instance_dict(self.instance)
         self.identities_at_encoder = {
             name: value_identity(instance_dict.get(name, ABSENT)) for name in self.read_identities
@@ -176,6 +226,8 @@ class Trace:
         self.writes[name] = value
         if self.encoder_reached:
             self.written_late.add(name)
+            if self.snapshot_at_encoder:
+                self.note_number(name, before, value)
 
     def changed(self) -> dict[str, Any]:
         """Return the writes that left an attribute other than it was before the call (a value swapped in
@@ -307,6 +359,16 @@ def _noting_setattr(base_setattr: Callable[[Any, str, Any], None]) -> Callable[[
     def __setattr__(self: Any, name: str, value: Any) -> None:
         trace = _tracing(self)
         before = _instance_dict(self).get(name, ABSENT) if trace is not None else None
+        if (
+            trace is not None
+            and (trace.encoder_reached or trace.setters_from_start)
+            and name not in trace.setters
+            and isinstance(inspect.getattr_static(type(self), name, None), property)
+        ):
+            with contextlib.suppress(Exception):
+                trace.setters[name] = object.__getattribute__(self, name)
+        if trace is not None and name in trace.setters:
+            trace.note_number(name, trace.setters[name], value)
         base_setattr(self, name, value)
         # Instance state only: a property's setter keeps its value elsewhere, and its reads of self are traced.
         if trace is not None and name in _instance_dict(self):
@@ -344,6 +406,83 @@ def _noting_getattr(base_getattr: Callable[[Any, str], Any]) -> Callable[[Any, s
         return value
 
     return __getattr__
+
+
+_CONTAINERS = (list, dict, set, collections.deque, bytearray, collections.OrderedDict, collections.defaultdict)
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+class Snapshot:
+    """An instance's attributes at one moment, to put back: rebound ones set back, added ones removed, and
+    containers changed in place (a list of timings, a dict of counts) refilled."""
+
+    def __init__(self, instance: Any) -> None:
+        self.instance = instance
+        self.values = dict(_instance_dict(instance))
+        self.copies = {
+            name: copy.copy(value)
+            for name, value in self.values.items()
+            if type(value) in _CONTAINERS and name not in _MODULE_INTERNALS
+        }
+
+    def restore(
+        self,
+        skip: Mapping[str, Any] = types.MappingProxyType({}),
+        unless_as: Snapshot | None = None,
+        names: Iterable[str] | None = None,
+    ) -> None:
+        """Put back what changed since: only ``names`` when given (what one thread's calls touched; other threads'
+        attributes stay as they are), never those in ``skip`` (numbers the caller takes back by difference), nor what
+        is now as it was in ``unless_as`` (an earlier snapshot: put back already)."""
+        now = _instance_dict(self.instance)
+        earlier = unless_as.values if unless_as is not None else {}
+        wanted = set(now) | set(self.values) if names is None else set(names)
+        for name in wanted:
+            if name in skip or name.startswith(_SKIPPED):
+                continue
+            current, value = now.get(name, ABSENT), self.values.get(name, ABSENT)
+            if current is value or (unless_as is not None and current is earlier.get(name, ABSENT)):
+                continue
+            if is_absent(value):
+                del now[name]
+            else:
+                now[name] = value
+        for name, saved in self.copies.items():
+            if name not in wanted or _same_items(self.values[name], saved):
+                continue
+            if (
+                unless_as is not None
+                and name in unless_as.copies
+                and _same_items(self.values[name], unless_as.copies[name])
+            ):
+                continue
+            _refill(self.values[name], saved)
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def _same_items(container: Any, saved: Any) -> bool:
+    """Return True when ``container`` holds the very items ``saved`` holds (compared by identity, in order)."""
+    if len(container) != len(saved):
+        return False
+    if isinstance(container, dict):
+        return all(key in saved and saved[key] is item for key, item in container.items())
+    if isinstance(container, (set, bytearray)):
+        return container == saved
+    return all(item is kept for item, kept in zip(container, saved, strict=True))
+
+
+def _refill(container: Any, saved: Any) -> None:
+    if isinstance(container, dict):
+        container.clear()
+        container.update(saved)
+    elif isinstance(container, (set, collections.deque)):
+        container.clear()
+        (container.update if isinstance(container, set) else container.extend)(saved)
+    else:
+        container[:] = saved
 
 
 class CannotTrace(Exception):

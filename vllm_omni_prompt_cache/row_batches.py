@@ -33,6 +33,7 @@ class RowTally:
     encoded: int = 0  # sent to the encoder by this call, one that raised included
     proven: int = 0  # served from an entry once what reaches the text encoder was compared with its record
     unproven: Counter[str] = dataclasses.field(default_factory=Counter)  # found, not proven: encoded, by reason
+    key_only: int = 0  # served from an entry on its key alone (no text encoder to prove it by)
 
     def not_proven(self, reason: str) -> None:
         """Count a row that found an entry it could not be proven equal to, and was encoded alone instead."""
@@ -51,6 +52,7 @@ class RowTally:
             rows_encoded=self.encoded,
             proven=self.proven,
             unproven=self.unproven,
+            key_only=self.key_only,
         )
 
 

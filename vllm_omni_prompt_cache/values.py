@@ -8,6 +8,7 @@ still owns (an input handed back), or the entry would change when the caller reu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,13 @@ def map_tensors(value: Any, convert: Any) -> Any:
     if isinstance(value, list):
         return [map_tensors(item, convert) for item in value]
     if isinstance(value, dict):
-        return {key: map_tensors(item, convert) for key, item in value.items()}
+        mapped = {key: map_tensors(item, convert) for key, item in value.items()}
+        if type(value) is dict:
+            return mapped
+        try:  # a ModelOutput (a dataclass over an OrderedDict), an OrderedDict: served as the class it was
+            return type(value)(**mapped) if dataclasses.is_dataclass(value) else type(value)(mapped)
+        except Exception:
+            return mapped
     return value
 
 

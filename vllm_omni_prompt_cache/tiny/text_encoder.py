@@ -58,7 +58,7 @@ class TokenIdTextPipeline(CountsEncoderRuns, torch.nn.Module):
             attention_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
         attention_mask = attention_mask[:, :max_sequence_length]
         hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=attention_mask.long()).last_hidden_state
-        self.encoder_runs += 1  # counted once the encoder ran: a cache hit's proof stops before it
+        self.encoder_runs += 1  # counted once the encoder ran: a cache hit's proof puts it back
         embeds = hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (
             embeds.repeat_interleave(num_images_per_prompt, dim=0),
@@ -89,7 +89,7 @@ class QwenStyleTokenPipeline(TokenIdTextPipeline):
         """Return ``(prompt_embeds [B*n, S, D], mask [B*n, S])``, S the longest attended row."""
         mask = attention_mask.bool()
         hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=mask.long()).last_hidden_state
-        self.encoder_runs += 1  # counted once the encoder ran: a cache hit's proof stops before it
+        self.encoder_runs += 1  # counted once the encoder ran: a cache hit's proof puts it back
         self.encoder_rows += prompt_ids.shape[0]
         rows = torch.split(hidden[mask], mask.sum(dim=1).tolist())
         longest = max(row.shape[0] for row in rows)

@@ -1,0 +1,126 @@
+"""A proof run leaves nothing behind.
+
+A hit's proof runs the method's whole code with each text-encoder call answered by a stand-in
+(``encoder_inputs.py``, ``stand_ins.py``), and a miss runs it once more so (the reference run). What that code
+writes after the encoder call would carry stand-in data. Each place such a write can land is tried here, for
+``encode_prompt`` and for a method found by watching, with the A, A, A, B, A, C, B sequence and an uncached twin:
+
+* an attribute of the pipeline: put back, then the entry's recorded write replayed (the method stays cached);
+* an attribute of a component (the text encoder), a helper object made at ``__init__`` (a tensor computed from the
+  encoder's output, or that output itself), a list the caller passed in, a module-level dict: the cache cannot put
+  them back, so the method is not cached, and the real encode writes them over.
+
+After every call, the place holds what the twin's holds, and every served value equals the twin's.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.first_use import LEFT_BEHIND
+from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
+
+PROMPTS = {"A": [5, 17, 29, 3], "B": [88, 41, 7, 7, 90, 12], "C": [600, 2]}
+SEQUENCE = "AAABACB"
+GLOBAL_PLACE: dict[int, torch.Tensor] = {}
+
+
+class KeepsItsOutput(torch.nn.Module):
+    """A token-ID encode (mirrors no adapter) that keeps a projection of the encoder's output somewhere after the
+    encoder call: ``place`` says where. The ids are an argument, so keys differ per prompt."""
+
+    def __init__(self, encoder: torch.nn.Module, place: str) -> None:
+        super().__init__()
+        self.text_encoder = encoder
+        self.dit = torch.nn.Linear(4, 4)
+        self.helper = types.SimpleNamespace(last=None)
+        self.place = place
+
+    def _keep(self, kept: torch.Tensor, hidden: torch.Tensor, outputs: list | None) -> None:
+        if self.place == "pipeline":
+            self.last_pooled = kept
+        elif self.place == "component":
+            self.text_encoder.last_pooled = kept
+        elif self.place == "helper":
+            self.helper.last = kept
+        elif self.place == "raw output in a helper":  # the encoder's output itself, not a tensor computed from it
+            self.helper.last = hidden
+        elif self.place == "argument":
+            assert outputs is not None
+            outputs.append(hidden)
+        else:
+            GLOBAL_PLACE[id(self)] = kept
+
+    def kept(self) -> torch.Tensor | None:
+        return {
+            "pipeline": lambda: getattr(self, "last_pooled", None),
+            "component": lambda: getattr(self.text_encoder, "last_pooled", None),
+            "helper": lambda: self.helper.last,
+            "raw output in a helper": lambda: self.helper.last,
+            "argument": lambda: None,  # compared through the caller's list
+            "global": lambda: GLOBAL_PLACE.get(id(self)),
+        }[self.place]()
+
+    def _encode(self, prompt_ids: torch.Tensor, outputs: list | None) -> torch.Tensor:
+        hidden = self.text_encoder(input_ids=prompt_ids).last_hidden_state
+        self._keep(hidden.mean(dim=1), hidden, outputs)  # a tensor computed from the encoder's output, or itself
+        return hidden * 1
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt_ids: torch.Tensor, outputs: list | None = None) -> torch.Tensor:
+        return self._encode(prompt_ids, outputs)
+
+    @torch.inference_mode()
+    def embed_request(self, prompt_ids: torch.Tensor, outputs: list | None = None) -> torch.Tensor:
+        return self._encode(prompt_ids, outputs)
+
+    @torch.inference_mode()
+    def forward(self, prompt_ids: torch.Tensor, outputs: list | None = None) -> torch.Tensor:
+        embeds = self.embed_request(prompt_ids, outputs)
+        self.dit(torch.zeros(4))
+        return embeds
+
+
+def _serve(pipeline: KeepsItsOutput, found: bool) -> Callable[..., torch.Tensor]:
+    return pipeline if found else pipeline.encode_prompt
+
+
+def _equal(left: Any, right: Any) -> bool:
+    return (left is None and right is None) or (left is not None and right is not None and torch.equal(left, right))
+
+
+@pytest.fixture(scope="module")
+def encoder() -> torch.nn.Module:
+    return build_qwen2_encoder()
+
+
+@pytest.mark.parametrize("found", [False, True], ids=["encode_prompt", "found by watching"])
+@pytest.mark.parametrize("place", ["pipeline", "component", "helper", "raw output in a helper", "argument", "global"])
+def test_what_a_proof_run_writes_after_the_encoder_is_not_left_behind(encoder, place: str, found: bool) -> None:
+    pipeline, twin = KeepsItsOutput(encoder, place), KeepsItsOutput(build_qwen2_encoder(), place)
+    if found:
+        pipeline.encode_prompt = None  # type: ignore[assignment]
+    cache = install_prompt_embed_cache(pipeline)
+    wrong = left = 0
+    for name in SEQUENCE:
+        ids = torch.tensor([PROMPTS[name]])
+        outputs: list = []
+        twin_outputs: list = []
+        wrong += not torch.equal(_serve(pipeline, found)(ids, outputs), twin.encode_prompt(ids, twin_outputs))
+        left += not _equal(pipeline.kept(), twin.kept())
+        left += len(outputs) != len(twin_outputs) or not all(map(torch.equal, outputs, twin_outputs))
+    assert wrong == 0
+    assert left == 0
+    (described,) = cache.stats()["encode_methods"].values()  # encode_prompt, or the method found by watching
+    if place == "pipeline":
+        assert described["state"] == "cached" and cache.stats()["proven_hits"] >= 2
+    elif place == "argument" and found:  # a method found by watching is refused at its first use for it
+        assert described["refusal"] == "it changes its arguments in place, which a hit could not repeat"
+    else:
+        assert described["refusal"] == LEFT_BEHIND
