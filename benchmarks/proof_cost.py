@@ -1,12 +1,15 @@
-"""What proving a hit costs: a hit and a miss of the same call, before and after the proof, side by side.
+"""What proving a hit costs: a hit and a miss of the same call, before and after, side by side.
 
-    python benchmarks/proof_cost.py [--before 7349cbd] [--rounds 3] [--calls 200] [--write FILE]
+    python benchmarks/proof_cost.py [--before a77dba5] [--rounds 3] [--calls 200] [--write FILE]
 
-A hit is proven by running the wrapped method up to its first text-encoder call and comparing what would
-reach the encoder with what reached it when the entry was made (``encoder_inputs.py``); before that, a hit
-ran no pipeline code. Two calls are timed, each as a hit (the same ids again, fresh tensors) and as a miss
-(ids never seen), in child processes that alternate between a checkout of ``--before`` (made with ``git
-worktree``, removed afterwards) and this tree, so both see the same machine at the same time:
+A hit is proven by running the wrapped method with each text-encoder call answered by a stand-in and
+comparing what reaches each call and what the method returns with the entry's record; a miss runs the
+method once more so (the reference run) after its encode (``encoder_inputs.py``). Two calls are timed,
+each as a hit (the same ids again, fresh tensors) and as a miss (ids never seen), in child processes (this
+script, run on the package of each tree) that alternate between a checkout of ``--before`` (made with ``git
+worktree``, removed afterwards) and this tree, so both see the same machine at the same time. Each child
+also measures the peak bytes of tensors alive during one hit and one miss (a dispatch mode adds up what
+each op allocates and notes what is freed):
 
 * ``[1,512] ids``: ``TokenIdTextPipeline`` around the 22M-parameter Qwen2 encoder of ``make bench``;
 * ``tiny Qwen-Image``: the token-ID Qwen-Image pipeline inside a real ``AsyncOmni`` engine on the CPU
@@ -45,8 +48,37 @@ def _median_call(call: Any, calls: int) -> float:
     return statistics.median(times)
 
 
+def _peak_bytes(call: Any) -> int:
+    """Return the most bytes of tensors made during ``call()`` that were alive at once."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    live = {"now": 0, "peak": 0}
+
+    def freed(size: int) -> None:
+        live["now"] -= size
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            output = func(*args, **(kwargs or {}))
+            for tensor in output if isinstance(output, (tuple, list)) else (output,):
+                if isinstance(tensor, torch.Tensor) and tensor._base is None:
+                    size = tensor.untyped_storage().nbytes()
+                    live["now"] += size
+                    live["peak"] = max(live["peak"], live["now"])
+                    weakref.finalize(tensor, freed, size)
+            return output
+
+    with Allocations():
+        call()
+    return live["peak"]
+
+
 def _hit_and_miss(encode: Any, fresh_ids: Any, calls: int) -> dict[str, float]:
-    """Time ``encode(ids)`` on hits (one prompt's ids, cloned each call) and misses (new ids each call)."""
+    """Time ``encode(ids)`` on hits (one prompt's ids, cloned each call) and misses (new ids each call); measure
+    the peak bytes of one of each."""
     import torch
 
     seen = fresh_ids(10_000)
@@ -54,7 +86,9 @@ def _hit_and_miss(encode: Any, fresh_ids: Any, calls: int) -> dict[str, float]:
     with torch.inference_mode():
         hit = _median_call(lambda _: encode(seen.clone()), calls)
         miss = _median_call(lambda index: encode(fresh_ids(index)), max(calls // 4, 20))
-    return {"hit_s": hit, "miss_s": miss}
+        hit_bytes = _peak_bytes(lambda: encode(seen.clone()))
+        miss_bytes = _peak_bytes(lambda: encode(fresh_ids(20_000)))
+    return {"hit_s": hit, "miss_s": miss, "hit_bytes": hit_bytes, "miss_bytes": miss_bytes}
 
 
 def _micro(calls: int) -> dict[str, float]:
@@ -107,9 +141,7 @@ def child(calls: int) -> None:
 
 def _run_child(tree: Path, calls: int) -> dict[str, dict[str, float]]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    script = tree / "benchmarks" / "proof_cost.py"
-    if not script.exists():  # a checkout from before this script: run this one against its package
-        script = Path(__file__)
+    script = Path(__file__)  # this script, on the tree's package (PYTHONPATH)
     done = subprocess.run(
         [sys.executable, str(script), "--child", "--calls", str(calls)],
         env=env,
@@ -126,7 +158,7 @@ def _run_child(tree: Path, calls: int) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", default="7349cbd", help="the revision to compare with (default: %(default)s)")
+    parser.add_argument("--before", default="a77dba5", help="the revision to compare with (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="child processes per tree (default: %(default)s)")
     parser.add_argument("--calls", type=int, default=200, help="hits timed per child (default: %(default)s)")
     parser.add_argument("--write", type=Path, help="also write the table to this file")
@@ -151,25 +183,25 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before_tree)], cwd=ROOT, check=False)
     lines = [
-        f"Hit and miss of one call, before ({arguments.before}) and after the proof; median of {arguments.rounds} "
-        f"child processes each, {arguments.calls} hits per child. CPU: {cpu_summary()}.",
+        f"Hit and miss of one call, before ({arguments.before}) and after; median of {arguments.rounds} child "
+        f"processes each, {arguments.calls} hits per child. CPU: {cpu_summary()}.",
         "",
-        "| call | hit before | hit after | miss after | hit after / miss | hit after - before |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| call | hit before | hit after | miss before | miss after | miss after / before | hit after / miss after "
+        "| peak bytes: hit / miss (after) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for call in results["after"][0]:
 
         def median(tree: str, kind: str, call: str = call) -> float:
             return statistics.median(run[call][kind] for run in results[tree])
 
-        hit_before, hit_after, miss_after = (
-            median("before", "hit_s"),
-            median("after", "hit_s"),
-            median("after", "miss_s"),
-        )
+        hit_before, hit_after = median("before", "hit_s"), median("after", "hit_s")
+        miss_before, miss_after = median("before", "miss_s"), median("after", "miss_s")
+        hit_bytes, miss_bytes = median("after", "hit_bytes"), median("after", "miss_bytes")
         lines.append(
-            f"| {call} | {hit_before * 1e6:.0f} us | {hit_after * 1e6:.0f} us | {miss_after * 1e3:.2f} ms | "
-            f"{hit_after / miss_after:.1%} | {(hit_after - hit_before) * 1e6:+.0f} us |"
+            f"| {call} | {hit_before * 1e6:.0f} us | {hit_after * 1e6:.0f} us | {miss_before * 1e3:.2f} ms | "
+            f"{miss_after * 1e3:.2f} ms | {miss_after / miss_before:.3f} | {hit_after / miss_after:.1%} | "
+            f"{hit_bytes / 1024:.0f} KiB / {miss_bytes / 1024:.0f} KiB |"
         )
     table = "\n".join(lines)
     print(table)
