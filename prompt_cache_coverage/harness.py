@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import tempfile
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -185,12 +183,6 @@ def one_rank_process_group() -> None:
 
     It stays for the life of the process, which is why the matrix runs in a process of its own.
     """
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
+    from vllm_omni_prompt_cache.tiny.minimax_h3_encoder import one_rank_process_group as join
 
-    if parallel_state.model_parallel_is_initialized():
-        return
-    rendezvous = Path(tempfile.mkdtemp(prefix="coverage-gloo-")) / "rendezvous"
-    with set_current_vllm_config(VllmConfig()):
-        parallel_state.init_distributed_environment(1, 0, f"file://{rendezvous}", 0, "gloo")
-        parallel_state.initialize_model_parallel(1, 1)
+    join()

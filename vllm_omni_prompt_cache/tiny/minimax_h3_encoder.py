@@ -35,8 +35,8 @@ What the tiny config keeps:
 
 Building needs vLLM's tensor-parallel group, because vLLM's ``ModelWeightParameter`` (the weights of
 its fused QKV / gate-up / row-parallel linears) reads the TP rank when made: a one-rank gloo group is
-joined once per process and kept (as the coverage matrix's ``one_rank_process_group`` and
-``tests/test_lora_hooks.py`` do), and the layers are built under ``set_current_vllm_config``. Their
+joined once per process and kept (:func:`one_rank_process_group`, which the coverage matrix uses too), and
+the layers are built under ``set_current_vllm_config``. Their
 weights are kept in place (vLLM's ``skip_weight_relayout``), since the encoder reads
 ``qkv_proj.weight`` and ``gate_up_proj.weight`` directly. ``VllmConfig()`` needs a vLLM platform:
 where no GPU is visible, this package's CPU platform
@@ -93,8 +93,9 @@ class _OneRankEncoderGroup:
 
 
 @functools.cache
-def _one_rank_tp_group() -> None:
-    """Join a one-rank gloo group once per process (vLLM's weight parameters read the TP rank when made)."""
+def one_rank_process_group() -> None:
+    """Join a one-rank gloo group once per process (vLLM's parallel layers read its size and rank when made); it
+    stays for the life of the process. The coverage matrix's builders use it too."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 
@@ -123,7 +124,7 @@ def build_minimax_h3_encoder(*, seed: int = 0) -> torch.nn.Module:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm_omni.diffusion.models.minimax_h3.encoder import MiniMaxH3Qwen3VLEncoder
 
-    _one_rank_tp_group()
+    one_rank_process_group()
     config = Qwen3VLConfig(text_config=_TEXT_CONFIG, vision_config=_VISION_CONFIG)
     with (
         tempfile.TemporaryDirectory(prefix="minimax-h3-encoder-") as model_path,
