@@ -43,12 +43,14 @@ class H3Encode(torch.nn.Module):
     @torch.inference_mode()
     def encode_prompt(self, *, task: str, prompt: str, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self._h3_prompt_ids if self._h3_prompt_ids is not None else torch.tensor([1, 2, 3])
+        self.text_encoder.load_to_device()  # as _encode_text_hidden does without offload, then encode_ids
         hidden = self.text_encoder.encode_ids(ids)
         return hidden, torch.ones(hidden.shape[0], dtype=torch.long)
 
     @torch.inference_mode()
     def embed_request(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self._h3_prompt_ids
+        self.text_encoder.load_to_device()
         hidden = self.text_encoder.encode_ids(ids)
         return hidden, torch.ones(hidden.shape[0], dtype=torch.long)
 

@@ -201,10 +201,6 @@ class GateRun:
         return self.expected is not None and not self.went_on
 
     @property
-    def reached(self) -> bool:
-        return bool(self.calls) or self.nested
-
-    @property
     def record(self) -> str | Bypass | None:
         """Return the digest of what reached the run's first encoder call (None: none was reached)."""
         return self.first_input
@@ -322,11 +318,6 @@ class EncoderGate:
         self._paths: dict[int, tuple[str, torch.nn.Module, bool]] = {}
         self._lock = threading.Lock()
         self.refresh()
-
-    @property
-    def watching(self) -> list[str]:
-        """Return the names of the text encoders the gate watches."""
-        return list(self._hooked)
 
     def refresh(self) -> None:
         """Hook the text encoders the pipeline holds now (again, if a child module was replaced since)."""

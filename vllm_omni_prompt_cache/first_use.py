@@ -50,6 +50,7 @@ from vllm_omni_prompt_cache.reads import (
     current_attribute,
     is_absent,
     pack,
+    refill,
     traced,
 )
 from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
@@ -541,12 +542,8 @@ def _put_back(args: tuple, kwargs: dict, given: tuple[tuple, dict]) -> None:
     copies in ``given``): what a proof run wrote into them may be stand-in data."""
     for now, then in ((args, given[0]), (kwargs, given[1])):
         for key in range(len(now)) if isinstance(now, tuple) else now:
-            current, kept = now[key], then[key]
-            if type(current) is list:
-                current[:] = kept
-            elif type(current) in (dict, set):
-                current.clear()
-                current.update(kept)
+            if type(now[key]) in (list, dict, set):
+                refill(now[key], then[key])
 
 
 def _touched(trace: Trace) -> set[str]:

@@ -456,7 +456,7 @@ class Snapshot:
                 and _same_items(self.values[name], unless_as.copies[name])
             ):
                 continue
-            _refill(self.values[name], saved)
+            refill(self.values[name], saved)
 
 
 def _is_number(value: Any) -> bool:
@@ -474,7 +474,8 @@ def _same_items(container: Any, saved: Any) -> bool:
     return all(item is kept for item, kept in zip(container, saved, strict=True))
 
 
-def _refill(container: Any, saved: Any) -> None:
+def refill(container: Any, saved: Any) -> None:
+    """Put ``saved``'s items back into ``container`` in place (a list, dict, set, deque or bytearray)."""
     if isinstance(container, dict):
         container.clear()
         container.update(saved)
