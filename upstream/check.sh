@@ -4,7 +4,7 @@
 # changed, and what a rollout through the real engine did at that step.
 #
 #   upstream/check.sh [--python PYTHON]... [--rollout PxK[xS] | --rollout none] [--upto N]
-#                     [--upstream-tests FILE]
+#                     [--upstream-tests FILE]...
 #
 # By default it checks the 0.30.0 wheel (.venv) and the 0.32.0rc1 wheel of the release matrix
 # (.nox/releases-vllm_omni-0-32-0rc1), with an 8 x 16 rollout at every step. The installed packages
