@@ -4,9 +4,10 @@
 
 PR 1 keys tensors, numpy arrays and PIL images by dtype (mode), shape and a blake3 digest of their CPU bytes,
 and an entry's key keeps a copy of those bytes (its witness, compared on every hit). For each value below it
-builds the key of an ``encode_prompt`` call taking that value (``_build_key``, fresh values each call, as a
-rollout's siblings send them) and reports the median time, the bytes copied to the host per call (a value
-on a GPU is copied once; on the CPU a contiguous value is read in place) and the host bytes an entry keeps.
+keys an ``encode_prompt`` call taking that value as a hit does (``_build_key`` on fresh values, as a rollout's
+siblings send them, then the dict lookup that finds the stored entry by comparing the witness) and reports
+the median time, the peak of host bytes Python allocated during it (``tracemalloc``: the copies the key and
+the compare make; a tensor's copy from a GPU is torch's and not counted) and the host bytes an entry keeps.
 On a machine with CUDA the tensors are also keyed from the GPU. The module is PR 1's, applied to a copy of
 the installed vLLM-Omni's (``upstream/check/run_series.py``). Values:
 
@@ -64,30 +65,45 @@ def _values(device: str) -> dict[str, Callable[[], Any]]:
 
 
 def measure(module: Any, rounds: int, device: str) -> list[dict[str, Any]]:
+    """Key each value's call as a hit: build its key from fresh values and find the stored entry (the lookup
+    compares the witness: the caller's bytes against the entry's copy)."""
+    import tracemalloc
+
     def encode_prompt(prompt_ids=None, attention_mask=None, image=None, num_images_per_prompt=1):
         return None
 
     signature = inspect.signature(encode_prompt)
     rows = []
     for name, make in _values(device).items():
-        first, second = make()
-        kwargs = {"image": first} if not isinstance(first, torch.Tensor) else {"prompt_ids": first}
-        if second is not None:
-            kwargs["attention_mask"] = second
+
+        def call_of(first: Any, second: Any) -> dict[str, Any]:
+            kwargs = {"image": first} if not isinstance(first, torch.Tensor) else {"prompt_ids": first}
+            if second is not None:
+                kwargs["attention_mask"] = second
+            return kwargs
+
+        kwargs = call_of(*make())
         key = module._build_key(signature, "m", (), kwargs)
         assert key is not None, name
-        kept = sum(len(part) for part in key.copied().witness)
-        times = []
+        stored = {key.copied(): "entry"}
+        kept = sum(len(part) for part in next(iter(stored)).witness)
+        times, copied = [], []
         for _ in range(rounds):
-            fresh_first, fresh_second = make()
-            call = {k: (fresh_first if k in ("image", "prompt_ids") else fresh_second) for k in kwargs}
+            call = call_of(*make())
             if device != "cpu":
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            module._build_key(signature, "m", (), call)
+            found = stored.get(module._build_key(signature, "m", (), call))
             if device != "cpu":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - started)
+            assert found == "entry", name
+        for _ in range(min(rounds, 20)):  # apart from the timing: tracing allocations slows every call
+            call = call_of(*make())
+            tracemalloc.start()
+            stored.get(module._build_key(signature, "m", (), call))
+            copied.append(tracemalloc.get_traced_memory()[1])  # the peak of Python-allocated bytes (host copies)
+            tracemalloc.stop()
         input_bytes = sum(
             v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v.tobytes()) for v in kwargs.values()
         )
@@ -96,27 +112,27 @@ def measure(module: Any, rounds: int, device: str) -> list[dict[str, Any]]:
                 "value": name,
                 "device": device,
                 "input_bytes": input_bytes,
-                "key_us": statistics.median(times) * 1e6,
-                # a GPU value is copied to the host; a PIL image's pixels are read out with tobytes()
-                "copied_per_call": input_bytes if device != "cpu" or "image" in kwargs else 0,
+                "hit_us": statistics.median(times) * 1e6,
+                "copied_per_call": statistics.median(copied),
                 "kept_per_entry": kept,
             }
         )
     return rows
 
 
-def _size(count: int) -> str:
-    return f"{count / 2**20:.2f} MiB" if count >= 2**20 else f"{count / 2**10:.0f} KiB" if count else "0"
+def _size(count: float) -> str:
+    return f"{count / 2**20:.2f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| value | on | its bytes | key time (median) | host copy per call | host bytes kept per entry |",
+        "| value | on | its bytes | key and lookup of a hit (median) | host bytes allocated per hit (peak) "
+        "| host bytes kept per entry |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['value']} | {row['device']} | {_size(row['input_bytes'])} | {row['key_us']:.0f} us "
+            f"| {row['value']} | {row['device']} | {_size(row['input_bytes'])} | {row['hit_us']:.0f} us "
             f"| {_size(row['copied_per_call'])} | {_size(row['kept_per_entry'])} |"
         )
     return "\n".join(lines)
