@@ -45,9 +45,9 @@ UPSTREAM_CHECK_ARGS ?=
 upstream-check: $(VENV)/.installed
 	upstream/check.sh $(UPSTREAM_CHECK_ARGS)
 
-# The settings table of docs/user-guide.md, made from config.SETTINGS (tests/test_config.py checks it is current).
+# The settings table of docs/user-guide.md, made from settings.schema.SETTINGS (tests/test_config.py checks it is current).
 docs-table: $(VENV)/.installed
-	$(VENV)/bin/python -c "from vllm_omni_prompt_cache.config import write_settings_table as w; w('docs/user-guide.md')"
+	$(VENV)/bin/python -c "from vllm_omni_prompt_cache.settings.schema import write_settings_table as w; w('docs/user-guide.md')"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

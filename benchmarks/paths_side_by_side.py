@@ -32,7 +32,10 @@ import torch
 import vllm_omni_prompt_cache as package
 assert package.__file__.startswith(sys.argv[1]), package.__file__
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.layouts import TOKEN_IDS
+try:
+    from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
+except ImportError:  # a revision before the folders (issue 60)
+    from vllm_omni_prompt_cache.layouts import TOKEN_IDS
 from vllm_omni_prompt_cache.tiny.text_encoder import (
     QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder)
 
@@ -43,7 +46,7 @@ def install(pipeline, max_size, layout=None):
     if layout is None:
         return install_prompt_embed_cache(pipeline, max_size=max_size)
     try:
-        from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
+        from vllm_omni_prompt_cache import PromptEmbedCacheSettings
         settings = PromptEmbedCacheSettings(row_layout=layout)
         return install_prompt_embed_cache(pipeline, max_size=max_size, settings=settings)
     except TypeError:  # a version before the settings object: the keyword

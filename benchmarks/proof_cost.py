@@ -4,7 +4,7 @@
 
 A hit is proven by running the wrapped method with each text-encoder call answered by a stand-in and
 comparing what reaches each call and what the method returns with the entry's record; a miss runs the
-method once more so (the reference run) after its encode (``encoder_inputs.py``). Two calls are timed,
+method once more so (the reference run) after its encode (``encoder_gate.py``). Two calls are timed,
 each as a hit (the same ids again, fresh tensors) and as a miss (ids never seen), in child processes (this
 script, run on the package of each tree) that alternate between a checkout of ``--before`` (made with ``git
 worktree``, removed afterwards) and this tree, so both see the same machine at the same time. Each child

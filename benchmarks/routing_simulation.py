@@ -40,7 +40,7 @@ from vllm_omni.distributed.omni_coordinator.load_balancer import (
 )
 from vllm_omni.distributed.omni_coordinator.messages import ReplicaInfo, ReplicaStatus
 
-from vllm_omni_prompt_cache.routing import EPSILON_ENV, BoundedLoadRing, epsilon_from_env
+from vllm_omni_prompt_cache.calls.routing import EPSILON_ENV, BoundedLoadRing, epsilon_from_env
 from vllm_omni_prompt_cache.vllm_omni.balancer import PromptAffinityBalancer
 
 ORDERS = ("interleaved", "grouped", "shuffled")

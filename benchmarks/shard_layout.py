@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import MAX_BYTES, PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.demo.machine import cpu_summary
-from vllm_omni_prompt_cache.directory_shards import SHARDS, pack
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.settings.schema import MAX_BYTES
+from vllm_omni_prompt_cache.store.tiers.directory_shards import SHARDS, pack
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
 

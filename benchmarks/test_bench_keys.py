@@ -26,7 +26,7 @@ import xxhash
 from conftest import encoder_label, time_hits, time_uncached
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.keys import CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.keys.call_key import CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline
 
 # Calls per round keep a round near 1-3 ms, far above the timer's resolution; many short rounds

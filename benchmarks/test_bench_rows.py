@@ -22,8 +22,8 @@ import torch
 from conftest import encoder_label, time_hits, time_uncached
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.layouts import TOKEN_IDS
+from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline
 
 PROMPTS, SIBLINGS = 4, 4

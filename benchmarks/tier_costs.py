@@ -32,11 +32,11 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.demo.command import DEMO_MODEL
 from vllm_omni_prompt_cache.demo.machine import cpu_summary
 from vllm_omni_prompt_cache.demo.rollout import DEFAULT_PROMPTS
-from vllm_omni_prompt_cache.fingerprint import code_and_configuration, pipeline_fingerprint, weights_digest
+from vllm_omni_prompt_cache.encoders.fingerprint import code_and_configuration, pipeline_fingerprint, weights_digest
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image, load_tokenizer, prompt_token_ids
 
 REPEATS = 50

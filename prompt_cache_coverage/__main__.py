@@ -19,7 +19,7 @@ from pathlib import Path
 from prompt_cache_coverage.classes import PACKAGE, Enumeration, enumerate_classes
 from prompt_cache_coverage.harness import NOT_BUILT, VERDICTS, Case, NotBuilt, Verdict, judge
 from prompt_cache_coverage.paths import build_path
-from vllm_omni_prompt_cache.methods import ENCODE_PROMPT
+from vllm_omni_prompt_cache.calls.methods import ENCODE_PROMPT
 
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 COMMAND = "python -m prompt_cache_coverage --write docs/coverage.md"

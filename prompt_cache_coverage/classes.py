@@ -3,8 +3,8 @@
 Every module under ``vllm_omni.diffusion.models`` is imported, in name order. A class counts when
 it is defined there (under each name its module binds it to, so a registry alias such as
 ``LTX2DistilledPipeline`` counts too) and its MRO defines ``encode_prompt``, the method
-:func:`~vllm_omni_prompt_cache.methods.find_encode_methods` wraps on every pipeline (others
-are found while a pipeline runs, see :mod:`vllm_omni_prompt_cache.discovery`). A class that
+:func:`~vllm_omni_prompt_cache.calls.methods.find_encode_methods` wraps on every pipeline (others
+are found while a pipeline runs, see :mod:`vllm_omni_prompt_cache.proof.discovery`). A class that
 vLLM-Omni's diffusion registry does not name and that only serves as a base of other counted
 classes (a mixin, a shared runtime) is a base, not a pipeline: it is reported apart.
 
@@ -24,7 +24,7 @@ import pkgutil
 import re
 from pathlib import Path
 
-from vllm_omni_prompt_cache.methods import ENCODE_PROMPT
+from vllm_omni_prompt_cache.calls.methods import ENCODE_PROMPT
 
 PACKAGE = "vllm_omni.diffusion.models"
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.methods import ENCODE_PROMPT
-from vllm_omni_prompt_cache.proofs import class_path, compare_outputs, refuted_layouts
+from vllm_omni_prompt_cache.calls.methods import ENCODE_PROMPT
+from vllm_omni_prompt_cache.rows.layout_proofs import class_path, compare_outputs, refuted_layouts
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 
 COVERED = "covered"
 COVERED_WITHOUT_ROWS = "covered without rows"

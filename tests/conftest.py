@@ -143,7 +143,8 @@ release_record = _ReleaseRecord()
 @pytest.fixture(autouse=True)
 def no_refuted_layouts_carry_over() -> Iterator[None]:
     """A layout a test refutes (a class an audit turns off) stays so in the process: start each test afresh."""
-    from vllm_omni_prompt_cache import audit, proofs
+    from vllm_omni_prompt_cache.rows import layout_proofs as proofs
+    from vllm_omni_prompt_cache.store import audit
 
     proofs._REFUTED.clear()
     audit.FAILED_CLASSES.clear()
@@ -157,7 +158,7 @@ def accept_device_reporting_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let the key encoder read ``device_reporting.ReportsCudaDevice`` as it reads a plain tensor."""
     from device_reporting import ReportsCudaDevice
 
-    from vllm_omni_prompt_cache import keys
+    from vllm_omni_prompt_cache.keys import call_key as keys
 
     monkeypatch.setattr(keys, "_PLAIN_TENSOR_TYPES", (*keys._PLAIN_TENSOR_TYPES, ReportsCudaDevice))
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm_omni", reason="the engine tests need the vllm-omni extra")
 
 from vllm_omni_prompt_cache.demo.rollout import RolloutSpec
-from vllm_omni_prompt_cache.store import CacheStats
+from vllm_omni_prompt_cache.store.prompt_embed_cache import CacheStats
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 from vllm_omni_prompt_cache.tiny.worker_extension import WORKER_EXTENSION, TextEncoderCountersExtension
 from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, open_engine, worker_value

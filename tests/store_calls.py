@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from vllm_omni_prompt_cache.counters import ENCODE_PROMPT, Outcome, tally
-from vllm_omni_prompt_cache.keys import CallKey
-from vllm_omni_prompt_cache.row_batches import RowTally, serve_rows
-from vllm_omni_prompt_cache.store import PromptEmbedCache
+from vllm_omni_prompt_cache.calls.row_batches import RowTally, serve_rows
+from vllm_omni_prompt_cache.counts.counters import ENCODE_PROMPT, Outcome, tally
+from vllm_omni_prompt_cache.keys.call_key import CallKey
+from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ The pipeline is a token-ID ``encode_prompt`` that scales its embeddings by a fac
 encoder and read after the encoder ran: a component's state, which keys stand for by identity.
 Changing the factor changes the embedding of the same arguments. Where the cache recognises the
 encoder (a tiny real Qwen2), a hit's proof runs the code after the encoder too and sees it (see
-``encoder_inputs.py``); where it does not (an encoder with no token table: a one-hot matmul), hits are
+``encoder_gate.py``); where it does not (an encoder with no token table: a one-hot matmul), hits are
 served on their key alone, and nothing but an audit can see it: what an audit is for. A template kept the
 same way but read before the encoder reaches it, and the proof serves nothing stale (the first test).
 """
@@ -17,13 +17,9 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import (
-    AUDIT,
-    PromptEmbedCacheConfigError,
-    PromptEmbedCacheSettings,
-    resolve_prompt_embed_cache_settings,
-)
-from vllm_omni_prompt_cache.encoder_inputs import DIFFERED, DIFFERED_AFTER
+from vllm_omni_prompt_cache.proof.encoder_gate import DIFFERED, DIFFERED_AFTER
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings, resolve_prompt_embed_cache_settings
+from vllm_omni_prompt_cache.settings.schema import AUDIT, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
 IDS = torch.tensor([[3, 1, 4, 1, 5, 9]])
@@ -214,7 +210,7 @@ def test_an_audit_whose_encode_fails_leaves_the_hit_served() -> None:
 
 
 def test_a_stage_of_several_ranks_keeps_audits_off() -> None:
-    from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
+    from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
     from vllm_omni_prompt_cache.vllm_omni import runner
 
     settings = PromptEmbedCacheSettings(enabled=True, audit=1.0)

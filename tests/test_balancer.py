@@ -26,8 +26,8 @@ from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.entrypoints.cli.serve import OmniServeCommand
 from vllm_omni.utils.tracking_parser import TrackingArgumentParser
 
-from vllm_omni_prompt_cache.config import PromptEmbedCacheConfigError
-from vllm_omni_prompt_cache.routing import EPSILON_ENV
+from vllm_omni_prompt_cache.calls.routing import EPSILON_ENV
+from vllm_omni_prompt_cache.settings.schema import PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 from vllm_omni_prompt_cache.vllm_omni.balancer import PromptAffinityBalancer, _local_replica, routing_stats
 from vllm_omni_prompt_cache.vllm_omni.cli_args import POLICY

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_omni_prompt_cache.config import (
+from vllm_omni_prompt_cache.settings.resolved import (
+    PromptEmbedCacheSettings,
+    resolve_prompt_embed_cache_config,
+    resolve_prompt_embed_cache_settings,
+)
+from vllm_omni_prompt_cache.settings.schema import (
     AUDIT,
     BACKEND,
     DIRECTORY,
@@ -21,10 +26,7 @@ from vllm_omni_prompt_cache.config import (
     ROW_LAYOUTS,
     VERIFY,
     PromptEmbedCacheConfigError,
-    PromptEmbedCacheSettings,
     carried_settings,
-    resolve_prompt_embed_cache_config,
-    resolve_prompt_embed_cache_settings,
 )
 
 
@@ -290,7 +292,7 @@ def test_the_docs_table_is_made_from_the_settings() -> None:
     """docs/user-guide.md's table is config.settings_table() as it is now (`make docs-table` writes it)."""
     from pathlib import Path
 
-    from vllm_omni_prompt_cache.config import TABLE_END, TABLE_START, settings_table
+    from vllm_omni_prompt_cache.settings.schema import TABLE_END, TABLE_START, settings_table
 
     guide = (Path(__file__).parents[1] / "docs" / "user-guide.md").read_text()
     written = guide.partition(TABLE_START)[2].partition(TABLE_END)[0].strip()
@@ -312,8 +314,8 @@ def test_a_new_setting_is_one_entry_and_reaches_kwargs_flags_env_and_the_worker(
     the settings object, a column of the docs table, and travels to the worker."""
     import argparse
 
-    from vllm_omni_prompt_cache import config
-    from vllm_omni_prompt_cache.config import Setting, settings_table
+    from vllm_omni_prompt_cache.settings import schema as config
+    from vllm_omni_prompt_cache.settings.schema import Setting, settings_table
     from vllm_omni_prompt_cache.vllm_omni import settings as carried
     from vllm_omni_prompt_cache.vllm_omni.cli_args import add_prompt_cache_arguments
 
@@ -374,7 +376,7 @@ def test_the_settings_object_pickles_and_copies_as_it_holds(tmp_path) -> None:
 
 
 def test_a_row_layout_object_stays_in_the_process() -> None:
-    from vllm_omni_prompt_cache.layouts import TOKEN_IDS
+    from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
 
     with pytest.raises(PromptEmbedCacheConfigError, match="RowLayout object, which cannot travel"):
         PromptEmbedCacheSettings(row_layouts={"pkg.mod.A": TOKEN_IDS}).as_dict()
@@ -382,8 +384,8 @@ def test_a_row_layout_object_stays_in_the_process() -> None:
 
 def test_install_refuses_a_resolved_size_its_keyword_would_override_and_reads_the_signing_key(tmp_path) -> None:
     from vllm_omni_prompt_cache import install_prompt_embed_cache
+    from vllm_omni_prompt_cache.calls.wrapper import _for_install
     from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
-    from vllm_omni_prompt_cache.wrapper import _for_install
 
     resolved = resolve_prompt_embed_cache_settings(enable=True, max_size=64, environ={})
     with pytest.raises(PromptEmbedCacheConfigError, match="prompt_embed_cache_size=64 from keyword argument"):

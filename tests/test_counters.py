@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 import vllm_omni_prompt_cache
-from vllm_omni_prompt_cache import counters, stats
-from vllm_omni_prompt_cache.counters import (
+from vllm_omni_prompt_cache.counts import counters, stats
+from vllm_omni_prompt_cache.counts.counters import (
     CALL_COUNTS,
     COUNTS,
     KEPT_COUNTS,
@@ -34,7 +34,7 @@ from vllm_omni_prompt_cache.counters import (
     register,
     tally,
 )
-from vllm_omni_prompt_cache.stats import CacheStats
+from vllm_omni_prompt_cache.counts.stats import CacheStats
 
 PACKAGE = Path(vllm_omni_prompt_cache.__file__).parent
 #: The snapshot's levels: every CacheStats field that is not a count of the table.
@@ -77,8 +77,8 @@ CHECK_ADDED_COUNT = textwrap.dedent(
     assert vllm_omni_prompt_cache.__file__.startswith(sys.argv[1]), vllm_omni_prompt_cache.__file__
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from vllm_omni_prompt_cache.counters import COUNTS, ENCODE_PROMPT, WIDGETS
-    from vllm_omni_prompt_cache.store import PromptEmbedCache
+    from vllm_omni_prompt_cache.counts.counters import COUNTS, ENCODE_PROMPT, WIDGETS
+    from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
     from vllm_omni_prompt_cache.vllm_omni.metrics import PromptEmbedCacheMetrics, cache_snapshot, pop_snapshot
 
     assert COUNTS[-1] is WIDGETS
@@ -113,7 +113,7 @@ def test_one_line_added_to_counters_is_a_count_of_stats_by_method_and_of_metrics
     pytest.importorskip("prometheus_client", reason="the metrics need prometheus_client (vLLM's)")
     copy = tmp_path / "vllm_omni_prompt_cache"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    source = (copy / "counters.py").read_text()
+    source = (copy / "counts" / "counters.py").read_text()
     # After the last count registered: what is made from the table comes later in the module.
     registrations = [
         node
@@ -124,8 +124,8 @@ def test_one_line_added_to_counters_is_a_count_of_stats_by_method_and_of_metrics
     ]
     lines = source.splitlines(keepends=True)
     after = registrations[-1].end_lineno
-    (copy / "counters.py").write_text("".join([*lines[:after], ADDED_LINE, *lines[after:]]))
-    assert len((copy / "counters.py").read_text().splitlines()) == len(lines) + 1
+    (copy / "counts" / "counters.py").write_text("".join([*lines[:after], ADDED_LINE, *lines[after:]]))
+    assert len((copy / "counts" / "counters.py").read_text().splitlines()) == len(lines) + 1
     done = subprocess.run(
         [sys.executable, "-c", CHECK_ADDED_COUNT, str(copy)],
         cwd=tmp_path,
@@ -161,10 +161,10 @@ def test_calls_count_by_count_objects_and_the_hit_paths_tallies_are_made_once() 
 
 
 def test_each_tier_and_the_moves_report_exactly_the_counts_the_table_gives_their_keeper(tmp_path: Path) -> None:
-    from vllm_omni_prompt_cache.directory_tier import DirectoryTier
-    from vllm_omni_prompt_cache.host_tier import HostTier
-    from vllm_omni_prompt_cache.residency import EncoderMoves
-    from vllm_omni_prompt_cache.tiers import Tiers
+    from vllm_omni_prompt_cache.encoders.residency import EncoderMoves
+    from vllm_omni_prompt_cache.store.tiers.directory import DirectoryTier
+    from vllm_omni_prompt_cache.store.tiers.host import HostTier
+    from vllm_omni_prompt_cache.store.tiers.tier import Tiers
 
     host, directory = HostTier(2**20), DirectoryTier(tmp_path, None, lambda: {"model": "tiny"})
     keepers = {Keeper.HOST: host, Keeper.DIRECTORY: directory, Keeper.MOVES: EncoderMoves()}
@@ -199,7 +199,7 @@ def test_no_code_outside_counters_names_a_count_by_a_string() -> None:
     found = [
         f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value!r}"
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path != PACKAGE / "counters.py"
+        if path != PACKAGE / "counts" / "counters.py"
         for node in _non_docstring_strings(ast.parse(path.read_text(), str(path)))
         if node.value in names
     ]

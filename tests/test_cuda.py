@@ -1,7 +1,7 @@
 """What the cache claims for CUDA tensors, checked on a GPU; every test skips without one.
 
 An RL adapter collates token ids on the worker's GPU, so the ids and mask that reach
-``encode_prompt`` are CUDA tensors. These tests pin down what :mod:`.keys` and
+``encode_prompt`` are CUDA tensors. These tests pin down what :mod:`.call_key` and
 :mod:`.wrapper` promise for them: the device never enters the key, a hit returns the
 encoder's own (CUDA) output object unchanged, and bf16 values are keyed by their bytes.
 Run them with ``benchmarks/gpu_check.sh`` on a CUDA machine.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import Bypass, CallKeyBuilder, install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")
@@ -124,7 +124,7 @@ def test_cuda_bf16_arguments_are_keyed_by_content() -> None:
 def test_a_batched_cuda_call_encodes_each_distinct_row_once_and_stays_on_the_gpu(cuda_encoder) -> None:
     """Row-level caching with CUDA ids: rows are keyed from one CPU copy, encoded alone on the GPU,
     and assembled on the GPU, bit-identical to encoding each row alone."""
-    from vllm_omni_prompt_cache.layouts import TOKEN_IDS
+    from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
     from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline
 
     pipeline = QwenStyleTokenPipeline(cuda_encoder)
@@ -171,9 +171,9 @@ def test_an_entry_leaving_gpu_memory_waits_in_pinned_host_memory_and_comes_back_
 def test_the_encoder_on_a_miss_holds_no_gpu_memory_between_calls_and_encodes_the_same() -> None:
     """prompt_embed_cache_encoder_on_miss on a GPU: the encoder's bytes leave the GPU at install (one
     pinned host copy), come back for the miss's forward only, and the outputs equal a resident encoder's."""
-    from vllm_omni_prompt_cache.config import resolve_settings
+    from vllm_omni_prompt_cache.calls.wrapper import PLACEMENT_ATTRIBUTE
+    from vllm_omni_prompt_cache.settings.resolved import resolve_settings
     from vllm_omni_prompt_cache.vllm_omni import runner
-    from vllm_omni_prompt_cache.wrapper import PLACEMENT_ATTRIBUTE
 
     reference = TokenIdTextPipeline(build_qwen2_encoder(vocab_size=VOCAB).to("cuda"))
     pipeline = TokenIdTextPipeline(build_qwen2_encoder(vocab_size=VOCAB).to("cuda"))
@@ -204,7 +204,7 @@ def test_module_offload_on_a_gpu_moves_what_the_record_counts() -> None:
     """vLLM-Omni's real hooks on a GPU: the counts are the moves that happened (tensors' devices)."""
     from vllm_omni.diffusion.offloader.sequential_backend import apply_sequential_offload
 
-    from vllm_omni_prompt_cache.config import resolve_settings
+    from vllm_omni_prompt_cache.settings.resolved import resolve_settings
     from vllm_omni_prompt_cache.vllm_omni import runner
 
     pipeline = TokenIdTextPipeline(build_qwen2_encoder(vocab_size=VOCAB).to("cuda"))

@@ -19,7 +19,7 @@ import torch
 from vllm_omni_prompt_cache.cli import main
 from vllm_omni_prompt_cache.demo import command, report
 from vllm_omni_prompt_cache.demo.rollout import RolloutResult, RolloutSpec
-from vllm_omni_prompt_cache.store import CacheStats
+from vllm_omni_prompt_cache.store.prompt_embed_cache import CacheStats
 
 
 @pytest.mark.parametrize(

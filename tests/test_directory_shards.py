@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.directory_shards import INDEX, SHARDS, ShardError, pack, read_index, verify
-from vllm_omni_prompt_cache.directory_tier import DAMAGED_SHARD, REFUSED_PACKED
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.store.tiers.directory_files import DAMAGED_SHARD, REFUSED_PACKED
+from vllm_omni_prompt_cache.store.tiers.directory_shards import INDEX, SHARDS, ShardError, pack, read_index, verify
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
 PROMPTS = [torch.tensor([[3, 1, 4, 1, 5, 9, i]]) for i in range(12)]
@@ -75,7 +75,7 @@ def test_a_second_pack_adds_a_shard_and_an_interrupted_one_is_resumed(tmp_path, 
     pipeline, _ = process(tmp_path)
     for index in range(4, 8):  # new prompts: files of their own again
         encode(pipeline, index)
-    import vllm_omni_prompt_cache.directory_shards as module
+    import vllm_omni_prompt_cache.store.tiers.directory_shards as module
 
     written = module._write_durably
 
@@ -228,7 +228,7 @@ def test_readers_during_later_packs_never_find_a_shard_damaged(tmp_path) -> None
     shards it still names, so no read fails or marks a healthy shard damaged."""
     import threading
 
-    from vllm_omni_prompt_cache.directory_shards import Shards
+    from vllm_omni_prompt_cache.store.tiers.directory_shards import Shards
 
     directory, namespace, _ = filled(tmp_path, 4)
     pack(directory, namespace)

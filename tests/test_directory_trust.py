@@ -21,16 +21,23 @@ import pytest
 import torch
 from test_tiers import _key_of, _write, encode, files, process, reference, same
 
-from vllm_omni_prompt_cache.config import (
+from vllm_omni_prompt_cache.keys.call_key import CallKey, freeze_witness
+from vllm_omni_prompt_cache.settings.resolved import resolve_prompt_embed_cache_settings
+from vllm_omni_prompt_cache.settings.schema import (
     DIRECTORY,
     DIRECTORY_GROUP,
     DIRECTORY_KEY_FILE,
     PromptEmbedCacheConfigError,
-    resolve_prompt_embed_cache_settings,
 )
-from vllm_omni_prompt_cache.directory_tier import NOT_A_FILE, SIGNATURE, SUFFIX, TOO_LARGE, UNSIGNED, identity_name
-from vllm_omni_prompt_cache.directory_trust import KEY_ENV, sign, signature_valid
-from vllm_omni_prompt_cache.keys import CallKey, freeze_witness
+from vllm_omni_prompt_cache.store.tiers.directory_files import (
+    NOT_A_FILE,
+    SIGNATURE,
+    SUFFIX,
+    TOO_LARGE,
+    UNSIGNED,
+    identity_name,
+)
+from vllm_omni_prompt_cache.store.tiers.directory_trust import KEY_ENV, sign, signature_valid
 from vllm_omni_prompt_cache.vllm_omni.cli_args import add_prompt_cache_arguments
 
 KEY = b"7f3a1c9e5b2d4f6a8c0e1b3d5f7a9c2e"

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from engine_support import tiny_spec
 
-from vllm_omni_prompt_cache.counters import DIR_LEFTOVERS_REMOVED
+from vllm_omni_prompt_cache.counts.counters import DIR_LEFTOVERS_REMOVED
 from vllm_omni_prompt_cache.demo import serving
 from vllm_omni_prompt_cache.demo.serving import Server
-from vllm_omni_prompt_cache.directory_tier import DirectoryTier
-from vllm_omni_prompt_cache.directory_trust import host_id
+from vllm_omni_prompt_cache.store.tiers.directory import DirectoryTier
+from vllm_omni_prompt_cache.store.tiers.directory_trust import host_id
 
 pytestmark = pytest.mark.engine
 

@@ -1,8 +1,8 @@
 """A method's first use and every later encode, read the same way; what a call decides comes back as a value.
 
-:class:`~vllm_omni_prompt_cache.first_use.FirstUse` runs each encode a call makes outside a hit through one
+:class:`~vllm_omni_prompt_cache.proof.first_use.FirstUse` runs each encode a call makes outside a hit through one
 encode step and one judgement, and hands what the call decided about the method (refused, not an encode,
-confirmed) back to the front as a :class:`~vllm_omni_prompt_cache.first_use.Verdict`, which the front acts on.
+confirmed) back to the front as a :class:`~vllm_omni_prompt_cache.proof.verdicts.Verdict`, which the front acts on.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_omni_prompt_cache import first_use, install_prompt_embed_cache
-from vllm_omni_prompt_cache.first_use import NotRun, Verdict
-from vllm_omni_prompt_cache.installation import INSTALLATION_ATTRIBUTE
+from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.calls.installation import INSTALLATION_ATTRIBUTE
+from vllm_omni_prompt_cache.proof import first_use
+from vllm_omni_prompt_cache.proof.verdicts import NotRun, Verdict
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 

@@ -8,7 +8,7 @@ anything changes, so a cache that trusts its key alone serves A's embedding for 
 settings, through the public ``install_prompt_embed_cache``, every call must equal the uncached encode
 of its own ids, both when the encode is ``encode_prompt`` and when it is a method found by watching the
 encoder (``_embed_request`` below, called from ``forward``). A hit is proven by what reaches the text
-encoder (``encoder_inputs.py``), so each distinct prompt is still encoded once.
+encoder (``encoder_gate.py``), so each distinct prompt is still encoded once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
 
@@ -417,7 +417,7 @@ def test_the_gate_looks_for_encoders_again_only_when_a_child_module_is_replaced(
     """Each encode and each proof asks the gate to refresh; scanning every module of every child each time
     would cost a 7B encoder's worth of module walks per hit. It rescans when a child is replaced, and hooks a
     new text encoder then."""
-    from vllm_omni_prompt_cache.encoder_inputs import EncoderGate
+    from vllm_omni_prompt_cache.proof.encoder_gate import EncoderGate
 
     pipeline = pipeline_for("ContextVar", False, encoder)
     scans = []

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from vllm_omni_prompt_cache.keys import (
+from vllm_omni_prompt_cache.keys.call_key import (
     MAX_KEY_DEPTH,
     MAX_KEY_ITEMS,
     Bypass,
@@ -290,7 +290,7 @@ values = st.recursive(
 
 
 def canonical(value):
-    """A reference canonical form, written independently of keys.py, for comparison."""
+    """A reference canonical form, written independently of call_key.py, for comparison."""
     if isinstance(value, torch.Tensor):
         return ("T", str(value.dtype), tuple(value.shape), value.contiguous().view(torch.uint8).tolist())
     if isinstance(value, float):

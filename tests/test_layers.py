@@ -16,14 +16,23 @@ import pytest
 PACKAGE = "vllm_omni_prompt_cache"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-#: Top to bottom: a module may import its own layer and the layers below it, never one above.
+#: Top to bottom: a module may import its own layer and the layers below it, never one above. Each core
+#: subpackage is a layer; its ``__init__.py`` says what it holds and what it may import.
 LAYERS = (
     ("commands", ("cli", "__main__")),  # the console script's subcommands
     ("demo", ("demo",)),  # the main job
     ("tiny", ("tiny",)),  # the demo's tiny models and adapter stand-ins
     ("cpu_platform", ("cpu_platform",)),  # the opt-in platform that runs vLLM-Omni without a GPU
     ("vllm_omni", ("vllm_omni",)),  # how stock vLLM-Omni is hooked
-    ("core", ()),  # everything else: keys, entries, flights, lookups, tiers, rows, proofs, wrapper, config...
+    ("calls", ("calls",)),  # how encode methods are intercepted: install, a method's calls, rows, layouts
+    ("proof", ("proof",)),  # why a hit may be served: the encoder watch, encoder inputs, first use
+    ("settings", ("settings",)),  # the one settings schema
+    ("store", ("store",)),  # where entries live: the cache, lookups, flights, tiers/
+    ("encoders", ("encoders",)),  # which modules are text encoders, their fingerprint, where they live
+    ("rows", ("rows",)),  # how a batched call splits into rows, and the proofs of a row layout
+    ("counts", ("counts",)),  # the counters and the stats snapshot
+    ("keys", ("keys",)),  # what a call's key is, and what an encode read
+    ("base", ("errors", "logs")),  # the error every bad setting raises, the say-once logger
 )
 
 
@@ -33,11 +42,13 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> int:
-    first = module.split(".")[1] if "." in module else ""
+    if module == PACKAGE:  # the package's __init__ re-exports the public API from the top of the core
+        return 0
+    first = module.split(".")[1]
     for rank, (_, names) in enumerate(LAYERS):
         if first in names:
             return rank
-    return len(LAYERS) - 1
+    raise AssertionError(f"{module} is in no layer: add its folder to LAYERS")
 
 
 def imported(path: Path, module: str) -> Iterator[tuple[str, int]]:
@@ -76,18 +87,39 @@ EDGES = graph()
 
 
 def test_the_graph_is_read_from_the_whole_package() -> None:
-    assert f"{PACKAGE}.wrapper" in EDGES and f"{PACKAGE}.vllm_omni.plugin" in EDGES
-    assert f"{PACKAGE}.store" in EDGES[f"{PACKAGE}.wrapper"]  # a real arrow is seen
+    assert f"{PACKAGE}.calls.wrapper" in EDGES and f"{PACKAGE}.vllm_omni.plugin" in EDGES
+    assert f"{PACKAGE}.store.prompt_embed_cache" in EDGES[f"{PACKAGE}.calls.wrapper"]  # a real arrow is seen
 
 
-def test_every_import_points_down_the_layers() -> None:
-    upward = [
+def test_every_module_is_in_a_layer_and_every_core_folder_says_what_it_holds() -> None:
+    assert {layer_of(module) for module in EDGES} <= set(range(len(LAYERS)))
+    for _, names in LAYERS:
+        for name in names:
+            folder = ROOT / name
+            if folder.is_dir():
+                assert (folder / "__init__.py").read_text().startswith('"""'), folder
+
+
+def test_a_planted_upward_import_is_found(tmp_path: Path) -> None:
+    """The check itself: a key module that imported the store would point up two layers."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache\n")
+    module = f"{PACKAGE}.keys.planted"
+    edges = {**EDGES, module: {name: line for name, line in imported(planted, module) if name in EDGES}}
+    assert upward_imports(edges) == [f"{module}:1 imports {PACKAGE}.store.prompt_embed_cache (keys -> store)"]
+
+
+def upward_imports(edges: dict[str, dict[str, int]]) -> list[str]:
+    return [
         f"{module}:{line} imports {target} ({LAYERS[layer_of(module)][0]} -> {LAYERS[layer_of(target)][0]})"
-        for module, targets in EDGES.items()
+        for module, targets in edges.items()
         for target, line in targets.items()
         if layer_of(target) < layer_of(module)
     ]
-    assert upward == []
+
+
+def test_every_import_points_down_the_layers() -> None:
+    assert upward_imports(EDGES) == []
 
 
 def test_no_module_imports_the_test_rigs_outside_the_package() -> None:
@@ -150,3 +182,29 @@ def test_no_import_cycle_even_through_imports_inside_functions() -> None:
 )
 def test_the_cycle_finder_finds_a_cycle_and_only_a_cycle(edges, expected) -> None:
     assert cycles(edges) == expected
+
+
+def test_the_design_module_table_names_every_core_module() -> None:
+    """docs/design.md's module table is the map of the folders: every core module has its row."""
+    table = (ROOT.parent / "docs" / "design.md").read_text()
+    core = {name for _, names in LAYERS[5:-1] for name in names}  # calls/ ... keys/
+    modules = [
+        path.relative_to(ROOT).as_posix()
+        for name in core
+        for path in (ROOT / name).rglob("*.py")
+        if path.name != "__init__.py"
+    ]
+    assert modules and [module for module in modules if f"| `{module}` |" not in table] == []
+
+
+def test_no_module_is_over_500_lines_and_no_function_over_80() -> None:
+    """A room past 500 lines is two rooms (STYLE.md); a function past 80 lines is several steps."""
+    long_modules, long_functions = [], []
+    for path in ROOT.rglob("*.py"):
+        source = path.read_text()
+        if source.count("\n") > 500:
+            long_modules.append(f"{path.relative_to(ROOT)}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert (long_modules, long_functions) == ([], [])

@@ -11,8 +11,7 @@ import torch
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
 from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache, uninstall_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheConfigError
-from vllm_omni_prompt_cache.layouts import (
+from vllm_omni_prompt_cache.calls.layouts import (
     QWEN_IMAGE_EDIT_TOKEN_IDS,
     QWEN_IMAGE_TEXT,
     QWEN_IMAGE_TOKEN_IDS,
@@ -21,7 +20,8 @@ from vllm_omni_prompt_cache.layouts import (
     resolve_declared_layouts,
     row_layout_for,
 )
-from vllm_omni_prompt_cache.proofs import DECLARED_BY_CLASS
+from vllm_omni_prompt_cache.rows.layout_proofs import DECLARED_BY_CLASS
+from vllm_omni_prompt_cache.settings.schema import PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.qwen_image import (
     PROMPT_TEMPLATE,
     TEMPLATE_DROP_TOKENS,
@@ -105,7 +105,7 @@ def test_a_user_declaration_wins_over_the_class_and_applies_to_subclasses() -> N
     [
         ("no-such-layout", "no proven layout is named 'no-such-layout'; expected one of qwen-image-text"),
         ("vllm_omni_prompt_cache.nowhere:X", "cannot be imported"),
-        ("vllm_omni_prompt_cache.layouts:PROVEN_LAYOUTS", "is a dict, expected a RowLayout"),
+        ("vllm_omni_prompt_cache.calls.layouts:PROVEN_LAYOUTS", "is a dict, expected a RowLayout"),
     ],
 )
 def test_a_declaration_naming_no_layout_is_refused_with_the_setting_and_source(reference, message) -> None:

@@ -1,4 +1,4 @@
-"""Thread safety of a wrapped method's :class:`~vllm_omni_prompt_cache.reads.MethodState`.
+"""Thread safety of a wrapped method's :class:`~vllm_omni_prompt_cache.keys.method_state.MethodState`.
 
 Two threads call a method found by watching the encoder while it is still in its first use; one of
 them is held inside its first encode until the other has finished its own first use and served a hit.
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.reads import MethodState, Trace
+from vllm_omni_prompt_cache.keys.method_state import MethodState
+from vllm_omni_prompt_cache.keys.reads import Trace
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
 

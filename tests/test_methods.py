@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import METHODS, PromptEmbedCacheConfigError, PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.encoder_inputs import DIFFERED
-from vllm_omni_prompt_cache.methods import find_encode_methods, resolve_declared_methods
+from vllm_omni_prompt_cache.calls.methods import find_encode_methods, resolve_declared_methods
+from vllm_omni_prompt_cache.proof.encoder_gate import DIFFERED
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.settings.schema import METHODS, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
 
@@ -137,7 +138,7 @@ def test_a_declared_method_is_resolved_with_clear_errors() -> None:
 
 def test_the_worker_install_resolves_the_setting_and_names_a_bad_class(encoder, monkeypatch) -> None:
     """``prompt_embed_cache_methods`` from the environment, as a diffusion worker reads it."""
-    from vllm_omni_prompt_cache.config import resolve_prompt_embed_cache_settings
+    from vllm_omni_prompt_cache.settings.resolved import resolve_prompt_embed_cache_settings
     from vllm_omni_prompt_cache.vllm_omni import runner
 
     path = f"{TextPipeline.__module__}.{TextPipeline.__qualname__}"

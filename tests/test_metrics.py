@@ -18,9 +18,9 @@ CollectorRegistry = prometheus_client.CollectorRegistry
 
 from store_calls import get_or_compute_rows, record_bypass, record_whole_call  # noqa: E402
 
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings  # noqa: E402
-from vllm_omni_prompt_cache.keys import CallKeyBuilder  # noqa: E402
-from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache  # noqa: E402
+from vllm_omni_prompt_cache.keys.call_key import CallKeyBuilder  # noqa: E402
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings  # noqa: E402
+from vllm_omni_prompt_cache.store.prompt_embed_cache import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache  # noqa: E402
 from vllm_omni_prompt_cache.vllm_omni.metrics import (  # noqa: E402  (after the skip)
     KEY_PREFIX,
     OUTPUT_ATTRIBUTE,
@@ -248,7 +248,7 @@ def test_the_worker_and_engine_wrappers_pass_the_snapshot_on_and_never_fail_the_
 def test_the_tiers_below_device_memory_have_their_own_series(tmp_path) -> None:
     """Host and directory tiers of real caches: hits, writes, a corrupt file, and their levels."""
     from vllm_omni_prompt_cache import install_prompt_embed_cache
-    from vllm_omni_prompt_cache.directory_tier import CHECKSUM
+    from vllm_omni_prompt_cache.store.tiers.directory_files import CHECKSUM
     from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
     encoder = build_qwen2_encoder()

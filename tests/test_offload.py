@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_omni_prompt_cache.config import ENCODER_ON_MISS, PromptEmbedCacheConfigError, resolve_settings
-from vllm_omni_prompt_cache.counters import BYTES_MOVED, BYTES_NOT_MOVED, DIT_EVICTIONS, PLACEMENTS_AVOIDED
-from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE, weights_digest
-from vllm_omni_prompt_cache.residency import EncoderMoves, EncoderPlacement
+from vllm_omni_prompt_cache.calls.wrapper import PLACEMENT_ATTRIBUTE
+from vllm_omni_prompt_cache.counts.counters import BYTES_MOVED, BYTES_NOT_MOVED, DIT_EVICTIONS, PLACEMENTS_AVOIDED
+from vllm_omni_prompt_cache.encoders.fingerprint import ENCODE_DEVICE, weights_digest
+from vllm_omni_prompt_cache.encoders.residency import EncoderMoves, EncoderPlacement
+from vllm_omni_prompt_cache.settings.resolved import resolve_settings
+from vllm_omni_prompt_cache.settings.schema import ENCODER_ON_MISS, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 from vllm_omni_prompt_cache.vllm_omni import runner
-from vllm_omni_prompt_cache.wrapper import PLACEMENT_ATTRIBUTE
 
 IDS = torch.tensor([[5, 6, 7, 8]])
 OTHER_IDS = torch.tensor([[9, 10, 11]])
@@ -306,7 +307,7 @@ def test_offload_of_the_dit_alone_works_with_the_encoder_placed_on_a_miss() -> N
 
 
 def test_a_spared_placement_is_counted_with_its_bytes_and_moves_survive_since_and_merged() -> None:
-    from vllm_omni_prompt_cache.store import CacheStats
+    from vllm_omni_prompt_cache.store.prompt_embed_cache import CacheStats
 
     moves = EncoderMoves()
     placement = EncoderPlacement({"text_encoder": build_qwen2_encoder()}, torch.device("cpu"), moves)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from engine_support import run, tiny_spec
 
-from vllm_omni_prompt_cache.config import ENCODER_ON_MISS
 from vllm_omni_prompt_cache.demo.offload import CONFIGURATIONS, MODULE_OFFLOAD, offload_rollout, run_configurations
 from vllm_omni_prompt_cache.demo.rollout import engine_kwargs, send_rollout
+from vllm_omni_prompt_cache.settings.schema import ENCODER_ON_MISS
 from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_value
 
 

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm_omni", reason="the plugin tests need the vllm-omni extra")
 
 from vllm_omni_prompt_cache import MISS, PromptEmbedCache, PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.store import UNSPECIFIED_REASON
+from vllm_omni_prompt_cache.store.prompt_embed_cache import UNSPECIFIED_REASON
 from vllm_omni_prompt_cache.vllm_omni import bindings, runner
 
 RUNNER = "vllm_omni.diffusion.worker.diffusion_model_runner"

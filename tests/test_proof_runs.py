@@ -1,7 +1,7 @@
 """A proof run leaves nothing behind.
 
 A hit's proof runs the method's whole code with each text-encoder call answered by a stand-in
-(``encoder_inputs.py``, ``stand_ins.py``), and a miss runs it once more so (the reference run). What that code
+(``encoder_gate.py``, ``stand_ins.py``), and a miss runs it once more so (the reference run). What that code
 writes after the encoder call would carry stand-in data. Each place such a write can land is tried here, for
 ``encode_prompt`` and for a method found by watching, with the A, A, A, B, A, C, B sequence and an uncached twin:
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.first_use import LEFT_BEHIND
+from vllm_omni_prompt_cache.proof.verdicts import LEFT_BEHIND
 from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
 
 PROMPTS = {"A": [5, 17, 29, 3], "B": [88, 41, 7, 7, 90, 12], "C": [600, 2]}

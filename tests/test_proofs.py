@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.method_calls import RowCalls, WholeCalls
-from vllm_omni_prompt_cache.proofs import GAP_TOLERANCE, compare_outputs, infer_layout
+from vllm_omni_prompt_cache.calls.method_calls import WholeCalls
+from vllm_omni_prompt_cache.calls.row_calls import RowCalls
+from vllm_omni_prompt_cache.rows.layout_proofs import GAP_TOLERANCE, compare_outputs, infer_layout
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, build_qwen2_encoder
 
 
@@ -236,7 +237,7 @@ def test_a_wrong_user_declaration_is_caught_on_first_use_and_never_served(encode
         settings=PromptEmbedCacheSettings(row_layouts={path(TilingPipeline): interleaving}),
     )
     rows = token_rows(2, seed=7)
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.rows.layout_proofs"):
         outputs = [pipeline.encode_prompt(*collate(rows), copies=2) for _ in range(3)]
     expected = reference.encode_prompt(*collate(rows), copies=2)
     for embeds, mask in outputs:
@@ -282,7 +283,7 @@ def test_a_check_whose_rows_could_not_tell_the_mask_order_apart_covers_nothing_b
     first = pipeline.encode_prompt(*collate(same_length), copies=2)
     assert cache.snapshot().layout_checks == 1 and cache.snapshot().layout_mismatches == 0
     short, long = token_rows(1, seed=10)[0][:4], token_rows(1, seed=11)[0] + [5, 6, 7, 8]
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.rows.layout_proofs"):
         second = pipeline.encode_prompt(*collate([short, long]), copies=2)
     for got, rows in ((first, same_length), (second, [short, long])):
         want = reference.encode_prompt(*collate(rows), copies=2)

@@ -33,7 +33,7 @@ from vllm_omni.entrypoints.utils import prepare_stage_config_inputs
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 from vllm_omni_prompt_cache import PromptEmbedCache
-from vllm_omni_prompt_cache.config import (
+from vllm_omni_prompt_cache.settings.schema import (
     BACKEND,
     DIRECTORY,
     DIRECTORY_BYTES,

@@ -13,9 +13,9 @@ import logging
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.layouts import TOKEN_IDS
-from vllm_omni_prompt_cache.method_calls import RowCalls
+from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
+from vllm_omni_prompt_cache.calls.row_calls import RowCalls
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 
 

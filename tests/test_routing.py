@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from vllm_omni_prompt_cache.config import PromptEmbedCacheConfigError
-from vllm_omni_prompt_cache.routing import (
+from vllm_omni_prompt_cache.calls.routing import (
     DEFAULT_EPSILON,
     EPSILON_ENV,
     BoundedLoadRing,
@@ -25,6 +24,7 @@ from vllm_omni_prompt_cache.routing import (
     least_loaded,
     prompt_affinity_key,
 )
+from vllm_omni_prompt_cache.settings.schema import PromptEmbedCacheConfigError
 
 IDS = [151644, 872, 198, 64, 2518, 38835]
 NEGATIVE = [151644, 872, 198, 220]
@@ -101,7 +101,7 @@ def test_requests_without_usable_prompt_content_say_why(request_, reason):
 
 def keys_in_two_processes() -> set[str]:
     code = (
-        "from vllm_omni_prompt_cache.routing import prompt_affinity_key as k; "
+        "from vllm_omni_prompt_cache.calls.routing import prompt_affinity_key as k; "
         f"print(k({{'prompt_ids': {IDS}, 'negative_prompt': 'blurry'}}), k('a red fox'))"
     )
     return {

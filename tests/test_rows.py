@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import RowLayout, RowOutput, install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.layouts import QWEN_IMAGE_TEXT, TOKEN_IDS
-from vllm_omni_prompt_cache.method_calls import LAYOUT_DROPPED_REASON, UNSTACKABLE_REASON
-from vllm_omni_prompt_cache.rows import LayoutMismatch
-from vllm_omni_prompt_cache.store import COLLISION_REASON
+from vllm_omni_prompt_cache.calls.found import LAYOUT_DROPPED_REASON, UNSTACKABLE_REASON
+from vllm_omni_prompt_cache.calls.layouts import QWEN_IMAGE_TEXT, TOKEN_IDS
+from vllm_omni_prompt_cache.rows.layout import LayoutMismatch
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.store.prompt_embed_cache import COLLISION_REASON
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 
 WIDTH = 24
@@ -332,7 +332,7 @@ def test_a_layout_that_does_not_match_the_outputs_is_dropped_once(encoder, caplo
     )
     cache = install_prompt_embed_cache(pipeline, max_size=8, settings=PromptEmbedCacheSettings(row_layout=wrong))
     rows = token_rows(2, seed=9)
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.rows.layout_proofs"):
         outputs = [pipeline.encode_prompt(*collate(rows)) for _ in range(3)]
     expected = QwenStyleTokenPipeline(encoder).encode_prompt(*collate(rows))
     assert all(torch.equal(embeds, expected[0]) for embeds, _ in outputs)
@@ -348,7 +348,7 @@ def test_a_layout_that_does_not_match_the_outputs_is_dropped_once(encoder, caplo
 def test_a_layout_naming_a_missing_parameter_is_refused_at_install(encoder, caplog) -> None:
     pipeline = TokenIdTextPipeline(encoder)
     layout = RowLayout(rows=("input_ids",), outputs=(RowOutput(),))
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.layouts"):
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.calls.layouts"):
         install_prompt_embed_cache(pipeline, max_size=4, settings=PromptEmbedCacheSettings(row_layout=layout))
     assert "has no parameter 'input_ids'" in caplog.text
 
@@ -561,7 +561,7 @@ def test_the_one_row_test_reads_any_mask(mask, single) -> None:
 def test_a_one_row_key_reuses_the_mask_read_for_its_test_and_equals_the_key_of_that_row_cut_from_a_batch() -> None:
     import inspect
 
-    from vllm_omni_prompt_cache.keys import CallKeyBuilder, freeze_witness, witness_matches
+    from vllm_omni_prompt_cache.keys.call_key import CallKeyBuilder, freeze_witness, witness_matches
 
     builder = CallKeyBuilder(inspect.signature(QwenStyleTokenPipeline.encode_prompt), "tiny")
     ids = torch.tensor([[5, 6, 7]])
@@ -598,7 +598,7 @@ def test_a_one_row_output_of_the_wrong_form_drops_the_layout_and_is_served_uncac
     unordered = dataclasses.replace(TOKEN_IDS, copies=None, name="copies not declared")
     cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=unordered))
     ids, mask = collate(token_rows(1, seed=22))
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.rows.layout_proofs"):
         embeds, _ = pipeline.encode_prompt(ids, mask, num_images_per_prompt=2)  # two rows out of one
     assert torch.equal(embeds, QwenStyleTokenPipeline(encoder).encode_prompt(ids, mask, num_images_per_prompt=2)[0])
     assert "'copies not declared'" in caplog.text and len(cache) == 0
@@ -628,7 +628,7 @@ def test_a_one_row_call_whose_output_is_a_view_of_the_callers_mask_is_kept_as_a_
 
 def test_a_call_whose_assembly_raises_still_counts_its_rows_and_itself(encoder, monkeypatch) -> None:
     """Rows served before the output could be assembled (no memory left for it, say) were served: counted."""
-    from vllm_omni_prompt_cache.rows import RowSplit
+    from vllm_omni_prompt_cache.rows.layout import RowSplit
 
     pipeline = QwenStyleTokenPipeline(encoder)
     cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))

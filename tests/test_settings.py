@@ -17,7 +17,7 @@ from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.entrypoints.cli.serve import OmniServeCommand
 from vllm_omni.utils.tracking_parser import TrackingArgumentParser
 
-from vllm_omni_prompt_cache.config import BACKEND, MAX_BYTES, MAX_SIZE, VERIFY, PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.settings.schema import BACKEND, MAX_BYTES, MAX_SIZE, VERIFY, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 from vllm_omni_prompt_cache.vllm_omni import hook_points
 from vllm_omni_prompt_cache.vllm_omni.cli_args import GROUP_TITLE

@@ -12,8 +12,8 @@ import pytest
 import torch
 from store_calls import record_bypass
 
-from vllm_omni_prompt_cache.keys import CallKey, CallKeyBuilder
-from vllm_omni_prompt_cache.store import (
+from vllm_omni_prompt_cache.keys.call_key import CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.store.prompt_embed_cache import (
     COLLISION_REASON,
     MISS,
     REENTRANT_REASON,
@@ -21,7 +21,7 @@ from vllm_omni_prompt_cache.store import (
     CacheStats,
     PromptEmbedCache,
 )
-from vllm_omni_prompt_cache.values import detach_value, unaliased, value_nbytes
+from vllm_omni_prompt_cache.store.values import detach_value, unaliased, value_nbytes
 
 
 def _signature(prompt_ids):

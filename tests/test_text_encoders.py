@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings, resolve_settings
-from vllm_omni_prompt_cache.fingerprint import code_and_configuration, pipeline_fingerprint
-from vllm_omni_prompt_cache.installation import INSTALLATION_ATTRIBUTE
-from vllm_omni_prompt_cache.text_encoders import text_encoders
+from vllm_omni_prompt_cache.calls.installation import INSTALLATION_ATTRIBUTE
+from vllm_omni_prompt_cache.calls.wrapper import PLACEMENT_ATTRIBUTE, install_prompt_embed_cache
+from vllm_omni_prompt_cache.encoders.fingerprint import code_and_configuration, pipeline_fingerprint
+from vllm_omni_prompt_cache.encoders.text_encoders import text_encoders
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings, resolve_settings
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
 from vllm_omni_prompt_cache.tiny.text_stacks import t5_encoder
-from vllm_omni_prompt_cache.wrapper import PLACEMENT_ATTRIBUTE, install_prompt_embed_cache
 
 IDS = torch.tensor([[5, 6, 7, 8]])
 
@@ -210,7 +210,7 @@ def test_in_every_tiny_pipeline_exactly_the_text_encoders_are_found(index: int) 
 def test_the_encoders_a_pipeline_declares_count_for_the_fingerprint_and_clearing_not_for_offload() -> None:
     """vLLM-Omni's ``_encoder_modules`` may name an image encoder a declared method runs: its weights shape what
     the cache keeps (fingerprint, clearing on a weight load), though it is no text encoder (not placed)."""
-    from vllm_omni_prompt_cache.text_encoders import embedding_sources, text_encoders
+    from vllm_omni_prompt_cache.encoders.text_encoders import embedding_sources, text_encoders
     from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 
     pipeline = TokenIdTextPipeline(build_qwen2_encoder())
@@ -282,6 +282,6 @@ class _VisionFirst(torch.nn.Module):
     ids=["DiT class-label table", "VQ codebook", "small table", "language model behind a vision tower"],
 )
 def test_a_table_deeper_inside_makes_a_text_encoder_only_where_text_enters(module: Any, expected: bool) -> None:
-    from vllm_omni_prompt_cache.text_encoders import is_text_encoder
+    from vllm_omni_prompt_cache.encoders.text_encoders import is_text_encoder
 
     assert is_text_encoder(module()) is expected

@@ -25,20 +25,15 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import PromptEmbedCache, install_prompt_embed_cache
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.counters import DIR_REJECTIONS, HOST_DEMOTIONS
-from vllm_omni_prompt_cache.directory_tier import (
-    CHECKSUM,
-    FOREIGN,
-    UNREADABLE,
-    WITNESS,
-    DirectoryTier,
-)
-from vllm_omni_prompt_cache.entries import Entry
-from vllm_omni_prompt_cache.flights import Ticket
-from vllm_omni_prompt_cache.keys import CallKey, CallKeyBuilder
-from vllm_omni_prompt_cache.layouts import TOKEN_IDS
-from vllm_omni_prompt_cache.tiers import Stamp
+from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
+from vllm_omni_prompt_cache.counts.counters import DIR_REJECTIONS, HOST_DEMOTIONS
+from vllm_omni_prompt_cache.keys.call_key import CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.store.entries import Entry
+from vllm_omni_prompt_cache.store.flights import Ticket
+from vllm_omni_prompt_cache.store.tiers.directory import DirectoryTier
+from vllm_omni_prompt_cache.store.tiers.directory_files import CHECKSUM, FOREIGN, UNREADABLE, WITNESS
+from vllm_omni_prompt_cache.store.tiers.tier import Stamp
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import release_device_memory
 
@@ -432,7 +427,7 @@ class WaitingPipeline(TokenIdTextPipeline):
 
 
 def test_two_processes_missing_one_prompt_at_once_encode_it_once(tmp_path, monkeypatch) -> None:
-    from vllm_omni_prompt_cache import directory_claims
+    from vllm_omni_prompt_cache.store.tiers import directory_claims
 
     real_sleep = time.sleep
 
@@ -546,7 +541,7 @@ def test_sleep_level_one_keeps_entries_in_host_memory_and_level_two_clears_every
 
 
 def test_a_fingerprint_that_raises_leaves_the_directory_unused_and_the_call_served(tmp_path, monkeypatch) -> None:
-    from vllm_omni_prompt_cache import fingerprint
+    from vllm_omni_prompt_cache.encoders import fingerprint
 
     def unreadable(module):
         raise RuntimeError("weights are sharded")
@@ -560,7 +555,7 @@ def test_a_fingerprint_that_raises_leaves_the_directory_unused_and_the_call_serv
 
 
 def test_a_host_copy_that_fails_drops_the_entry_and_raises_nothing(monkeypatch) -> None:
-    from vllm_omni_prompt_cache import host_tier
+    from vllm_omni_prompt_cache.store.tiers import host as host_tier
 
     def no_pinned_memory(value):
         raise RuntimeError("CUDA error: out of memory (pinned)")
@@ -577,7 +572,7 @@ def test_a_host_copy_that_fails_drops_the_entry_and_raises_nothing(monkeypatch) 
 def test_an_entry_leaving_device_memory_before_a_clear_never_arrives_after_it() -> None:
     """The host copy runs outside the store's lock; a clear() meanwhile makes the entry stale: the
     ticket it left under goes stale (as PromptEmbedCache.clear() does, before the host tier empties)."""
-    from vllm_omni_prompt_cache.host_tier import HostTier
+    from vllm_omni_prompt_cache.store.tiers.host import HostTier
 
     host = HostTier(2**20)
     ticket = Ticket()  # the store's ticket when the entry left device memory
@@ -592,7 +587,7 @@ def test_an_entry_leaving_device_memory_before_a_clear_never_arrives_after_it() 
 def test_an_entry_leaving_before_a_sleep_and_a_clear_never_arrives_after_them(monkeypatch) -> None:
     """The host copy of an evicted entry is still running while the worker sleeps and then gets new
     weights: the sleep's ticket shares the old weights, and the clear makes every ticket of them stale."""
-    from vllm_omni_prompt_cache.host_tier import HostTier
+    from vllm_omni_prompt_cache.store.tiers.host import HostTier
 
     def sig(prompt_ids):
         """A one-argument encode's signature, for its keys."""

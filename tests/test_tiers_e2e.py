@@ -134,18 +134,18 @@ def tamper_entry_files(namespace_directory) -> int:
     (checksum recomputed): what a nondeterministic encoder or a bug upstream of the write would leave."""
     from safetensors.torch import load, save
 
-    from vllm_omni_prompt_cache.directory_tier import _checksum, _read_metadata
+    from vllm_omni_prompt_cache.store.tiers.directory_files import checksum_of, read_metadata
 
     changed = 0
     for path in sorted(namespace_directory.glob("*.safetensors")):
         data = path.read_bytes()
-        metadata, tensors = _read_metadata(data), load(data)
+        metadata, tensors = read_metadata(data), load(data)
         if not metadata.get("tensors") or int(metadata["tensors"]) == 0:
             continue
         tensors["value.0"] = tensors["value.0"] + 1
         values = [tensors[f"value.{i}"] for i in range(int(metadata["tensors"]))]
         kept = [tensors[f"witness.{i}"] for i in range(int(metadata["witness"]))]
-        metadata["checksum"] = _checksum(values + kept, metadata)
+        metadata["checksum"] = checksum_of(values + kept, metadata)
         path.write_bytes(save(tensors, metadata))
         changed += 1
     return changed
@@ -158,7 +158,7 @@ def test_precompute_reads_parquet_packs_shards_and_its_parity_check_fails_on_a_d
     pyarrow = pytest.importorskip("pyarrow")
     import pyarrow.parquet as parquet
 
-    from vllm_omni_prompt_cache.directory_shards import SHARDS
+    from vllm_omni_prompt_cache.store.tiers.directory_shards import SHARDS
 
     spec = tiny_spec(prompts=STEP_1, group_size=2)
     tokenizer = load_tokenizer(spec.model_dir)
@@ -237,7 +237,7 @@ def test_precompute_names_a_missing_parquet_column_and_reads_unirl_rows(tmp_path
     pyarrow = pytest.importorskip("pyarrow")
     import pyarrow.parquet as parquet
 
-    from vllm_omni_prompt_cache.vllm_omni.precompute import read_prompts
+    from vllm_omni_prompt_cache.vllm_omni.prompt_files import read_prompts
 
     dataset = tmp_path / "train.parquet"
     chat = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a red fox"}]]

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm_omni", reason="UniRL's route needs the vllm-omni extra")
 
-from vllm_omni_prompt_cache.config import (
+from vllm_omni_prompt_cache.settings.schema import (
     AUDIT,
     BACKEND,
     DIRECTORY,

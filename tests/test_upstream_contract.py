@@ -7,7 +7,7 @@ that contract: identical arguments hit without calling the method, positional an
 share an entry, ``enabled`` toggles at run time, install is idempotent and uninstall restores, and the
 settings resolve from the same arguments and environment variables (where ours refuses a bad value,
 naming it, instead of ignoring it). A pipeline without a text encoder the cache can watch has nothing a
-proof could compare (see ``encoder_inputs.py``): its hits are served on the key, as upstream serves them;
+proof could compare (see ``encoder_gate.py``): its hits are served on the key, as upstream serves them;
 one with a text encoder runs its encode up to the encoder on a hit, so there a counter on ``self``
 counts calls while the encoder runs once per prompt.
 
@@ -25,7 +25,7 @@ from vllm_omni_prompt_cache import (
     resolve_prompt_embed_cache_config,
     uninstall_prompt_embed_cache,
 )
-from vllm_omni_prompt_cache.config import PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.settings.schema import PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.text_encoder import build_qwen2_encoder
 
 pytestmark = pytest.mark.release

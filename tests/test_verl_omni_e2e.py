@@ -17,9 +17,9 @@ import torch
 from engine_support import GROUP_SIZE, PROMPTS, found_method, run, tiny_spec
 from renamed import renamed_module
 
+from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
 from vllm_omni_prompt_cache.demo.rollout import run_mode
-from vllm_omni_prompt_cache.layouts import TOKEN_IDS
-from vllm_omni_prompt_cache.rows import RowLayout
+from vllm_omni_prompt_cache.rows.layout import RowLayout
 from vllm_omni_prompt_cache.tiny import verl_omni_adapters
 from vllm_omni_prompt_cache.tiny.verl_omni_adapters import LIST_IDS_PIPELINE, TEAM_PIPELINE, VERL_OMNI_PIPELINE
 
@@ -106,7 +106,7 @@ def test_verl_omni_adapter_with_list_ids_encodes_each_distinct_row_once() -> Non
 
 @pytest.mark.parametrize("max_num_seqs", [1, 4, 8])
 def test_an_adapter_nobody_registered_gets_rows_inferred_and_checked(max_num_seqs, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="vllm_omni_prompt_cache.proofs"):
+    with caplog.at_level(logging.INFO, logger="vllm_omni_prompt_cache.rows.layout_proofs"):
         result = rollout(TEAM_PIPELINE, max_num_seqs=max_num_seqs)
     stats = result.stats
     if max_num_seqs == 1:  # one row per call: whole-call keys already encode each distinct row once
@@ -123,7 +123,7 @@ def test_an_adapter_nobody_registered_gets_rows_inferred_and_checked(max_num_seq
 
 def test_a_wrong_declared_layout_is_caught_on_first_use_and_never_served(caplog) -> None:
     class_path = VERL_OMNI_PIPELINE
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.proofs"):
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.rows.layout_proofs"):
         result = rollout(
             VERL_OMNI_PIPELINE,
             max_num_seqs=4,

@@ -15,9 +15,9 @@ from vllm_omni_prompt_cache import (
     install_prompt_embed_cache,
     uninstall_prompt_embed_cache,
 )
-from vllm_omni_prompt_cache.config import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.method_calls import DISABLED_REASON
-from vllm_omni_prompt_cache.store import COLLISION_REASON
+from vllm_omni_prompt_cache.calls.found import DISABLED_REASON
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.store.prompt_embed_cache import COLLISION_REASON
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 

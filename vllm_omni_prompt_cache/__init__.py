@@ -8,16 +8,16 @@ torch, numpy and xxhash; ``vllm_omni_prompt_cache.vllm_omni`` hooks it into
 stock vLLM-Omni.
 """
 
-from vllm_omni_prompt_cache.config import (
-    PromptEmbedCacheConfigError,
+from vllm_omni_prompt_cache.calls.wrapper import install_prompt_embed_cache, uninstall_prompt_embed_cache
+from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, CallKeyBuilder
+from vllm_omni_prompt_cache.rows.layout import RowLayout, RowOutput
+from vllm_omni_prompt_cache.settings.resolved import (
     PromptEmbedCacheSettings,
     resolve_prompt_embed_cache_config,
     resolve_prompt_embed_cache_settings,
 )
-from vllm_omni_prompt_cache.keys import Bypass, CallKey, CallKeyBuilder
-from vllm_omni_prompt_cache.rows import RowLayout, RowOutput
-from vllm_omni_prompt_cache.store import MISS, CacheStats, PromptEmbedCache
-from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache, uninstall_prompt_embed_cache
+from vllm_omni_prompt_cache.settings.schema import PromptEmbedCacheConfigError
+from vllm_omni_prompt_cache.store.prompt_embed_cache import MISS, CacheStats, PromptEmbedCache
 
 __version__ = "0.1.0"
 

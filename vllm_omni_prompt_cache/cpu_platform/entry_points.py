@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from vllm_omni_prompt_cache.config import env_flag
+from vllm_omni_prompt_cache.settings.resolved import env_flag
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from vllm_omni_prompt_cache.config import MAX_BYTES, MAX_SIZE
 from vllm_omni_prompt_cache.demo import machine, report
 from vllm_omni_prompt_cache.demo.replicas import LB_POLICIES
 from vllm_omni_prompt_cache.demo.rollout import ARRIVALS, DEFAULT_PROMPTS, MODELS, MODES, RolloutResult, RolloutSpec
+from vllm_omni_prompt_cache.settings.schema import MAX_BYTES, MAX_SIZE
 from vllm_omni_prompt_cache.tiny.qwen_image import TinyQwenImageSpec
 from vllm_omni_prompt_cache.vllm_omni.cli_args import positive_int, setting_type
 
@@ -95,6 +95,14 @@ def model_name(args: argparse.Namespace) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
+    _add_rollout_shape_arguments(parser)
+    _add_engine_run_arguments(parser)
+    _add_cache_and_model_arguments(parser)
+    _add_seed_output_and_log_arguments(parser)
+
+
+def _add_rollout_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options that shape the rollout's requests: prompts, siblings, arrival order, steps and size."""
     parser.add_argument(
         "--prompts",
         type=positive_int,
@@ -118,6 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="image or video height and width in pixels (default 64 for qwen-image and sd3, 32 for wan2.2)",
     )
+
+
+def _add_engine_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options that choose the engine runs: cache modes, batch sizes, replicas and step execution."""
     parser.add_argument(
         "--modes",
         type=_modes,
@@ -152,6 +164,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run vLLM-Omni's step execution (continuous batching across denoising steps; each request "
         "is encoded alone when it is admitted)",
     )
+
+
+def _add_cache_and_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the cache's size limits and the model to serve."""
     parser.add_argument(
         "--cache-size",
         type=setting_type(MAX_SIZE, "--cache-size"),
@@ -171,6 +187,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="qwen-image (the default), wan2.2 or sd3: a small random-weight model of that architecture, built on "
         "first use and cached; or the path of a saved Qwen-Image diffusers pipeline directory",
     )
+
+
+def _add_seed_output_and_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add where the results go, the first request's seed, and whether vLLM's logs show."""
     parser.add_argument("--out", type=Path, default=None, help="write report.md, results.json and time.png here")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the first request; request i uses seed + i")
     parser.add_argument("--verbose", action="store_true", help="show vLLM / vLLM-Omni logs")
@@ -263,25 +283,46 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
-    from vllm_omni_prompt_cache.demo.rollout import run_mode
+    """Run every mode of the rollout, print the comparison, save it if asked; return the exit code."""
+    name = model_name(args)
+    model_dir = _prepare_model_dir(args, name, out)
+    spec = _rollout_spec(args, name, model_dir)
+    requests = len(spec.requests())
+    environment = environment_summary(on_cpu)  # before any engine: if it fails, nothing is lost
+    print(_rollout_line(args, spec, name, requests, on_cpu), file=out)
+    started = time.perf_counter()
+    results = _run_every_mode(args, spec, requests, out)
+    total = time.perf_counter() - started
+    checks = report.check_exactness(results)
+    _print_comparison(spec, results, checks, total, out)
+    if args.out is not None:
+        command = shlex.join(["vllm-omni-prompt-cache", *args.argv])
+        paths = save_results(args.out, spec, results, checks, command, environment, out)
+        print("Wrote " + ", ".join(str(path) for path in paths), file=out)
+    return 0 if all(check.passed for check in checks) else 1
+
+
+def _prepare_model_dir(args: argparse.Namespace, name: str, out: TextIO) -> Path:
+    """Return the model directory to serve: the one given, or the demo's small model, built on first use."""
     from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image
 
-    name = model_name(args)
     if isinstance(args.model, Path):
-        model_dir = args.model
-    else:
-        print(f"Preparing the demo's {name} model (built once, then cached) ...", file=out)
-        if name == "wan2.2":
-            from vllm_omni_prompt_cache.tiny.wan22 import ensure_tiny_wan22
+        return args.model
+    print(f"Preparing the demo's {name} model (built once, then cached) ...", file=out)
+    if name == "wan2.2":
+        from vllm_omni_prompt_cache.tiny.wan22 import ensure_tiny_wan22
 
-            model_dir = ensure_tiny_wan22()
-        elif name == "sd3":
-            from vllm_omni_prompt_cache.tiny.sd3 import ensure_tiny_sd3
+        return ensure_tiny_wan22()
+    if name == "sd3":
+        from vllm_omni_prompt_cache.tiny.sd3 import ensure_tiny_sd3
 
-            model_dir = ensure_tiny_sd3()
-        else:
-            model_dir = ensure_tiny_qwen_image(DEMO_MODEL)
-    spec = RolloutSpec(
+        return ensure_tiny_sd3()
+    return ensure_tiny_qwen_image(DEMO_MODEL)
+
+
+def _rollout_spec(args: argparse.Namespace, name: str, model_dir: Path) -> RolloutSpec:
+    """Return the rollout the arguments describe, before the per-run max_num_seqs and policy."""
+    return RolloutSpec(
         model_dir=model_dir,
         prompts=DEFAULT_PROMPTS[: args.prompts],
         group_size=args.group_size,
@@ -294,10 +335,12 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
         arrival=args.arrival,
         model=name,
     )
-    requests = len(spec.requests())
+
+
+def _rollout_line(args: argparse.Namespace, spec: RolloutSpec, name: str, requests: int, on_cpu: bool) -> str:
+    """Return the line that says, before any engine starts, what the demo is about to run."""
     policies = ", ".join(args.lb_policy or ())
-    environment = environment_summary(on_cpu)  # before any engine: if it fails, nothing is lost
-    print(
+    return (
         f"Rollout: {args.prompts} prompts x {args.group_size} siblings = {requests} requests per mode, "
         f"{name}, {args.steps} steps at {args.size}x{args.size}"
         f"{f' x {spec.frames} frames' if name == 'wan2.2' else ''}, CFG with a shared negative prompt, "
@@ -305,40 +348,57 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
         f"modes: {', '.join(args.modes)}; max_num_seqs: {', '.join(map(str, args.max_num_seqs))}"
         f"{'; step execution' if args.step_execution else ''}"
         f"{f'; {args.replicas} replicas, lb policies: {policies}' if args.lb_policy else ''}"
-        f"; device: {'CPU' if on_cpu else 'accelerator'}.",
-        file=out,
+        f"; device: {'CPU' if on_cpu else 'accelerator'}."
     )
-    results: list[RolloutResult] = []
-    started = time.perf_counter()
+
+
+def _run_every_mode(args: argparse.Namespace, spec: RolloutSpec, requests: int, out: TextIO) -> list[RolloutResult]:
+    """Run the rollout once per max_num_seqs, mode and policy, in that nesting; return the results in order."""
     runs = [
         (max_num_seqs, mode, policy)
         for max_num_seqs in args.max_num_seqs
         for mode in args.modes
         for policy in args.lb_policy or (None,)
     ]
-    for max_num_seqs, mode, policy in runs:
-        name = report.MODE_LABELS[mode] + (f", {args.replicas} replicas, {policy}" if policy else "")
-        print(f"Starting an engine for {name}, max_num_seqs {max_num_seqs} ...", file=out)
-        progress = ModeProgress(
-            f"{report.MODE_LABELS[mode]}{f' {policy}' if policy else ''} @ {max_num_seqs}", requests, out
-        )
-        try:
-            result = asyncio.run(
-                run_mode(
-                    dataclasses.replace(spec, max_num_seqs=max_num_seqs, lb_policy=policy),
-                    mode,
-                    cache_size=args.cache_size,
-                    max_bytes=args.max_bytes,
-                    on_started=progress.start,
-                    on_done=progress.advance,
-                )
-            )
-        finally:
-            progress.close()
-        results.append(result)
-    total = time.perf_counter() - started
-    checks = report.check_exactness(results)
+    return [_run_one_mode(args, spec, requests, max_num_seqs, mode, policy, out) for max_num_seqs, mode, policy in runs]
 
+
+def _run_one_mode(
+    args: argparse.Namespace,
+    spec: RolloutSpec,
+    requests: int,
+    max_num_seqs: int,
+    mode: str,
+    policy: str | None,
+    out: TextIO,
+) -> RolloutResult:
+    """Start an engine for one (max_num_seqs, mode, policy) run and send it the rollout, with a progress bar."""
+    from vllm_omni_prompt_cache.demo.rollout import run_mode
+
+    engine_label = report.MODE_LABELS[mode] + (f", {args.replicas} replicas, {policy}" if policy else "")
+    print(f"Starting an engine for {engine_label}, max_num_seqs {max_num_seqs} ...", file=out)
+    progress = ModeProgress(
+        f"{report.MODE_LABELS[mode]}{f' {policy}' if policy else ''} @ {max_num_seqs}", requests, out
+    )
+    try:
+        return asyncio.run(
+            run_mode(
+                dataclasses.replace(spec, max_num_seqs=max_num_seqs, lb_policy=policy),
+                mode,
+                cache_size=args.cache_size,
+                max_bytes=args.max_bytes,
+                on_started=progress.start,
+                on_done=progress.advance,
+            )
+        )
+    finally:
+        progress.close()
+
+
+def _print_comparison(
+    spec: RolloutSpec, results: list[RolloutResult], checks: list[report.Exactness], total: float, out: TextIO
+) -> None:
+    """Print the table of runs, the replica, encoder-share, bypass and exactness lines, and the total time."""
     print(file=out)
     print(report.render_table(report.table_rows(results)), file=out)
     print(file=out)
@@ -352,11 +412,6 @@ def _run(args: argparse.Namespace, out: TextIO, on_cpu: bool) -> int:
     for line in report.exactness_lines(checks):
         print(line, file=out)
     print(f"Demo finished in {total:.0f} s (engine start-ups included).", file=out)
-    if args.out is not None:
-        command = shlex.join(["vllm-omni-prompt-cache", *args.argv])
-        paths = save_results(args.out, spec, results, checks, command, environment, out)
-        print("Wrote " + ", ".join(str(path) for path in paths), file=out)
-    return 0 if all(check.passed for check in checks) else 1
 
 
 def save_results(

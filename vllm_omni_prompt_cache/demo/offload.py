@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.config import DIRECTORY, ENCODER_ON_MISS
 from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, engine_kwargs, request_dicts, send_rollout
+from vllm_omni_prompt_cache.settings.schema import DIRECTORY, ENCODER_ON_MISS
 from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine, worker_value
 
 #: The cache configurations an offload rollout compares (the demo's modes, plus ours on a directory).

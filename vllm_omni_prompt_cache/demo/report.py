@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.counters import HITS, MISSES
+from vllm_omni_prompt_cache.counts.counters import HITS, MISSES
 from vllm_omni_prompt_cache.demo.rollout import RolloutResult, RolloutSpec
 
 

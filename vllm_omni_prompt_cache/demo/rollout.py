@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.store import CacheStats
+from vllm_omni_prompt_cache.store.prompt_embed_cache import CacheStats
 from vllm_omni_prompt_cache.tiny.qwen_image import (
     SAMPLE_NEGATIVE_PROMPT,
     SAMPLE_PROMPTS,

@@ -31,6 +31,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vllm_omni_prompt_cache.tiny.qwen_image import (
     build_once,
@@ -39,6 +40,9 @@ from vllm_omni_prompt_cache.tiny.qwen_image import (
     spec_digest,
     write_model_index,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 BUILD_FORMAT = 1  # bump when the layout written below, or text_stacks' Gemma 3, changes
 
@@ -85,30 +89,63 @@ def ensure_tiny_ltx2(spec: TinyLTX2Spec | None = None, cache_dir: Path | None = 
 
 
 def _build(spec: TinyLTX2Spec, out: Path) -> None:
+    """Write the whole tiny LTX-2.3 checkpoint for ``spec`` into ``out``."""
     import torch
-    from diffusers import (
-        AutoencoderKLLTX2Audio,
-        AutoencoderKLLTX2Video,
-        FlowMatchEulerDiscreteScheduler,
-        LTX2VideoTransformer3DModel,
-    )
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
-
-    from vllm_omni_prompt_cache.tiny.text_stacks import gemma3_encoder, gemma_tokenizer
 
     dtype = getattr(torch, spec.dtype)
+    text_config = _write_text_stack(dtype, out)
+    video_width = spec.heads * spec.head_dim
+    audio_width = spec.audio_heads * spec.audio_head_dim
+
+    # The seeded weights are drawn in this order: connectors, audio VAE, transformer, video VAE, vocoder.
+    torch.manual_seed(spec.seed)
+    _write_connectors(spec, text_config, video_width, audio_width, dtype, out)
+    audio_vae = _audio_vae()
+    audio_latent_width = audio_vae.config.latent_channels * (
+        audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
+    )
+    _write_transformer(spec, text_config, video_width, audio_width, audio_latent_width, dtype, out)
+    _save(_video_vae(spec), dtype, out / "vae")
+    _save(audio_vae, dtype, out / "audio_vae")
+    _write_vocoder(audio_vae, dtype, out)
+    _write_scheduler(out)
+
+    write_model_index(
+        out,
+        "LTX2Pipeline",
+        {
+            "audio_vae": ["diffusers", "AutoencoderKLLTX2Audio"],
+            "connectors": ["ltx2", "LTX2TextConnectors"],
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"],
+            "tokenizer": ["transformers", "GemmaTokenizer"],
+            "transformer": ["diffusers", "LTX2VideoTransformer3DModel"],
+            "vae": ["diffusers", "AutoencoderKLLTX2Video"],
+            "vocoder": ["ltx2", "LTX2VocoderWithBWE"],
+        },
+        spec,
+    )
+
+
+def _write_text_stack(dtype: torch.dtype, out: Path) -> Any:
+    """Write the shared Gemma 3 tokenizer and text encoder; return the encoder's text config."""
+    from vllm_omni_prompt_cache.tiny.text_stacks import gemma3_encoder, gemma_tokenizer
+
     # Gemma 3's own tokenizer puts <bos> first; verl-omni's LTX agent loop relies on it (add_special_tokens).
     tokenizer = copy.deepcopy(gemma_tokenizer())
     tokenizer.add_bos_token = True
     tokenizer.save_pretrained(out / "tokenizer")
     text_encoder = gemma3_encoder()
     _save(text_encoder, dtype, out / "text_encoder")
-    text_config = text_encoder.config.text_config
-    video_width = spec.heads * spec.head_dim
-    audio_width = spec.audio_heads * spec.audio_head_dim
+    return text_encoder.config.text_config
 
-    torch.manual_seed(spec.seed)
+
+def _write_connectors(
+    spec: TinyLTX2Spec, text_config: Any, video_width: int, audio_width: int, dtype: torch.dtype, out: Path
+) -> None:
+    """Build and write the 2.3 text connectors, projecting straight to the cross-attention widths."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
     connectors = LTX2TextConnectors(
         caption_channels=text_config.hidden_size,
         text_proj_in_factor=text_config.num_hidden_layers + 1,  # every layer's states, and the embeddings
@@ -130,7 +167,12 @@ def _build(spec: TinyLTX2Spec, out: Path) -> None:
     )
     _save(connectors, dtype, out / "connectors")
 
-    audio_vae = AutoencoderKLLTX2Audio(
+
+def _audio_vae() -> Any:
+    """Build the tiny audio VAE (unsaved: the transformer and vocoder are sized from it first)."""
+    from diffusers import AutoencoderKLLTX2Audio
+
+    return AutoencoderKLLTX2Audio(
         base_channels=4,
         output_channels=2,
         ch_mult=(1,),
@@ -140,9 +182,20 @@ def _build(spec: TinyLTX2Spec, out: Path) -> None:
         latent_channels=2,
         mel_bins=8,
     )
-    audio_latent_width = audio_vae.config.latent_channels * (
-        audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
-    )
+
+
+def _write_transformer(
+    spec: TinyLTX2Spec,
+    text_config: Any,
+    video_width: int,
+    audio_width: int,
+    audio_latent_width: int,
+    dtype: torch.dtype,
+    out: Path,
+) -> None:
+    """Build and write the audio-video transformer with 2.3's switches."""
+    from diffusers import LTX2VideoTransformer3DModel
+
     transformer = LTX2VideoTransformer3DModel(
         in_channels=spec.latent_channels,
         out_channels=spec.latent_channels,
@@ -167,7 +220,12 @@ def _build(spec: TinyLTX2Spec, out: Path) -> None:
     )
     _save(transformer, dtype, out / "transformer")
 
-    vae = AutoencoderKLLTX2Video(
+
+def _video_vae(spec: TinyLTX2Spec) -> Any:
+    """Build the video VAE: 4x4 patchify and one spatio-temporal level (8x spatial, 2x temporal)."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    return AutoencoderKLLTX2Video(
         latent_channels=spec.latent_channels,
         block_out_channels=(spec.vae_channels,),
         decoder_block_out_channels=(spec.vae_channels,),
@@ -184,8 +242,11 @@ def _build(spec: TinyLTX2Spec, out: Path) -> None:
         patch_size_t=1,
         decoder_causal=False,
     )
-    _save(vae, dtype, out / "vae")
-    _save(audio_vae, dtype, out / "audio_vae")
+
+
+def _write_vocoder(audio_vae: Any, dtype: torch.dtype, out: Path) -> None:
+    """Build and write the 16 kHz vocoder with its 48 kHz bandwidth extension, sized from ``audio_vae``."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
 
     bwe_mel_bins = 8  # the mel spectrogram the bandwidth extension computes from the 16 kHz waveform
     vocoder = LTX2VocoderWithBWE(
@@ -205,6 +266,11 @@ def _build(spec: TinyLTX2Spec, out: Path) -> None:
     )
     _save(vocoder, dtype, out / "vocoder")
 
+
+def _write_scheduler(out: Path) -> None:
+    """Write the flow-matching scheduler config with LTX's dynamic shifting and terminal shift."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
         shift=1.0,
@@ -215,22 +281,6 @@ def _build(spec: TinyLTX2Spec, out: Path) -> None:
         max_image_seq_len=4096,
         shift_terminal=0.1,
     ).save_pretrained(out / "scheduler")
-
-    write_model_index(
-        out,
-        "LTX2Pipeline",
-        {
-            "audio_vae": ["diffusers", "AutoencoderKLLTX2Audio"],
-            "connectors": ["ltx2", "LTX2TextConnectors"],
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"],
-            "tokenizer": ["transformers", "GemmaTokenizer"],
-            "transformer": ["diffusers", "LTX2VideoTransformer3DModel"],
-            "vae": ["diffusers", "AutoencoderKLLTX2Video"],
-            "vocoder": ["ltx2", "LTX2VocoderWithBWE"],
-        },
-        spec,
-    )
 
 
 def _save(module, dtype, target: Path) -> None:

@@ -18,7 +18,10 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 #: The chat template Qwen-Image wraps every prompt in; its first 34 tokens are dropped after
 #: encoding, so the template alone must tokenize to more than 34 tokens.
@@ -195,14 +198,36 @@ def check_model_dir(path: str | os.PathLike) -> Path:
 
 
 def _build(spec: TinyQwenImageSpec, out: Path) -> None:
+    """Write the whole tiny Qwen-Image checkpoint for ``spec`` into ``out``."""
     import torch
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    # The seeded weights are drawn in this order: text encoder, transformer, VAE.
     torch.manual_seed(spec.seed)
     dtype = getattr(torch, spec.dtype)
     tokenizer = _build_tokenizer(spec.vocab_size)
     tokenizer.save_pretrained(out / "tokenizer")
+    _write_text_encoder(spec, tokenizer, dtype, out)
+    _write_transformer(spec, dtype, out)
+    _write_vae(spec, dtype, out)
+    _write_scheduler(out)
+
+    write_model_index(
+        out,
+        "QwenImagePipeline",
+        {
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+            "tokenizer": ["transformers", "Qwen2Tokenizer"],
+            "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKLQwenImage"],
+        },
+        spec,
+    )
+
+
+def _text_encoder_config(spec: TinyQwenImageSpec, tokenizer: Any) -> Any:
+    """Build the Qwen2.5-VL config of the text encoder, sized to ``spec`` and ``tokenizer``."""
+    from transformers import Qwen2_5_VLConfig
 
     head_dim = spec.text_hidden_size // spec.text_heads
     rope_half = head_dim // 2  # mrope sections split the rotary half-dimension into (t, h, w)
@@ -234,9 +259,21 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
         "fullatt_block_indexes": [0],
         "window_size": 112,
     }
-    config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **text_config)
+    return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **text_config)
+
+
+def _write_text_encoder(spec: TinyQwenImageSpec, tokenizer: Any, dtype: torch.dtype, out: Path) -> None:
+    """Build and write the Qwen2.5-VL text encoder in ``dtype``."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config = _text_encoder_config(spec, tokenizer)
     text_encoder = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
     text_encoder.save_pretrained(out / "text_encoder", safe_serialization=True)
+
+
+def _write_transformer(spec: TinyQwenImageSpec, dtype: torch.dtype, out: Path) -> None:
+    """Build and write the Qwen-Image denoising transformer in ``dtype``."""
+    from diffusers import QwenImageTransformer2DModel
 
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -250,6 +287,11 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
     ).to(dtype)
     transformer.save_pretrained(out / "transformer", safe_serialization=True)
 
+
+def _write_vae(spec: TinyQwenImageSpec, dtype: torch.dtype, out: Path) -> None:
+    """Build and write the Qwen-Image VAE in ``dtype``."""
+    from diffusers import AutoencoderKLQwenImage
+
     vae = AutoencoderKLQwenImage(
         base_dim=spec.vae_base_dim,
         z_dim=4,
@@ -260,6 +302,11 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
         latents_std=[1.0] * 4,
     ).to(dtype)
     vae.save_pretrained(out / "vae", safe_serialization=True)
+
+
+def _write_scheduler(out: Path) -> None:
+    """Write the flow-matching scheduler config with Qwen-Image's exponential dynamic shifting."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
@@ -272,19 +319,6 @@ def _build(spec: TinyQwenImageSpec, out: Path) -> None:
         shift_terminal=0.02,
         time_shift_type="exponential",
     ).save_pretrained(out / "scheduler")
-
-    write_model_index(
-        out,
-        "QwenImagePipeline",
-        {
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-            "tokenizer": ["transformers", "Qwen2Tokenizer"],
-            "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-            "vae": ["diffusers", "AutoencoderKLQwenImage"],
-        },
-        spec,
-    )
 
 
 def _build_tokenizer(vocab_size: int):

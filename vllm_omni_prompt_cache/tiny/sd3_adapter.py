@@ -5,7 +5,7 @@ verl-omni cannot be installed here (see :mod:`.verl_omni_adapters`), so
 vLLM-Omni 0.30's own ``StableDiffusion3Pipeline`` and this package's tiny SD3.5 Medium
 (:mod:`.sd3`). Load it with ``custom_pipeline_args={"pipeline_class": SD3_FLOW_GRPO_PIPELINE}``. The
 class names are verl-omni's: the cache recognises ``encode_prompt_from_token_ids`` by the name of
-the class that defines it (:mod:`vllm_omni_prompt_cache.methods`).
+the class that defines it (:mod:`vllm_omni_prompt_cache.calls.methods`).
 
 Mirrored, from verl-project/verl-omni (main at a1139baf):
 

@@ -29,8 +29,8 @@ from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch, spli
 from vllm_omni.diffusion.worker.utils import StepRequestState
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-from vllm_omni_prompt_cache.layouts import TOKEN_IDS
-from vllm_omni_prompt_cache.rows import RowLayout
+from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
+from vllm_omni_prompt_cache.rows.layout import RowLayout
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 
 PIPELINE_CLASS = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"

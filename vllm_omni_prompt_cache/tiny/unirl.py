@@ -4,7 +4,7 @@ Read at Tencent-Hunyuan/UniRL (its search-index versions of ``unirl/rollout/engi
 code of it is copied here, only its calls, argument types and order:
 
 * :class:`UniRLRollout` mirrors ``backends/native.py`` and ``engine.py``: an in-process, synchronous
-  ``Omni(model=..., deploy_config=..., **omni_kwargs)`` whose kwargs are ``config.py``'s
+  ``Omni(model=..., deploy_config=..., **omni_kwargs)`` whose kwargs are ``settings/schema.py``'s
   ``server_intent`` layering (``stage_init_timeout``, ``init_timeout``, ``mode``, then ``omni_extra``,
   then ``enable_sleep_mode=True`` on top); ``omni.generate(prompts, [OmniDiffusionSamplingParams],
   use_tqdm=False)``; and per step, for every stage, ``omni.engine.collective_rpc(method=

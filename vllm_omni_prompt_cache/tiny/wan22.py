@@ -16,6 +16,7 @@ import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vllm_omni_prompt_cache.tiny.qwen_image import (
     SAMPLE_NEGATIVE_PROMPT,
@@ -26,6 +27,9 @@ from vllm_omni_prompt_cache.tiny.qwen_image import (
     spec_digest,
     write_model_index,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 BUILD_FORMAT = 1  # bump when the layout written below changes
 
@@ -82,14 +86,39 @@ def ensure_tiny_wan22(spec: TinyWan22Spec | None = None, cache_dir: Path | None 
 
 
 def _build(spec: TinyWan22Spec, out: Path) -> None:
+    """Write the whole tiny Wan2.2 checkpoint for ``spec`` into ``out``."""
     import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
 
+    # The seeded weights are drawn in this order: text encoder, transformer, VAE.
     torch.manual_seed(spec.seed)
     dtype = getattr(torch, spec.dtype)
     tokenizer = _build_tokenizer(spec.vocab_size)
     tokenizer.save_pretrained(out / "tokenizer")
+    _write_text_encoder(spec, tokenizer, dtype, out)
+    _write_transformer(spec, dtype, out)
+    _write_vae(spec, dtype, out)
+    _write_scheduler(out)
+
+    write_model_index(
+        out,
+        "WanPipeline",
+        {
+            "boundary_ratio": None,
+            "expand_timesteps": True,
+            "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+            "text_encoder": ["transformers", "UMT5EncoderModel"],
+            "tokenizer": ["transformers", "T5Tokenizer"],
+            "transformer": ["diffusers", "WanTransformer3DModel"],
+            "transformer_2": [None, None],
+            "vae": ["diffusers", "AutoencoderKLWan"],
+        },
+        spec,
+    )
+
+
+def _write_text_encoder(spec: TinyWan22Spec, tokenizer: Any, dtype: torch.dtype, out: Path) -> None:
+    """Build and write the UMT5 text encoder, its vocabulary sized to ``tokenizer``."""
+    from transformers import UMT5Config, UMT5EncoderModel
 
     text_config = UMT5Config(
         vocab_size=len(tokenizer),
@@ -107,6 +136,11 @@ def _build(spec: TinyWan22Spec, out: Path) -> None:
     )
     _cast(UMT5EncoderModel(text_config), dtype).save_pretrained(out / "text_encoder", safe_serialization=True)
 
+
+def _write_transformer(spec: TinyWan22Spec, dtype: torch.dtype, out: Path) -> None:
+    """Build and write the Wan2.2 denoising transformer (one, as TI2V-5B has)."""
+    from diffusers import WanTransformer3DModel
+
     transformer = WanTransformer3DModel(
         patch_size=TRANSFORMER_PATCH_SIZE,
         num_attention_heads=spec.transformer_heads,
@@ -123,6 +157,11 @@ def _build(spec: TinyWan22Spec, out: Path) -> None:
         rope_max_seq_len=1024,
     )
     _cast(transformer, dtype).save_pretrained(out / "transformer", safe_serialization=True)
+
+
+def _write_vae(spec: TinyWan22Spec, dtype: torch.dtype, out: Path) -> None:
+    """Build and write the Wan2.2 VAE: residual, patchified, 16x spatial and 4x temporal compression."""
+    from diffusers import AutoencoderKLWan
 
     vae = AutoencoderKLWan(
         base_dim=spec.vae_base_dim,
@@ -143,6 +182,11 @@ def _build(spec: TinyWan22Spec, out: Path) -> None:
     )
     _cast(vae, dtype).save_pretrained(out / "vae", safe_serialization=True)
 
+
+def _write_scheduler(out: Path) -> None:
+    """Write the UniPC flow-prediction scheduler config."""
+    from diffusers import UniPCMultistepScheduler
+
     # The stock pipeline builds its own UniPC scheduler in code; RL adapters load this one.
     UniPCMultistepScheduler(
         num_train_timesteps=1000,
@@ -150,22 +194,6 @@ def _build(spec: TinyWan22Spec, out: Path) -> None:
         use_flow_sigmas=True,
         flow_shift=5.0,
     ).save_pretrained(out / "scheduler")
-
-    write_model_index(
-        out,
-        "WanPipeline",
-        {
-            "boundary_ratio": None,
-            "expand_timesteps": True,
-            "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-            "text_encoder": ["transformers", "UMT5EncoderModel"],
-            "tokenizer": ["transformers", "T5Tokenizer"],
-            "transformer": ["diffusers", "WanTransformer3DModel"],
-            "transformer_2": [None, None],
-            "vae": ["diffusers", "AutoencoderKLWan"],
-        },
-        spec,
-    )
 
 
 def _cast(module, dtype):

@@ -14,8 +14,8 @@ from typing import Any
 
 from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
-from vllm_omni_prompt_cache.residency import EncoderMoves, module_nbytes
-from vllm_omni_prompt_cache.text_encoders import text_encoders
+from vllm_omni_prompt_cache.encoders.residency import EncoderMoves, module_nbytes
+from vllm_omni_prompt_cache.encoders.text_encoders import text_encoders
 from vllm_omni_prompt_cache.vllm_omni.offload import observe_module_offload
 
 WORKER_EXTENSION = "vllm_omni_prompt_cache.tiny.worker_extension.TextEncoderCountersExtension"

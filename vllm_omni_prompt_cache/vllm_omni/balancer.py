@@ -33,7 +33,7 @@ from typing import Any
 from vllm_omni.distributed.omni_coordinator.load_balancer import LoadBalancer, Task
 from vllm_omni.distributed.omni_coordinator.messages import ReplicaInfo, ReplicaStatus
 
-from vllm_omni_prompt_cache.routing import (
+from vllm_omni_prompt_cache.calls.routing import (
     PromptAffinityRouter,
     UnroutableRequest,
     epsilon_from_env,

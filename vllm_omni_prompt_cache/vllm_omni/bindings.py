@@ -20,9 +20,9 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import resolve_prompt_embed_cache_config
-from vllm_omni_prompt_cache.store import MISS, PromptEmbedCache
-from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache, uninstall_prompt_embed_cache
+from vllm_omni_prompt_cache.calls.wrapper import install_prompt_embed_cache, uninstall_prompt_embed_cache
+from vllm_omni_prompt_cache.settings.resolved import resolve_prompt_embed_cache_config
+from vllm_omni_prompt_cache.store.prompt_embed_cache import MISS, PromptEmbedCache
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 

@@ -11,13 +11,8 @@ import importlib.metadata
 import os
 from collections.abc import Callable
 
-from vllm_omni_prompt_cache.config import (
-    ENABLE,
-    PromptEmbedCacheConfigError,
-    carried_settings,
-    env_flag,
-    resolve_prompt_embed_cache_settings,
-)
+from vllm_omni_prompt_cache.settings.resolved import env_flag, resolve_prompt_embed_cache_settings
+from vllm_omni_prompt_cache.settings.schema import ENABLE, PromptEmbedCacheConfigError, carried_settings
 from vllm_omni_prompt_cache.vllm_omni import hook_points, releases
 from vllm_omni_prompt_cache.vllm_omni.plugin import PLUGIN_ENV
 

@@ -14,8 +14,8 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import MAX_BYTES, Setting, carried_settings
-from vllm_omni_prompt_cache.routing import DEFAULT_EPSILON, EPSILON_ENV, epsilon_from_env
+from vllm_omni_prompt_cache.calls.routing import DEFAULT_EPSILON, EPSILON_ENV, epsilon_from_env
+from vllm_omni_prompt_cache.settings.schema import MAX_BYTES, Setting, carried_settings
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 #: The load-balancing policy we add (implemented in :mod:`.balancer`).

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from vllm_omni_prompt_cache.stats import CacheStats
+from vllm_omni_prompt_cache.counts.stats import CacheStats
 
 
 @contextlib.asynccontextmanager

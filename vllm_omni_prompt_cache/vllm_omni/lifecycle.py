@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.residency import PLACEMENT_ATTRIBUTE
-from vllm_omni_prompt_cache.store import PromptEmbedCache
-from vllm_omni_prompt_cache.text_encoders import embedding_sources
+from vllm_omni_prompt_cache.encoders.residency import PLACEMENT_ATTRIBUTE
+from vllm_omni_prompt_cache.encoders.text_encoders import embedding_sources
+from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
 from vllm_omni_prompt_cache.vllm_omni.hook_points import LORA_STATE_CHANGERS, WEIGHT_UPDATE_SESSION
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 

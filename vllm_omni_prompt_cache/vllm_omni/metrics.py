@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.counters import (
+from vllm_omni_prompt_cache.counts.counters import (
     BYPASS_REASONS,
     CALL_COUNTS,
     COUNTS,
@@ -53,8 +53,8 @@ from vllm_omni_prompt_cache.counters import (
     VERIFICATION_FAILURES,
     ranked_reasons,
 )
-from vllm_omni_prompt_cache.stats import COUNTER_FIELDS, CacheStats
-from vllm_omni_prompt_cache.store import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache
+from vllm_omni_prompt_cache.counts.stats import COUNTER_FIELDS, CacheStats
+from vllm_omni_prompt_cache.store.prompt_embed_cache import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 logger = logging.getLogger("vllm_omni_prompt_cache")

@@ -5,7 +5,7 @@ encoder and DiT gets a ``SequentialOffloadHook`` whose ``_to_gpu`` / ``_to_cpu``
 tensors to the device or to pinned host memory; an encoder's forward evicts the DiTs and places
 the encoder, a DiT's forward does the reverse. :func:`observe_module_offload` wraps those two
 methods on each hook instance (nothing else of the hook changes) and counts every move into an
-:class:`~vllm_omni_prompt_cache.residency.EncoderMoves`. It keeps its own record of where each
+:class:`~vllm_omni_prompt_cache.encoders.residency.EncoderMoves`. It keeps its own record of where each
 module is: on a GPU that is where its tensors are; on the CPU platform the hooks' device is the
 host and nothing moves, and the record says what a GPU would have moved.
 
@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.fingerprint import ENCODE_DEVICE, pipeline_attributes
-from vllm_omni_prompt_cache.residency import VLLM_OMNI_OFFLOAD, EncoderMoves, module_nbytes
-from vllm_omni_prompt_cache.text_encoders import text_encoders as pipeline_text_encoders  # the name is a keyword here
+from vllm_omni_prompt_cache.encoders.fingerprint import ENCODE_DEVICE, pipeline_attributes
+from vllm_omni_prompt_cache.encoders.residency import VLLM_OMNI_OFFLOAD, EncoderMoves, module_nbytes
+from vllm_omni_prompt_cache.encoders.text_encoders import (
+    text_encoders as pipeline_text_encoders,  # the name is a keyword here
+)
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 

@@ -24,7 +24,7 @@ import importlib.util
 import logging
 from typing import Any
 
-from vllm_omni_prompt_cache.config import env_flag
+from vllm_omni_prompt_cache.settings.resolved import env_flag
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 

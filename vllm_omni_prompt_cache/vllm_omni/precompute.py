@@ -15,7 +15,7 @@ are skipped. With ``--prompt-column`` a line's object gives that field instead (
 ``user`` message's text is taken; ``--negative-prompt-column`` adds each row's negative prompt.
 
 Datasets on shared storage: ``--pack`` moves the namespace's entry files into shards read in place
-(see :mod:`~vllm_omni_prompt_cache.directory_shards`). ``--parity-sample N`` then encodes N of the
+(see :mod:`~vllm_omni_prompt_cache.store.tiers.directory_shards`). ``--parity-sample N`` then encodes N of the
 file's stored prompts again through a second engine that audits every hit (the stored entry against
 a fresh encode) and exits 1 on any difference, or on a sampled prompt the directory did not serve.
 
@@ -32,25 +32,20 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
-from vllm_omni_prompt_cache.config import AUDIT, DIRECTORY, DIRECTORY_BYTES, ENABLE
-from vllm_omni_prompt_cache.directory_shards import SHARD_BYTES, PackReport, ShardError, pack
-from vllm_omni_prompt_cache.stats import CacheStats
+from vllm_omni_prompt_cache.counts.stats import CacheStats
+from vllm_omni_prompt_cache.settings.schema import AUDIT, DIRECTORY, DIRECTORY_BYTES, ENABLE
+from vllm_omni_prompt_cache.store.tiers.directory_shards import SHARD_BYTES, PackReport, ShardError, pack
 from vllm_omni_prompt_cache.vllm_omni.cli_args import positive_int, setting_type
 from vllm_omni_prompt_cache.vllm_omni.engine_client import cache_stats, open_engine, worker_values
+from vllm_omni_prompt_cache.vllm_omni.prompt_files import PromptFileError, prompt_digest, read_prompts
 
 #: Sampling parameters precompute sends unless told otherwise: the cheapest request that encodes.
 DEFAULT_SAMPLING = {"num_inference_steps": 1}
-
-
-class PromptFileError(ValueError):
-    """A prompt file line that is not a prompt."""
 
 
 @dataclass(frozen=True)
@@ -125,119 +120,10 @@ class PrecomputeReport:
         )
 
 
-def read_prompts(
-    path: str | Path, *, prompt_column: str | None = None, negative_prompt_column: str | None = None
-) -> list[Any]:
-    """Return the file's prompts in order, each once; raise :class:`PromptFileError` naming a bad line, row,
-    or column (see the module for what a file may hold)."""
-    rows = _parquet_rows if str(path).endswith(".parquet") else _json_lines
-    prompts: list[Any] = []
-    seen: set[str] = set()
-    for prompt in rows(Path(path), prompt_column, negative_prompt_column):
-        digest = prompt_digest(prompt)
-        if digest not in seen:
-            seen.add(digest)
-            prompts.append(prompt)
-    return prompts
-
-
-def _json_lines(path: Path, prompt_column: str | None, negative_prompt_column: str | None) -> Iterator[Any]:
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise PromptFileError(f"{path}:{number}: not JSON ({error.msg})") from None
-            where = f"{path}:{number}"
-            if prompt_column is None and negative_prompt_column is None:
-                prompt = _as_prompt(value)
-                if prompt is None:
-                    raise PromptFileError(
-                        f"{where}: expected a JSON string (a text prompt), a list of integers (token ids) or an "
-                        f'object (a request prompt, e.g. {{"prompt_token_ids": [...]}}), got {line.strip()[:60]!r}'
-                    )
-                yield prompt
-                continue
-            if not isinstance(value, dict):
-                raise PromptFileError(f"{where}: --prompt-column needs a JSON object a line, got {line.strip()[:60]!r}")
-            yield _from_columns(value, where, prompt_column or "prompt", negative_prompt_column)
-
-
-def _parquet_rows(path: Path, prompt_column: str | None, negative_prompt_column: str | None) -> Iterator[Any]:
-    try:
-        import pyarrow.parquet as parquet
-    except ImportError:
-        raise PromptFileError(
-            f"{path}: reading parquet needs pyarrow (pip install pyarrow, or this package's [parquet] extra)"
-        ) from None
-    try:
-        table = parquet.read_table(path)
-    except Exception as error:
-        raise PromptFileError(f"{path}: not a parquet file ({type(error).__qualname__}: {error})") from None
-    columns = [name for name in (prompt_column or "prompt", negative_prompt_column) if name is not None]
-    missing = [name for name in columns if name not in table.column_names]
-    if missing:
-        raise PromptFileError(f"{path}: no column {missing[0]!r}; its columns: {', '.join(table.column_names)}")
-    for number, row in enumerate(table.select(columns).to_pylist()):
-        yield _from_columns(row, f"{path} row {number}", prompt_column or "prompt", negative_prompt_column)
-
-
-def _from_columns(row: dict, where: str, prompt_column: str, negative_prompt_column: str | None) -> Any:
-    """The request prompt a row's columns give (see the module)."""
-    if prompt_column not in row:
-        raise PromptFileError(f"{where}: no {prompt_column!r} field (--prompt-column)")
-    prompt = _cell(row[prompt_column], where, prompt_column)
-    if negative_prompt_column is None:
-        return prompt if isinstance(prompt, (dict, str)) else {"prompt_token_ids": prompt}
-    if negative_prompt_column not in row:
-        raise PromptFileError(f"{where}: no {negative_prompt_column!r} field (--negative-prompt-column)")
-    negative = _cell(row[negative_prompt_column], where, negative_prompt_column)
-    if isinstance(prompt, str) and isinstance(negative, str):
-        return {"prompt": prompt, "negative_prompt": negative}
-    if isinstance(prompt, list) and isinstance(negative, list):
-        return {"prompt_token_ids": prompt, "negative_prompt_ids": negative}
-    raise PromptFileError(f"{where}: {prompt_column!r} and {negative_prompt_column!r} must both be text or token ids")
-
-
-def _cell(value: Any, where: str, column: str) -> Any:
-    """A text, token ids or request object from one cell: a chat-message list gives its last user message's text."""
-    if isinstance(value, str) and value:
-        return value
-    if isinstance(value, list) and value and all(type(item) is int for item in value):
-        return value
-    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
-        users = [item.get("content") for item in value if item.get("role") == "user"]
-        if users and isinstance(users[-1], str) and users[-1]:
-            return users[-1]
-    if isinstance(value, dict) and value:
-        return value
-    raise PromptFileError(
-        f"{where}: column {column!r} holds {str(value)[:60]!r}: expected a text, token ids, a chat-message list "
-        "with a user message, or a request object"
-    )
-
-
-def _as_prompt(value: Any) -> Any:
-    if isinstance(value, str) and value:
-        return value
-    if isinstance(value, list) and value and all(type(item) is int for item in value):
-        return {"prompt_token_ids": value}
-    if isinstance(value, dict) and value:
-        return value
-    return None
-
-
 def _no_group_write(path: str, flags: int) -> int:
     """Open the ledger without group or other write (a shared group's members skip, not write, prompts),
     never through a link."""
     return os.open(path, flags | os.O_NOFOLLOW, 0o644)
-
-
-def prompt_digest(prompt: Any) -> str:
-    """Return a stable digest of one prompt (what a ledger records)."""
-    return xxhash.xxh3_128_hexdigest(json.dumps(prompt, sort_keys=True).encode())
 
 
 def engine_kwargs(
@@ -277,47 +163,21 @@ async def precompute(
     params = OmniDiffusionSamplingParams(**sampling)
     started = time.perf_counter()
     async with open_engine(engine_kwargs(model, directory, directory_bytes, engine_args or {})) as engine:
-        tiers = [tier for tier in await worker_values(engine, "get_prompt_embed_cache_namespace") if tier]
-        if not tiers or tiers[0]["namespace"] is None:
-            why = (
-                tiers[0]["off_reason"]
-                if tiers
-                else "the engine's diffusion stage has none (its cache is off or vLLM-Omni's own, or the stage "
-                "runs on several ranks: the worker's log says which)"
-            )
-            raise RuntimeError(f"precompute: the directory tier is not in use: {why}")
-        namespace = tiers[0]["namespace"]
-        ledger = Path(tiers[0]["root"]) / namespace / f"precompute-{prompt_digest(sampling)[:16]}.ledger"
+        tier = await _directory_tier(engine)
+        namespace = tier["namespace"]
+        namespace_dir = Path(tier["root"]) / namespace
+        ledger = namespace_dir / f"precompute-{prompt_digest(sampling)[:16]}.ledger"
         done = set(ledger.read_text().split()) if ledger.exists() else set()
         pending = [prompt for prompt in prompts if prompt_digest(prompt) not in done]
         if progress is not None:  # the engine is up: the bar starts now, with the prompts already done
             progress(len(prompts) - len(pending))
-        before = last = await cache_stats(engine) or CacheStats()
-        unrecorded = 0
-        for start in range(0, len(pending), batch_size):
-            batch = pending[start : start + batch_size]
-            await asyncio.gather(
-                *(_send(engine, prompt, params, f"precompute-{start + i}") for i, prompt in enumerate(batch))
-            )
-            now = await cache_stats(engine) or CacheStats()
-            if now.dir_write_errors == last.dir_write_errors and now.dir_off_reason is None:
-                with open(ledger, "a", encoding="utf-8", opener=_no_group_write) as record:
-                    record.write("".join(f"{prompt_digest(prompt)}\n" for prompt in batch))
-                done.update(prompt_digest(prompt) for prompt in batch)
-            else:  # some of its files may be missing: a later run sends the batch again
-                unrecorded += len(batch)
-            last = now
-            if progress is not None:
-                progress(len(batch))
+        before = await cache_stats(engine) or CacheStats()
+        last, unrecorded = await _encode_pending(engine, pending, params, batch_size, ledger, done, progress, before)
         added = last.since(before)
     stored = [prompt for prompt in prompts if prompt_digest(prompt) in done]  # the ledger names them
     packed = pack_error = None
     if pack_shards:
-        shards_of = Path(tiers[0]["root"]) / namespace
-        try:
-            packed = pack(shards_of, namespace, shard_bytes=shard_bytes)
-        except (ShardError, OSError) as error:  # the entry files stay as they were; the report still prints
-            pack_error = f"pack of {shards_of} failed: {error}"
+        packed, pack_error = _pack_namespace(namespace_dir, namespace, shard_bytes)
     parity = None
     if parity_sample:
         chosen = random.Random(parity_seed).sample(stored, min(parity_sample, len(stored)))
@@ -340,6 +200,62 @@ async def precompute(
         pack_error=pack_error,
         parity=parity,
     )
+
+
+async def _directory_tier(engine: Any) -> dict[str, Any]:
+    """Return the diffusion worker's directory tier (its root and namespace); raise if the tier is not in use."""
+    tiers = [tier for tier in await worker_values(engine, "get_prompt_embed_cache_namespace") if tier]
+    if not tiers or tiers[0]["namespace"] is None:
+        why = (
+            tiers[0]["off_reason"]
+            if tiers
+            else "the engine's diffusion stage has none (its cache is off or vLLM-Omni's own, or the stage "
+            "runs on several ranks: the worker's log says which)"
+        )
+        raise RuntimeError(f"precompute: the directory tier is not in use: {why}")
+    return tiers[0]
+
+
+async def _encode_pending(
+    engine: Any,
+    pending: Sequence[Any],
+    params: Any,
+    batch_size: int,
+    ledger: Path,
+    done: set[str],
+    progress: Callable[[int], None] | None,
+    stats_before: CacheStats,
+) -> tuple[CacheStats, int]:
+    """Send ``pending`` in batches, recording in ``ledger`` and ``done`` each batch whose files were all written.
+
+    Return the cache's counters after the last batch and how many prompts were left out of the ledger.
+    """
+    last = stats_before
+    unrecorded = 0
+    for start in range(0, len(pending), batch_size):
+        batch = pending[start : start + batch_size]
+        await asyncio.gather(
+            *(_send(engine, prompt, params, f"precompute-{start + i}") for i, prompt in enumerate(batch))
+        )
+        now = await cache_stats(engine) or CacheStats()
+        if now.dir_write_errors == last.dir_write_errors and now.dir_off_reason is None:
+            with open(ledger, "a", encoding="utf-8", opener=_no_group_write) as record:
+                record.write("".join(f"{prompt_digest(prompt)}\n" for prompt in batch))
+            done.update(prompt_digest(prompt) for prompt in batch)
+        else:  # some of its files may be missing: a later run sends the batch again
+            unrecorded += len(batch)
+        last = now
+        if progress is not None:
+            progress(len(batch))
+    return last, unrecorded
+
+
+def _pack_namespace(namespace_dir: Path, namespace: str, shard_bytes: int) -> tuple[PackReport | None, str | None]:
+    """Pack the namespace's entry files into shards; return what was packed, or why the pack failed."""
+    try:
+        return pack(namespace_dir, namespace, shard_bytes=shard_bytes), None
+    except (ShardError, OSError) as error:  # the entry files stay as they were; the report still prints
+        return None, f"pack of {namespace_dir} failed: {error}"
 
 
 async def _parity(kwargs: dict[str, Any], prompts: Sequence[Any], params: Any, batch_size: int) -> ParityReport:
@@ -444,7 +360,7 @@ def add_arguments(parser: Any) -> None:
 def _shard_bytes(text: str) -> int:
     import argparse
 
-    from vllm_omni_prompt_cache.config import MAX_BYTES
+    from vllm_omni_prompt_cache.settings.schema import MAX_BYTES
 
     try:
         value = MAX_BYTES.parse(text, "command-line flag --shard-bytes")

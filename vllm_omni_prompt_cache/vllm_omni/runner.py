@@ -18,27 +18,27 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.config import (
-    DIRECTORY_KEY_FILE,
-    ENCODER_ON_MISS,
-    METHODS,
-    PromptEmbedCacheConfigError,
-    PromptEmbedCacheSettings,
-)
-from vllm_omni_prompt_cache.directory_trust import read_key
-from vllm_omni_prompt_cache.methods import resolve_declared_methods
-from vllm_omni_prompt_cache.residency import (
+from vllm_omni_prompt_cache.calls.methods import resolve_declared_methods
+from vllm_omni_prompt_cache.calls.wrapper import install_prompt_embed_cache
+from vllm_omni_prompt_cache.encoders.residency import (
     PLACEMENT_ATTRIBUTE,
     EncoderMoves,
     EncoderPlacement,
 )
-from vllm_omni_prompt_cache.text_encoders import text_encoders
+from vllm_omni_prompt_cache.encoders.text_encoders import text_encoders
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.settings.schema import (
+    DIRECTORY_KEY_FILE,
+    ENCODER_ON_MISS,
+    METHODS,
+    PromptEmbedCacheConfigError,
+)
+from vllm_omni_prompt_cache.store.tiers.directory_trust import read_key
 from vllm_omni_prompt_cache.vllm_omni.bindings import upstream_cache_module
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import StatsLogger, watch_weight_loads
 from vllm_omni_prompt_cache.vllm_omni.offload import observe_module_offload, refusal_with_offload
 from vllm_omni_prompt_cache.vllm_omni.settings import stage_settings
-from vllm_omni_prompt_cache.wrapper import install_prompt_embed_cache
 
 logger = logging.getLogger("vllm_omni_prompt_cache")
 

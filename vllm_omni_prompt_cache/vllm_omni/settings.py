@@ -30,16 +30,15 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.config import (
+from vllm_omni_prompt_cache.calls.layouts import resolve_declared_layouts
+from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings, resolve_settings
+from vllm_omni_prompt_cache.settings.schema import (
     ENABLE,
     MAX_SIZE,
     ROW_LAYOUTS,
     PromptEmbedCacheConfigError,
-    PromptEmbedCacheSettings,
     carried_settings,
-    resolve_settings,
 )
-from vllm_omni_prompt_cache.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.vllm_omni.imports import replace_once
 
 #: Where a deploy-config stage names our settings: ``engine_args.extras.prompt_embed_cache``.

@@ -1,0 +1,6 @@
+"""The text encoders: which of a pipeline's modules they are (``text_encoders``), what produced their
+embeddings (``fingerprint``: code, configuration, weights, tokenizers), and where they live between calls
+(``residency``: placements, offload moves, and what a hit saved).
+
+May import ``rows``, ``counts``, ``keys`` and the base modules.
+"""
