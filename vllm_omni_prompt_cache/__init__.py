@@ -19,7 +19,7 @@ from vllm_omni_prompt_cache.settings.resolved import (
 from vllm_omni_prompt_cache.settings.schema import PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.store.prompt_embed_cache import MISS, CacheStats, PromptEmbedCache
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "MISS",
