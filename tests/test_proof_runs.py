@@ -124,3 +124,22 @@ def test_what_a_proof_run_writes_after_the_encoder_is_not_left_behind(encoder, p
         assert described["refusal"] == "it changes its arguments in place, which a hit could not repeat"
     else:
         assert described["refusal"] == LEFT_BEHIND
+
+
+def test_the_guard_follows_writes_into_a_real_tensor_and_not_reads_of_it() -> None:
+    """A real tensor indexed with stand-in data stays real (``__getitem__`` reads it); one a stand-in is written into,
+    by an in-place method, item assignment or an augmented assignment, carries stand-in data."""
+    from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard
+
+    stand_in = torch.tensor([0, 2])
+    read, added, assigned, augmented = (torch.arange(4.0) for _ in range(4))
+    guard = ProofGuard()
+    guard.plant(stand_in)
+    with guard:
+        picked = read[stand_in]
+        added.add_(stand_in.float().sum())
+        assigned[stand_in] = 7.0
+        augmented += stand_in.float().sum()
+    assert picked in guard.tainted  # computed from a stand-in
+    assert read not in guard.tainted
+    assert all(tensor in guard.tainted for tensor in (added, assigned, augmented))

@@ -225,8 +225,7 @@ class ProofGuard(TorchFunctionMode):
             elif isinstance(output, (tuple, list)):
                 for tensor in tensors_in(output):
                     tainted.add(tensor)
-            name = getattr(func, "__name__", "")
-            if name[-1:] == "_" or name == "__setitem__" or "out" in kwargs:  # written in place
+            if _writes_in_place(getattr(func, "__name__", ""), kwargs):
                 for argument in (args[:1] if args else ()) + ((kwargs["out"],) if "out" in kwargs else ()):
                     for tensor in tensors_in(argument):
                         tainted.add(tensor)
@@ -272,6 +271,20 @@ class ProofGuard(TorchFunctionMode):
             yield
         finally:
             self.watching = watching
+
+
+def _writes_in_place(name: str, kwargs: dict) -> bool:
+    """Return True for a call that writes into its first argument or ``out``: ``add_``, ``x[i] = v``, ``x += v``;
+    not other dunders (``__getitem__`` reads: a real tensor indexed by a stand-in stays real)."""
+    if name.startswith("__"):
+        return name in _IN_PLACE_DUNDERS
+    return name[-1:] == "_" or "out" in kwargs
+
+
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "mod", "pow", "and", "or", "xor")
+) | {"__ilshift__", "__irshift__", "__setitem__"}
 
 
 def _random_functions() -> frozenset[Any]:
