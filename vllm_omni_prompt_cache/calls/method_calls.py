@@ -248,7 +248,7 @@ class MethodCalls:
             record = NO_RECORD
         if record is not None:
             try:
-                beside, unproven = self.first_use.prove(args, kwargs, found.key, record, rows=row is not None)
+                beside, unproven = self.first_use.hits.prove(args, kwargs, found.key, record, rows=row is not None)
             except Exception as error:  # raised as the uncached call would; counted, not lost
                 self.count(tally(Outcome.BYPASS, reason=f"its proof run raised {type(error).__qualname__}"))
                 raise
@@ -290,13 +290,6 @@ class MethodCalls:
             kept = fresh if row is not None else pack(fresh, self.state.replayed(unproven.trace))
             self.store.keep(kept_under(found.key, unproven), seal(kept, unproven.record), found.made_under)
         return fresh if row is not None else unproven.result
-
-    def whole_found(self, why: str | None, rows: int | None) -> FoundCounts:
-        """Return what a whole call that found an entry counts: served (proven or not), or encoded instead."""
-        if why is None:
-            return WHOLE_FOUND
-        hit = tally(Outcome.HIT, whole_call=why)
-        return FoundCounts(hit, {**hit, PROVEN_HITS: 1}, tally(Outcome.MISS, whole_call=why, rows_encoded=rows or 0))
 
     def uncached(self, args: tuple, kwargs: dict, counts: Mapping[Count, Any]) -> Any:
         """Serve the call from the original function, not cached, counted as ``counts`` (a :func:`tally`)."""
@@ -456,10 +449,10 @@ class WholeCalls:
             calls.settle(learned.verdict | Verdict(whole_only=True))
             return calls.first_use.keep_learned(args, kwargs, arguments, learned, made_under)
         if not encoded:  # an entry, another call's encode, a lower tier's file: proven first
-            return self._found(args, kwargs, Found(key, value, calls.whole_found(why, rows), made_under))
+            return self._found(args, kwargs, Found(key, value, whole_found(why, rows), made_under))
         value = unseal(value)[0]  # this call encoded: the pipeline holds what it wrote already
         result = value[1] if is_packed(value) else value
-        if infer and encoded and calls.proof.claim_inference():
+        if infer and calls.proof.claim_inference():
             adopted = None
             try:
                 adopted = self._infer(arguments, encoded[0], held)
@@ -486,3 +479,11 @@ class WholeCalls:
                 self.calls.count(tally(whole_call=f"no row layout inferred: {layout}"))
             return None
         return layout if RowCalls(self.calls, layout).check_inferred(arguments, output, held) else None
+
+
+def whole_found(why: str | None, rows: int | None) -> FoundCounts:
+    """Return what a whole call that found an entry counts: served (proven or not), or encoded instead."""
+    if why is None:
+        return WHOLE_FOUND
+    hit = tally(Outcome.HIT, whole_call=why)
+    return FoundCounts(hit, {**hit, PROVEN_HITS: 1}, tally(Outcome.MISS, whole_call=why, rows_encoded=rows or 0))

@@ -250,7 +250,7 @@ class RowCalls:
             return row
         args, kwargs = row_call(self.calls.signature, split, index)
         made_under = self.calls.lookups.ticket
-        beside, unproven = self.calls.first_use.prove(args, kwargs, key, record, rows=True)
+        beside, unproven = self.calls.first_use.hits.prove(args, kwargs, key, record, rows=True)
         if unproven is None:
             rows.proven += 1
             return row if beside is None else unseal(beside)[0]

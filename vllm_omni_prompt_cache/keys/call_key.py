@@ -66,8 +66,8 @@ MAX_KEY_ITEMS = 10_000
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 _NONE = ("none",)
-#: Follows the model tag in a row's identity (see :mod:`.layout`); no argument value encodes to it,
-#: so a row never shares an entry with a whole call.
+#: Follows the model tag in a row's identity (see :mod:`~vllm_omni_prompt_cache.rows.layout`); no argument value
+#: encodes to it, so a row never shares an entry with a whole call.
 _ROW = ("row",)
 
 

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_prompt_cache.keys.call_key import Bypass, value_identity
-
-#: Marks an entry whose value carries the writes its encode made: ``(EFFECTS, output, writes)``.
 from vllm_omni_prompt_cache.keys.reads import (
     ABSENT,
     COMPONENT,

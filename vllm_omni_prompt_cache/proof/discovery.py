@@ -9,8 +9,8 @@ wrapper tries the outermost one first and moves inwards as each is refuted on it
 child module (the DiT, the VAE), changes its arguments, or runs collectives. Class and module
 names play no part: an adapter verl-omni adds tomorrow is found the same way.
 
-What the cache knows of each wrapped method, its :class:`~.method_state.MethodState`, lives beside the
-tracing that fills it, in :mod:`.reads`. Nothing here knows about vLLM-Omni.
+What the cache knows of each wrapped method, its :class:`~.method_state.MethodState`, is filled from the
+traces of :mod:`.reads`. Nothing here knows about vLLM-Omni.
 """
 
 from __future__ import annotations

@@ -24,34 +24,22 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vllm_omni_prompt_cache.counts.counters import Outcome, tally
-from vllm_omni_prompt_cache.encoders.residency import PLACEMENT_ATTRIBUTE
-from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, CallKeyBuilder, seal, with_encoder_input
+from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, CallKeyBuilder, seal
 from vllm_omni_prompt_cache.keys.method_state import MethodState, pack
-from vllm_omni_prompt_cache.keys.reads import CannotTrace, Snapshot, Trace, current_attribute, is_absent, refill, traced
-from vllm_omni_prompt_cache.logs import logger
+from vllm_omni_prompt_cache.keys.reads import CannotTrace, Snapshot, Trace, current_attribute, is_absent, traced
 from vllm_omni_prompt_cache.proof.discovery import observed
 from vllm_omni_prompt_cache.proof.encoder_gate import (
-    DIFFERED_AFTER,
-    NO_RECORD,
-    UNRECORDED,
     EncoderGate,
     GateRun,
-    Record,
-    Refuted,
-    parse,
 )
-from vllm_omni_prompt_cache.proof.stand_ins import Draws, ProofGuard, result_digest
+from vllm_omni_prompt_cache.proof.hit_proof import HitProof, copied
 from vllm_omni_prompt_cache.proof.verdicts import (
-    LEARNED_REASON,
-    LEFT_BEHIND,
     NO_VERDICT,
     Encode,
     Learned,
     NotRun,
-    Unproven,
     Verdict,
     collectives_refusal,
-    drawing_refusal,
     unprovable_refusal,
 )
 from vllm_omni_prompt_cache.rows.layout_proofs import compare_outputs
@@ -89,6 +77,7 @@ class FirstUse:
         self.encode_fn = encode_fn  # the method, noting that the call encoded and placed for it
         self.original = original  # the method as the pipeline had it: what a proof run calls, unplaced
         self.inside = inside  # .encoded: the current call ran the text encoder
+        self.hits = HitProof(self)  # proves its hits (hit_proof.py: a proven hit enters no module above it)
 
     def refusal(self, why: str) -> Verdict:
         """Stop caching the method at once (the calls after bypass, and no encode ending after it is kept); the
@@ -98,11 +87,11 @@ class FirstUse:
     def _encode(self, args: tuple, kwargs: dict, *, observe: bool | None = None) -> Encode:
         """Run the call traced (what it reads and writes on the instance) in a gate run (what reaches each of its text
         encoder calls), then once more with each encoder call answered by a stand-in, which completes the record an
-        entry of it keeps (:meth:`_reference`): a first use, every later encode, a proof that encodes. ``observe``:
+        entry of it keeps (:meth:`reference`): a first use, every later encode, a proof that encodes. ``observe``:
         also watch which modules and collectives run (None: while no encode was watched; a hit would skip
         collectives on one rank)."""
         observe = not self.state.observed if observe is None else observe
-        before, pristine = Snapshot(self.instance), _copied(args, kwargs)  # what the reference run starts from
+        before, pristine = Snapshot(self.instance), copied(args, kwargs)  # what the reference run starts from
         with self.gate.run() as gate_run:
             gate_run.on_refute = self.note_encoded
             if not observe:  # every encode after the first: traced only
@@ -118,68 +107,8 @@ class FirstUse:
             self.state.note_observed()
         encode = Encode(result, trace, gate_run, observation)
         if observation is None or not observation.collectives:  # one that runs them is refused, on every rank
-            self._reference(*pristine, encode, before)
+            self.hits.reference(*pristine, encode, before)
         return encode
-
-    def _reference(self, args: tuple, kwargs: dict, encode: Encode, before: Snapshot) -> None:
-        """Complete the record of a real encode: run the method once more on the state it started from, each encoder
-        call answered by its stand-in, and keep the digest of what it returns (see :mod:`.encoder_gate`).
-        ``before``: the instance before the encode (what it wrote and changed in place is undone for the run); it is
-        left as the encode left it. Sets ``gate_run.whole``, or ``gate_run.unprovable`` with why no hit
-        of this method could be proven."""
-        gate_run = encode.gate_run
-        recorded = gate_run.recorded
-        if recorded is None:
-            return
-        touched = _touched(encode.trace)
-        after = Snapshot(self.instance)
-        before.restore(names=touched)
-        guard = ProofGuard()
-        result: Any = None
-        why = None
-        again = Trace(self.instance)
-        run_args, run_kwargs = _copied(args, kwargs)  # ``args`` stay as the caller gave them
-        try:
-            with (
-                guard,
-                self.gate.run(recorded, reference=True, guard=guard) as reference,
-                traced(self.instance) as again,
-            ):
-                again.setters_from_start, reference.trace = True, again
-                result = self.original(*run_args, **run_kwargs)
-            if reference.differed is not None:  # the run's own code caught the Refuted
-                why = "its encode, run again, gave its text encoders other inputs: no hit could be proven"
-            elif len(reference.calls) != len(recorded.calls):
-                why = "its encode, run again, called its text encoders otherwise: no hit could be proven"
-        except Draws as draws:
-            why = drawing_refusal(str(draws))
-        except Refuted:
-            why = "its encode, run again, gave its text encoders other inputs: no hit could be proven"
-        except Exception as error:
-            why = (
-                f"its encode, run again with its text encoders answered by stand-ins, raised {type(error).__qualname__}"
-            )
-            logger.debug("Prompt-embed cache: the reference run of %s raised.", self.method, exc_info=True)
-        finally:
-            again.undo_setters()
-            touched |= _touched(again)
-            again.release()
-            after.restore(names=touched)
-        if why is None and guard.drew() is not None:  # drawn and caught by the run's own code
-            why = drawing_refusal(str(guard.drew()))
-        digest = result_digest(result) if why is None else None
-        if type(digest) is Bypass:
-            why = f"what its encode returns cannot be compared ({digest.reason})"
-        del run_args, run_kwargs
-        if guard.left_behind(result):
-            # Stand-in data stayed where the cache cannot put it back: the real encode writes it over, once.
-            why = why or LEFT_BEHIND
-            with contextlib.suppress(Exception):  # the call was served already: this is the cache's own repair
-                self.encode_fn(*_copied(args, kwargs)[0], **_copied(args, kwargs)[1])
-        if why is not None:
-            gate_run.unprovable = why
-        else:
-            gate_run.whole = Record(recorded.calls, digest).spell()
 
     def _judge(self, encode: Encode, refusal: str | None = None) -> tuple[bool, str | None]:
         """Merge what an encode read and wrote into the method's state (unless ``refusal`` already says why it is
@@ -230,108 +159,6 @@ class FirstUse:
             self.store.withhold_write_through()
         gate_run.grew = grew
         return result, trace, gate_run
-
-    def prove(
-        self, args: tuple, kwargs: dict, found: CallKey, record: str, *, rows: bool = False
-    ) -> tuple[Any, Unproven | None]:
-        """Run the call with each text-encoder call answered by its stand-in, and compare what reaches each call and
-        what the run returns with ``record``, what the encode of the entry under ``found`` did. Return ``(value,
-        None)`` when all are equal (``value``: the entry kept beside ``found``'s that was proven instead, or None:
-        the one compared); no encoder ran, and the instance is as it was at the first encoder call. Otherwise the
-        call was encoded, as a miss is, and judged as one: ``(None, Unproven)``, its result, what to keep of it and
-        what it decided (see :mod:`.encoder_gate`)."""
-        expected = parse(record) if record != NO_RECORD else None
-        main_input = expected.first_input if expected is not None and expected.calls else None
-        placed = getattr(self.pipeline, PLACEMENT_ATTRIBUTE, None) is not None
-        guard = ProofGuard()
-        # What a later run starts from (its reference run, an encode instead): the instance, and the arguments as the
-        # caller gave them (an encode may change them in place: vLLM-Omni's Z-Image templates its prompt list).
-        before, given = Snapshot(self.instance), _copied(args, kwargs)
-        gate_run = GateRun()
-        trace = Trace(self.instance)
-        try:
-            with guard, self.gate.run(expected or Record((), ""), abort_on_refute=placed, guard=guard) as gate_run:
-                gate_run.on_refute, gate_run.alternative = self.note_encoded, self._alternative(found)
-                with traced(self.instance) as trace:
-                    trace.snapshot_at_encoder, gate_run.trace = True, trace
-                    result = self.original(*args, **kwargs)
-        except Refuted:  # stand-ins were handed out, or its encoders wait off the device: encoded again
-            return None, self._again(trace, before, args, kwargs, given, gate_run.why_unproven, rows, main_input)
-        except Draws as draws:
-            return None, self._drew(trace, before, str(draws), args, kwargs, given)
-        except Exception as error:
-            if not gate_run.calls or gate_run.went_on:  # before any stand-in: raised as the uncached call would
-                raise
-            why = f"its proof run raised {type(error).__qualname__}"  # on stand-in data: encoded again
-            return None, self._again(trace, before, args, kwargs, given, why, rows, main_input)
-        if gate_run.went_on:  # its first encoder input differed: the run went on through the encoder, a miss's
-            encode = Encode(result, trace, gate_run, None)
-            self._reference(*given, encode, before)
-            why = UNRECORDED if expected is None and gate_run.unreadable is None else gate_run.why_unproven
-            return None, self._unproven(encode, rows, why, main_input)
-        if guard.drew() is not None:  # a draw the run's own code caught
-            return None, self._drew(trace, before, str(guard.drew()), args, kwargs, given)
-        if gate_run.differed is not None:  # a Refuted the run's own code caught
-            return None, self._again(trace, before, args, kwargs, given, gate_run.why_unproven, rows, main_input)
-        if not gate_run.calls:  # it reached no encoder: its own result is served
-            return None, Unproven(result, None, None, gate_run.why_unproven)
-        trace.undo_after_encoder(release=True, since=before)  # first: what it wrote on the instance a hit replays
-        left = guard.left_behind(result)  # before the caller's arguments are refilled: what they kept counts
-        _put_back(args, kwargs, given)
-        assert gate_run.expected is not None
-        complete = len(gate_run.calls) == len(gate_run.expected.calls)
-        if complete and result_digest(result) == gate_run.expected.result:
-            if left:
-                verdict = self.refusal(LEFT_BEHIND)
-                return None, Unproven(self.encode_fn(*args, **kwargs), None, None, LEFT_BEHIND, verdict)
-            return gate_run.beside, None
-        return None, self._encoded_again(args, kwargs, DIFFERED_AFTER, rows, main_input)
-
-    def _again(
-        self,
-        trace: Trace,
-        before: Snapshot,
-        args: tuple,
-        kwargs: dict,
-        given: tuple[tuple, dict],
-        reason: str,
-        rows: bool,
-        main_input: str | None,
-    ) -> Unproven:
-        """Put back what a stopped proof run changed (the instance after its encoder call, the caller's arguments) and
-        encode the call as a miss."""
-        trace.undo_after_encoder(since=before)
-        _put_back(args, kwargs, given)
-        return self._encoded_again(args, kwargs, reason, rows, main_input)
-
-    def _drew(
-        self, trace: Trace, before: Snapshot, draw: str, args: tuple, kwargs: dict, given: tuple[tuple, dict]
-    ) -> Unproven:
-        """Refuse a method whose proof run drew random numbers (undone); encode the call uncached, as given."""
-        trace.undo_after_encoder(since=before)
-        _put_back(args, kwargs, given)
-        why = drawing_refusal(draw)
-        verdict = self.refusal(why)
-        return Unproven(self.encode_fn(*args, **kwargs), None, None, why, verdict)
-
-    def _encoded_again(self, args: tuple, kwargs: dict, reason: str, rows: bool, main_input: str | None) -> Unproven:
-        """Encode a call whose proof run was answered by stand-ins and did not prove it, as a miss."""
-        return self._unproven(self._encode(args, kwargs), rows, reason, main_input)
-
-    def _unproven(self, encode: Encode, rows: bool, reason: str, main_input: str | None) -> Unproven:
-        """Judge an encode made instead of a hit as a miss is judged; return what the call serves and keeps."""
-        try:
-            result, trace, gate_run = self._judged(encode, rows=rows, in_flight=False)
-        except Learned as learned:  # it read or wrote what the key does not hold: served, not kept
-            return Unproven(learned.result, None, None, learned.reason or LEARNED_REASON, learned.verdict)
-        first = gate_run.first_input if type(gate_run.first_input) is str else None
-        # A run whose key grew read state this key lacks: served, not kept beside under it.
-        kept = None if gate_run.grew or gate_run.whole is None else trace
-        return Unproven(result, kept, gate_run.whole, reason, NO_VERDICT, None if first == main_input else first)
-
-    def _alternative(self, found: CallKey) -> Callable[[str], tuple[bool, Any]]:
-        """Return the look-up of the entry kept beside ``found``'s for another first encoder input (not counted)."""
-        return lambda first_input: self.store.peek(with_encoder_input(found, first_input), self.method)
 
     def note_encoded(self) -> None:
         """Note that the current call ran the text encoder (a proof run that went on through it)."""
@@ -440,32 +267,3 @@ class FirstUse:
                 setattr(self.instance, name, value)
             return served, verdict
         return fresh, verdict | self.refusal(f"its first hit differed from an uncached call ({why})")
-
-
-def _copied(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Return the call's arguments with every list, dict, tuple and set in them copied (what they hold is shared)."""
-    return _containers_copied(args), _containers_copied(kwargs)
-
-
-def _put_back(args: tuple, kwargs: dict, given: tuple[tuple, dict]) -> None:
-    """Refill the caller's lists, dicts and sets among ``args`` and ``kwargs`` with what they held when given (their
-    copies in ``given``): what a proof run wrote into them may be stand-in data."""
-    for now, then in ((args, given[0]), (kwargs, given[1])):
-        for key in range(len(now)) if isinstance(now, tuple) else now:
-            if type(now[key]) in (list, dict, set):
-                refill(now[key], then[key])
-
-
-def _touched(trace: Trace) -> set[str]:
-    """Return the instance attributes a traced call read or wrote (what its runs may have changed)."""
-    return {*trace.reads, *trace.writes, *trace.overwritten, *trace.read_identities}
-
-
-def _containers_copied(value: Any, depth: int = 0) -> Any:
-    if depth > 32:
-        return value
-    if type(value) in (list, tuple, set):
-        return type(value)(_containers_copied(item, depth + 1) for item in value)
-    if type(value) is dict:
-        return {key: _containers_copied(item, depth + 1) for key, item in value.items()}
-    return value
