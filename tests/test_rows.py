@@ -242,6 +242,7 @@ def test_two_concurrent_batches_sharing_a_missing_row_encode_it_once(encoder) ->
 
     pipeline.encode_prompt = encode
     cache = install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
+    forwards = encoder_forwards(pipeline)
     results = {}
 
     def run(name, batch):
@@ -252,12 +253,23 @@ def test_two_concurrent_batches_sharing_a_missing_row_encode_it_once(encoder) ->
     # second batch's proof of the shared row it joined runs it once more, answered; the encoder ran 3 times in all
     # (rows_encoded below).
     assert sorted(encoded) == sorted([len(shared)] * 3 + [len(first_only)] * 2 + [len(second_only)] * 2)
+    assert sorted(forwards) == sorted([len(shared), len(first_only), len(second_only)])  # each row encoded once
     reference = QwenStyleTokenPipeline(encoder)
     for name, batch in (("first", [shared, first_only]), ("second", [second_only, shared])):
         expected = rows_alone(reference, batch, copies=1)
         assert torch.equal(results[name][0], expected[0])
     stats = cache.snapshot()
     assert (stats.row_misses, stats.row_hits, stats.rows_encoded) == (3, 1, 3)
+
+
+def encoder_forwards(pipeline) -> list[int]:
+    """Return a list the lengths of the text encoder's real forwards are appended to (a proof's or a reference
+    run's answered encoder call runs no forward)."""
+    forwards: list[int] = []
+    pipeline.text_encoder.register_forward_hook(
+        lambda module, args, kwargs, output: forwards.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    return forwards
 
 
 def install_failing_once(pipeline, release: threading.Event):
@@ -431,10 +443,12 @@ def test_a_row_whose_encode_raises_releases_the_rows_it_had_not_encoded(encoder)
     a, b = token_rows(2, seed=11)
     b_waited = threading.Event()
     cache, encoded, run, outcome = install_failing_once(pipeline, b_waited)
+    forwards = encoder_forwards(pipeline)
     race(cache, ("failing", [a, b]), ("waiter", [b]), run, b_waited)
     assert isinstance(outcome["failing"], RuntimeError)
     # b was never encoded by the failing call; the waiter's miss ran the method once more, answered (its reference run).
     assert encoded == [("failing", len(a)), ("waiter", len(b)), ("waiter", len(b))]
+    assert forwards == [len(b)]  # the encoder itself ran once: b, by the waiter
     assert torch.equal(outcome["waiter"][0], rows_alone(QwenStyleTokenPipeline(encoder), [b], copies=1)[0])
     assert not len(cache.flights)
     stats = cache.snapshot()

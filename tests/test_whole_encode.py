@@ -443,8 +443,7 @@ FOUND = pytest.mark.parametrize("found", [False, True], ids=["encode_prompt", "f
 def test_every_encoder_call_of_the_encode_is_proven(name: str, found: bool, record_property) -> None:
     wrong, stats = wrong_calls(SECOND_CALLS[name], found, record_property)
     assert wrong == 0
-    if not found:
-        assert stats["proven_hits"] >= 1
+    assert stats["proven_hits"] >= 1  # served, proven: not 0 wrong by serving nothing
 
 
 @FOUND
@@ -452,20 +451,28 @@ def test_every_encoder_call_of_the_encode_is_proven(name: str, found: bool, reco
 def test_state_read_after_the_encoder_is_proven(name: str, found: bool, record_property) -> None:
     wrong, stats = wrong_calls(LATE_STATE[name], found, record_property)
     assert wrong == 0
-    if not found:
-        assert stats["proven_hits"] >= 1
+    assert stats["proven_hits"] >= 1
 
 
 @FOUND
 @pytest.mark.parametrize("name", list(UNRECOGNISED))
 def test_an_encoder_the_cache_may_not_recognise_serves_nothing_wrong(name: str, found: bool, record_property) -> None:
-    wrong, _ = wrong_calls(UNRECOGNISED[name], found, record_property)
+    wrong, stats = wrong_calls(UNRECOGNISED[name], found, record_property)
     assert wrong == 0
+    if found and name == "raw parameter table":  # a table fed through F.embedding is seen only inside a watched call
+        assert stats == {}  # so no encode is found: nothing is wrapped, every call encodes
+    else:
+        assert stats["proven_hits"] >= 1
 
 
 @FOUND
 @pytest.mark.parametrize("name", list(RANDOMNESS))
 def test_random_draws_are_neither_frozen_nor_consumed_twice(name: str, found: bool, record_property) -> None:
     """Each call equals its twin's under the same seeds: a hit froze no draw, and a proof drew nothing extra."""
-    wrong, _ = wrong_calls(RANDOMNESS[name], found, record_property)
+    wrong, stats = wrong_calls(RANDOMNESS[name], found, record_property)
     assert wrong == 0
+    if name == "latents drawn after the encode":  # drawn outside the encode: hits serve, the draws stay in step
+        assert stats["proven_hits"] >= 1
+    else:  # drawn inside it: the method is refused, said with why
+        (method,) = stats["encode_methods"].values()
+        assert stats["proven_hits"] == 0 and "draws random numbers" in method["refusal"]
