@@ -686,8 +686,9 @@ CASES: list[Case | NotBuilt] = [
         "MiniMaxH3Pipeline",
         "its encode_prompt takes one PreparedEncoderInputs (prompt, task, condition labels, images, videos and "
         "their timestamps), a dataclass the key builder refuses (unsupported type), so every rank-0 call would "
-        "bypass; building it needs MiniMaxH3Qwen3VLEncoder (vLLM-Omni's own TP Qwen3-VL with a vision tower) "
-        "loaded through its weight-name mapping. It reads no per-request hidden state (the request is all in "
+        "bypass; the pipeline is not built here (its encoder, MiniMaxH3Qwen3VLEncoder, is: built tiny by "
+        "vllm_omni_prompt_cache/tiny/minimax_h3_encoder.py and proven in tests/test_minimax_h3_encoder.py). "
+        "It reads no per-request hidden state (the request is all in "
         "`prepared`; self holds the tokenizer, processor, encoder and its TP group), but on DiT ranks other than 0 "
         "it is called with prepared=None and gets the ids by broadcast from rank 0, so a hit there would skip rank "
         "0's collectives: every rank sees them on its first call and refuses the method (tests/test_ranks.py)",

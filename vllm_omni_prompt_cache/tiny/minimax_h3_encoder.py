@@ -117,9 +117,10 @@ def _keep_linear_weights(encoder: torch.nn.Module) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
-def build_minimax_h3_encoder(*, seed: int = 0) -> torch.nn.Module:
+def build_minimax_h3_encoder(*, seed: int = 0, device: torch.device | str = "cpu") -> torch.nn.Module:
     """vLLM-Omni's ``MiniMaxH3Qwen3VLEncoder`` from the tiny config (see the module), seeded random
-    float32 weights, eval mode, on the CPU. Joins a one-rank vLLM TP group for the process if none is up."""
+    float32 weights, eval mode, on ``device`` (the pipeline passes its own, as ``_load_text_encoder`` does).
+    Joins a one-rank vLLM TP group for the process if none is up."""
     from transformers import Qwen3VLConfig
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm_omni.diffusion.models.minimax_h3.encoder import MiniMaxH3Qwen3VLEncoder
@@ -134,7 +135,7 @@ def build_minimax_h3_encoder(*, seed: int = 0) -> torch.nn.Module:
         Path(model_path, "config.json").write_text(json.dumps(config.to_dict()))
         torch.manual_seed(seed)
         encoder = MiniMaxH3Qwen3VLEncoder(
-            model_path, device=torch.device("cpu"), load_model=True, encoder_group=_OneRankEncoderGroup()
+            model_path, device=torch.device(device), load_model=True, encoder_group=_OneRankEncoderGroup()
         )
         encoder.float()
         with torch.no_grad():  # vLLM's linears and the token table are allocated empty
@@ -143,27 +144,3 @@ def build_minimax_h3_encoder(*, seed: int = 0) -> torch.nn.Module:
                     parameter.normal_(std=0.02)
         _keep_linear_weights(encoder)
     return encoder.eval()
-
-
-def encode_ids(encoder: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The prompt hidden states as MiniMax-H3's ``encode_prompt`` takes them from the encoder.
-
-    A 1-D ``ids`` is one prompt: its kept ids (``mask`` nonzero; all without a mask) go to
-    ``encoder.encode_ids`` as one 1-D int64 tensor, and the result, ``[kept, 5120]`` bfloat16, is
-    returned. A 2-D ``[B, L]`` batch is encoded one row at a time, as the pipeline encodes one prompt
-    per request, into ``[B, L, 5120]`` bfloat16 with each row's states at its kept positions and
-    zeros elsewhere.
-    """
-    if mask is None:
-        mask = torch.ones_like(ids)
-    if ids.shape != mask.shape:
-        raise ValueError(f"ids {list(ids.shape)} and mask {list(mask.shape)} differ in shape")
-    if ids.dim() == 1:
-        return encoder.encode_ids(ids[mask.bool()].to(torch.long))
-    if ids.dim() != 2:
-        raise ValueError(f"ids must be 1-D or 2-D, got {list(ids.shape)}")
-    out = torch.zeros(*ids.shape, HIDDEN, dtype=torch.bfloat16)
-    for row, (row_ids, row_mask) in enumerate(zip(ids, mask.bool(), strict=True)):
-        if row_mask.any():
-            out[row, row_mask] = encoder.encode_ids(row_ids[row_mask].to(torch.long))
-    return out
