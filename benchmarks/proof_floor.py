@@ -6,7 +6,9 @@ A proof re-runs the wrapped method with its text-encoder calls answered, so no p
 method's own code around its encoder. On the token-ID Qwen-Image pipeline inside a real ``AsyncOmni`` engine (the
 tests' tiny checkpoint, on the CPU platform) this times, as medians in one process: a proven hit, a miss, the same
 call with no cache (the class's own ``encode_prompt``), and that call with the text encoder's forward answered by
-a ready output (its own first output: the method's body alone, what a proof cannot avoid).
+a ready output (its own first output: the method's body alone, what a proof cannot avoid), and that body under
+what every proof run is watched by: the guard (a torch function mode: draws, stand-in data left behind) and the
+trace of the instance (writes after the encoder undone).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def measure(calls: int) -> dict[str, float]:
     import torch
 
     from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, engine_kwargs
+    from vllm_omni_prompt_cache.keys.reads import traced
+    from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard
     from vllm_omni_prompt_cache.tiny.qwen_image import ensure_tiny_qwen_image, load_tokenizer, prompt_token_ids
     from vllm_omni_prompt_cache.tiny.token_id_pipeline import TokenIdQwenImagePipeline
     from vllm_omni_prompt_cache.vllm_omni.engine_client import open_engine
@@ -73,12 +77,19 @@ def measure(calls: int) -> dict[str, float]:
                         ready.append(real_forward(*args, **kwargs))
                     return ready[0]
 
+                def watched(_: int) -> None:
+                    guard = ProofGuard()
+                    guard.plant(ready[0])
+                    with guard, traced(pipeline):
+                        uncached(seen.clone())
+
                 encoder.forward = answered
                 try:
                     body = _median_us(lambda _: uncached(seen.clone()), calls)
+                    body_watched = _median_us(watched, calls)
                 finally:
                     del encoder.forward
-            return {"hit_us": hit, "miss_us": miss, "uncached_us": bare, "body_us": body}
+            return {"hit_us": hit, "miss_us": miss, "uncached_us": bare, "body_us": body, "watched_us": body_watched}
 
     return asyncio.run(run())
 
@@ -99,6 +110,7 @@ def main() -> None:
         ("miss", miss),
         ("the call with no cache", found["uncached_us"]),
         ("the method's body, its encoder answered by a ready output (no cache, no proof)", found["body_us"]),
+        ("that body under the proof's guard (output planted as stand-in data) and the trace", found["watched_us"]),
     ]
     lines = [
         f"Tiny Qwen-Image engine, token-ID encode_prompt, medians of one process. CPU: {cpu_summary()}.",

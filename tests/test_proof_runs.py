@@ -143,3 +143,51 @@ def test_the_guard_follows_writes_into_a_real_tensor_and_not_reads_of_it() -> No
     assert picked in guard.tainted  # computed from a stand-in
     assert read not in guard.tainted
     assert all(tensor in guard.tainted for tensor in (added, assigned, augmented))
+
+
+class ScalesItsOutputInPlace(torch.nn.Module):
+    """A token-ID encode (mirrors no adapter) that post-processes the encoder's output in place, as code that masks
+    or scales hidden states without a copy does: every proof run writes into its stand-in."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.text_encoder = encoder
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.text_encoder(input_ids=prompt_ids).last_hidden_state
+        hidden.mul_(2).add_(1)
+        return hidden[:, 1:].clone()  # a tensor of its own, not a view of the output written into
+
+
+def test_a_run_that_writes_into_its_stand_in_leaves_the_next_run_fresh_numbers(encoder) -> None:
+    """A stand-in's numbers are made once and each run gets views of them (``stand_ins.stand_in``); a run that writes
+    into its view changes them, so the next run gets them made again: every repeat is proven, none encoded again."""
+    pipeline, twin = ScalesItsOutputInPlace(encoder), ScalesItsOutputInPlace(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline)
+    ids = torch.tensor([PROMPTS["A"]])
+    for _ in range(4):
+        assert torch.equal(pipeline.encode_prompt(ids), twin.encode_prompt(ids))
+    stats = cache.stats()
+    assert (stats["misses"], stats["proven_hits"]) == (1, 3), stats
+
+
+def test_stand_ins_are_new_objects_over_numbers_made_once_per_thread() -> None:
+    import threading
+
+    from vllm_omni_prompt_cache.proof.stand_ins import stand_in, structure_of
+
+    structure = structure_of((torch.zeros(2, 3), [torch.zeros(4, 5000, dtype=torch.bfloat16)]))
+    first, second = stand_in(structure, "0"), stand_in(structure, "0")
+    assert first[0] is not second[0] and torch.equal(first[0], second[0])
+    assert torch.equal(first[1][0], second[1][0]) and first[0].data_ptr() == second[0].data_ptr()  # made once
+    assert not torch.equal(first[0], stand_in(structure, "1")[0])  # another path, other numbers
+    pristine = first[0].clone()
+    first[0].mul_(3)  # a run wrote into its stand-in (second's numbers too): the next run gets them made again
+    third = stand_in(structure, "0")
+    assert torch.equal(third[0], pristine) and not torch.equal(second[0], pristine)
+    elsewhere: list[Any] = []
+    thread = threading.Thread(target=lambda: elsewhere.append(stand_in(structure, "0")))
+    thread.start()
+    thread.join()
+    assert torch.equal(elsewhere[0][0], third[0]) and elsewhere[0][0].data_ptr() != third[0].data_ptr()

@@ -26,6 +26,7 @@ Nothing here knows about vLLM-Omni.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import sys
 from collections.abc import Callable, Mapping
@@ -293,6 +294,36 @@ def value_identity(value: Any) -> Any | Bypass:
 
 #: The name under which a key holds what its call read from the pipeline (an extra bound argument).
 STATE = "self"
+
+
+def _comparable(value: Any, depth: int = 0) -> Any:
+    """Return ``value`` with each part no key can read (an object of the adapter's own) replaced by its type's name:
+    what a proof compares of it (a stand-in cannot have shaped such an object's identity, and it is served as kept)."""
+    if depth > 32 or isinstance(value, torch.Tensor) or value is None or type(value) in (bool, int, float, str, bytes):
+        return value
+    if type(value) in (tuple, list):
+        return type(value)(_comparable(item, depth + 1) for item in value)
+    if type(value) is dict:
+        return {key: _comparable(item, depth + 1) for key, item in value.items()}
+    name = (type(value).__module__, type(value).__qualname__)
+    if isinstance(value, tuple):  # a NamedTuple: its fields, and its type
+        return (name, tuple(_comparable(item, depth + 1) for item in value))
+    if isinstance(value, Mapping):  # a ModelOutput, an OrderedDict: its items, and its type
+        return (name, {str(key): _comparable(item, depth + 1) for key, item in value.items()})
+    if type(value_identity(value)) is not Bypass:
+        return value
+    if hasattr(value, "__dict__") and not callable(value):  # an object of the adapter's own: its attributes
+        return (name, {key: _comparable(item, depth + 1) for key, item in vars(value).items()})
+    return ("opaque", *name)
+
+
+def result_digest(value: Any) -> str | Bypass:
+    """Return the digest of what a stand-in run returned (its values are the stand-ins' own: xxh3 digests do)."""
+    with torch.inference_mode(False):
+        identity = value_identity(_comparable(value))
+    if type(identity) is Bypass:
+        return identity
+    return hashlib.blake2b(repr(identity).encode("utf-8", "surrogatepass"), digest_size=32).hexdigest()
 
 
 class CallKeyBuilder:

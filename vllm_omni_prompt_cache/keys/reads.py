@@ -1,13 +1,10 @@
 """What an encode read from its pipeline and wrote back, seen while it ran.
 
-An encode method may depend on more than its arguments: verl-omni's MiniMax-H3 adapter stashes a
-request's token ids on the pipeline and then calls ``encode_prompt(prompt="[pretokenized]")`` with
-the same arguments for every prompt. Keying such a call on its arguments alone serves one prompt's
-embedding for another. So, like an incremental-computation framework that memoizes what a query
-read rather than what it was handed, every call that encodes runs under a :class:`Trace`: the
-pipeline instance's class is swapped, for that call and that thread only, for a subclass whose
-``__getattribute__`` / ``__setattr__`` note each instance attribute read and written (what the traces
-mean for a method is :mod:`.method_state`'s; nothing here knows about vLLM-Omni).
+An encode may depend on more than its arguments: verl-omni's MiniMax-H3 adapter stashes a request's token ids on
+the pipeline and calls ``encode_prompt(prompt="[pretokenized]")`` with the same arguments for every prompt. So, as an
+incremental-computation framework memoizes what a query read, every call that encodes runs under a :class:`Trace`:
+the instance's class is swapped, for that call and thread only, for a subclass whose ``__getattribute__`` /
+``__setattr__`` note each attribute read and written (:mod:`.method_state` says what that means for a method).
 
 What a read is worth to a key (:func:`classify`):
 
@@ -24,7 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import inspect
 import logging
 import threading
 import types
@@ -42,8 +38,7 @@ EFFECTS = "prompt-embed-cache:effects"
 #: How a written value that is (part of) the output is recorded: replayed from the served output.
 FROM_OUTPUT = "output"
 RECORDED_VALUE = "value"
-#: A dependency's value when the attribute is not set (a key part no attribute value encodes to).
-ABSENT = ("prompt-embed-cache:absent",)
+ABSENT = ("prompt-embed-cache:absent",)  # an attribute not set (a key part no attribute value encodes to)
 
 
 def is_absent(value: Any) -> bool:
@@ -51,11 +46,9 @@ def is_absent(value: Any) -> bool:
     return type(value) is tuple and len(value) == 1 and type(value[0]) is str and value[0] == ABSENT[0]
 
 
-COMPONENT = "component"
-DATA = "data"
+COMPONENT, DATA = "component", "data"
 
-#: Names no key holds: dunders, and the cache's own attributes on the pipeline.
-_SKIPPED = ("__", "_prompt_embed_cache")
+_SKIPPED = ("__", "_prompt_embed_cache")  # names no key holds: dunders, the cache's own attributes on the pipeline
 
 _local = threading.local()  # .trace: the Trace this thread records into, if any
 _swap_lock = threading.Lock()
@@ -236,8 +229,15 @@ def _state_kind(instance: Any, kind: type, name: str) -> str | None:
     descriptor such as a property, whose own reads of the instance are traced)."""
     if name in attributes_of(instance):
         return _OWN
+    if (kind, name) in _DESCRIPTORS:  # code (a method, a property): looked up once, as methods stay methods
+        return None
     found = _class_attribute(kind, name)
+    if hasattr(type(found), "__get__") and not is_absent(found):
+        _DESCRIPTORS.add((kind, name))
     return None if is_absent(found) or hasattr(type(found), "__get__") else _SHARED
+
+
+_DESCRIPTORS: set[tuple[type, str]] = set()  # (class, name): as many as the classes traced have methods
 
 
 def attributes_of(instance: Any) -> dict[str, Any]:
@@ -287,8 +287,8 @@ def _noting_getattribute(kind: type, *, notes_absent: bool) -> Callable[[Any, st
             if trace is not None and notes_absent:
                 trace.read(name, ABSENT)  # absent is an input too: a later call may find it set
             raise
-        trace = _tracing(self)
-        if trace is not None:
+        trace = getattr(_local, "trace", None)
+        if trace is not None and trace.instance is self:  # _tracing(self), inlined: every attribute read passes here
             where = _state_kind(self, kind, name)
             if where is not None:
                 trace.read(name, value, shared=where is _SHARED)
@@ -307,7 +307,7 @@ def _noting_setattr(base_setattr: Callable[[Any, str, Any], None]) -> Callable[[
             trace is not None
             and (trace.encoder_reached or trace.setters_from_start)
             and name not in trace.setters
-            and isinstance(inspect.getattr_static(type(self), name, None), property)
+            and isinstance(_class_attribute(type(self), name), property)
         ):
             with contextlib.suppress(Exception):
                 trace.setters[name] = object.__getattribute__(self, name)

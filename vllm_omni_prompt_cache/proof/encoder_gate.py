@@ -30,7 +30,7 @@ import torch
 from vllm_omni_prompt_cache.encoders.text_encoders import TABLES_NOTED, is_text_encoder, paths_to_embeddings
 from vllm_omni_prompt_cache.keys.call_key import Bypass, unseal, value_key
 from vllm_omni_prompt_cache.keys.method_state import changed_state
-from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard, stand_in, structure_of
+from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard, interned, stand_in, structure_of
 
 #: Why a hit could not be proven (the ``reason`` label of ``unproven_reasons``).
 DIFFERED = "another input reached the text encoder"
@@ -81,7 +81,7 @@ def parse(spelled: str) -> Record | None:
     """Return the :class:`Record` an entry keeps, or None for one no proof can use (another version's)."""
     try:
         calls, result = json.loads(spelled)
-        return Record(tuple(CallRecord(path, inputs, output) for path, inputs, output in calls), result)
+        return Record(tuple(CallRecord(path, inputs, interned(output)) for path, inputs, output in calls), result)
     except (ValueError, TypeError):
         return None
 
@@ -180,10 +180,7 @@ class GateRun:
         if self.guard is None:
             return self._answer(path, args, kwargs)
         with self.guard.paused():
-            answer = self._answer(path, args, kwargs)
-        if answer is not GO_ON:
-            self.guard.plant(answer)
-        return answer
+            return self._answer(path, args, kwargs)
 
     def _answer(self, path: str, args: tuple, kwargs: dict) -> Any:
         index = len(self.calls)
@@ -205,7 +202,7 @@ class GateRun:
         if _matches(expected, index, path, inputs):
             structure = expected.calls[index].output
             self.calls.append([path, inputs, structure])
-            return stand_in(structure, str(index), _device_of(args, kwargs))
+            return stand_in(structure, str(index), _device_of(args, kwargs), self.guard)
         if index == 0 and not self.reference:
             # Encoders waiting off the device: encode again, placed, unless this run already changed pipeline state,
             # which a second run would change twice; then it goes on, the encoders placed at their forward.
@@ -339,7 +336,7 @@ class EncoderGate:
                 return
             gate_run.depth -= 1
             if gate_run.depth == 0 and gate_run.calls and gate_run.calls[-1][2] is None:
-                gate_run.calls[-1][2] = structure_of(output)
+                gate_run.calls[-1][2] = interned(structure_of(output))
 
         return before_encoder, after_encoder
 
@@ -422,7 +419,7 @@ def _answering_method(kind: type, name: str) -> Callable[..., Any]:
                 gate_run.depth -= 1
                 reached, gate_run.reached_inside = gate_run.reached_inside, outer
             if reached:  # it reached the token table: an encoder call
-                gate_run.calls.insert(position, [spelled, inputs, structure_of(output)])
+                gate_run.calls.insert(position, [spelled, inputs, interned(structure_of(output))])
             return output
         return original(self, *args, **kwargs)
 

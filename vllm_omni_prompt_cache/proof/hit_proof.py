@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_omni_prompt_cache.encoders.residency import PLACEMENT_ATTRIBUTE
-from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, with_encoder_input
+from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, result_digest, with_encoder_input
 from vllm_omni_prompt_cache.keys.reads import Snapshot, Trace, refill, traced
 from vllm_omni_prompt_cache.logs import logger
 from vllm_omni_prompt_cache.proof.encoder_gate import (
@@ -23,7 +23,7 @@ from vllm_omni_prompt_cache.proof.encoder_gate import (
     Refuted,
     parse,
 )
-from vllm_omni_prompt_cache.proof.stand_ins import Draws, ProofGuard, result_digest
+from vllm_omni_prompt_cache.proof.stand_ins import Draws, ProofGuard
 from vllm_omni_prompt_cache.proof.verdicts import (
     LEARNED_REASON,
     LEFT_BEHIND,
@@ -53,7 +53,7 @@ class HitProof:
         what it decided (see :mod:`.encoder_gate`)."""
         first_use = self.first_use
         expected = parse(record) if record != NO_RECORD else None
-        main_input = expected.first_input if expected is not None and expected.calls else None
+        main_input = expected.calls[0].inputs if expected is not None and expected.calls else None
         placed = getattr(first_use.pipeline, PLACEMENT_ATTRIBUTE, None) is not None
         guard = ProofGuard()
         # What a later run starts from (its reference run, an encode instead): the instance, and the arguments as the
@@ -84,8 +84,8 @@ class HitProof:
             self.reference(*given, encode, before)
             why = UNRECORDED if expected is None and gate_run.unreadable is None else gate_run.why_unproven
             return None, self._unproven(encode, rows, why, main_input)
-        if guard.drew() is not None:  # a draw the run's own code caught
-            return None, self._drew(trace, before, str(guard.drew()), args, kwargs, given)
+        if guard.draw is not None:  # a draw the run's own code caught
+            return None, self._drew(trace, before, guard.draw, args, kwargs, given)
         if gate_run.differed is not None:  # a Refuted the run's own code caught
             return None, self._again(trace, before, args, kwargs, given, gate_run.why_unproven, rows, main_input)
         if not gate_run.calls:  # it reached no encoder: its own result is served
@@ -195,8 +195,8 @@ class HitProof:
             touched |= touched_by(again)
             again.release()
             after.restore(names=touched)
-        if why is None and guard.drew() is not None:  # drawn and caught by the run's own code
-            why = drawing_refusal(str(guard.drew()))
+        if why is None and guard.draw is not None:  # drawn and caught by the run's own code
+            why = drawing_refusal(guard.draw)
         digest = result_digest(result) if why is None else None
         if type(digest) is Bypass:
             why = f"what its encode returns cannot be compared ({digest.reason})"

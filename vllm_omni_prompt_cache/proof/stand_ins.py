@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import sys
+import threading
 import types
 import weakref
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
-
-from vllm_omni_prompt_cache.keys.call_key import Bypass, value_identity
 
 #: A structure part the stand-in leaves out (an encoder's KV cache object, say): answered with None.
 OPAQUE = "opaque"
@@ -63,6 +64,19 @@ def structure_of(value: Any) -> Any:
         items = [[name, structure_of(item)] for name, item in vars(value).items()]
         return ["object", f"{type(value).__module__}:{type(value).__qualname__}", items]
     return [OPAQUE, type(value).__qualname__]
+
+
+#: Output structures by their spelling: the encodes and records of prompts whose encoder outputs have one shape share
+#: one, and with it the stand-in numbers made for it (see :func:`stand_in`). Emptied when full.
+_structures: dict[str, Any] = {}
+
+
+def interned(structure: Any) -> Any:
+    """Return the one structure equal to ``structure`` this process holds (``structure`` itself, the first time)."""
+    spelled = json.dumps(structure, separators=(",", ":"))
+    if len(_structures) >= 4096:
+        _structures.clear()
+    return _structures.setdefault(spelled, structure)
 
 
 def _plain_object(value: Any) -> bool:
@@ -111,9 +125,7 @@ _STRIDES = (1, 3, 17, 71, 257, 1031, 4099)
 _WHOLE = 4096
 
 
-def _tensor(
-    dtype_name: str, shape: list[int], device_name: str, generator_of: Any, near: torch.device | None
-) -> torch.Tensor:
+def _tensor(dtype_name: str, shape: list[int], device_name: str, generator_of: Any, near: torch.device | None) -> _Made:
     dtype = getattr(torch, dtype_name)
     device = torch.device(device_name)
     if near is not None and near.type == device.type:
@@ -129,21 +141,55 @@ def _tensor(
     else:  # a view of a short vector: each element is base[sum(index * stride)]
         strides = list(reversed(_STRIDES[: len(shape)]))
         sizes = [1 + sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))] if shape else []
-    if dtype.is_floating_point or dtype.is_complex:  # both signs, beyond 1: a relu, an abs or a clamp shows
-        base = ((torch.rand(sizes, generator=generator, device=device, dtype=torch.float32) * 2 - 1) * 4).to(dtype)
-    elif dtype is torch.bool:
-        base = torch.rand(sizes, generator=generator, device=device, dtype=torch.float32) < 0.5
-    else:
-        low = -1000 if torch.iinfo(dtype).min < 0 else 0
-        base = torch.randint(low, 1000, sizes, generator=generator, device=device, dtype=dtype)
-    return base if strides is None else base.as_strided(shape, strides)
+    with torch.inference_mode(False):  # a normal tensor: its version counter tells a write into any view of it
+        if dtype.is_floating_point or dtype.is_complex:  # both signs, beyond 1: a relu, an abs or a clamp shows
+            base = ((torch.rand(sizes, generator=generator, device=device, dtype=torch.float32) * 2 - 1) * 4).to(dtype)
+        elif dtype is torch.bool:
+            base = torch.rand(sizes, generator=generator, device=device, dtype=torch.float32) < 0.5
+        else:
+            low = -1000 if torch.iinfo(dtype).min < 0 else 0
+            base = torch.randint(low, 1000, sizes, generator=generator, device=device, dtype=dtype)
+    return _Made(base, list(shape), strides, base._version)
 
 
-def stand_in(structure: Any, path: str = "", near: torch.device | None = None) -> Any:
+class _Made(NamedTuple):
+    """One stand-in tensor's numbers, made once: each run is handed a fresh view of ``base``."""
+
+    base: torch.Tensor
+    shape: list[int]
+    strides: list[int] | None
+    version: int  # the base's version counter when made: a run that wrote into its view changed it
+
+    def view(self) -> torch.Tensor:
+        return self.base.view(self.shape) if self.strides is None else self.base.as_strided(self.shape, self.strides)
+
+
+#: Per thread, the numbers of the stand-ins made lately, by (id of the structure, path, device of the inputs): a proof
+#: run hands out views of them (each run's tensors are its own objects; no two threads share numbers).
+_made_lately = threading.local()
+#: At most this many stand-ins' numbers are kept per thread (each a few thousand numbers a tensor: see ``_STRIDES``).
+_KEPT = 64
+
+
+def stand_in(structure: Any, path: str = "", near: torch.device | None = None, guard: ProofGuard | None = None) -> Any:
     """Return a value of ``structure`` (see :func:`structure_of`) filled with numbers seeded by ``path``: the same
     structure and path give the same values, each tensor its own, of both signs. Tensors of more than a few thousand
-    elements are views of a short vector (see ``_STRIDES``), made afresh for each run. ``near``: the device of the
-    call's inputs, used for tensors recorded on a device of its type."""
+    elements are views of a short vector (see ``_STRIDES``). Every call returns new tensor objects; their numbers are
+    made once per thread and structure, and made again if a run wrote into them. ``near``: the device of the call's
+    inputs, used for tensors recorded on a device of its type. ``guard``: the run's, which notes them as stand-in data.
+    """
+    kept: OrderedDict[tuple[int, str, Any], tuple[Any, list[_Made]]] | None = getattr(_made_lately, "kept", None)
+    if kept is None:
+        kept = _made_lately.kept = OrderedDict()
+    key = (id(structure), path, near)
+    found = kept.get(key)
+    if found is not None and found[0] is structure and all(made.base._version == made.version for made in found[1]):
+        kept.move_to_end(key)
+        views = iter([made.view() for made in found[1]])
+        value = _made(structure, lambda *_: next(views), near)
+        if guard is not None:
+            guard.plant(value)
+        return value
     generators: dict[torch.device, torch.Generator] = {}
 
     def generator_of(device: torch.device) -> torch.Generator:
@@ -151,46 +197,60 @@ def stand_in(structure: Any, path: str = "", near: torch.device | None = None) -
             generators[device] = torch.Generator(device=device).manual_seed(_seed(f"{path}@{device.type}"))
         return generators[device]
 
-    return _made(structure, generator_of, near)
+    numbers: list[_Made] = []
+
+    def tensor(*spelled: Any) -> torch.Tensor:
+        numbers.append(_tensor(*spelled, generator_of, near))
+        return numbers[-1].view()
+
+    value = _made(structure, tensor, near)
+    kept[key] = (structure, numbers)
+    if len(kept) > _KEPT:
+        kept.popitem(last=False)
+    if guard is not None:
+        guard.plant(value)
+    return value
 
 
-def _made(structure: Any, generator_of: Any, near: torch.device | None = None) -> Any:
+def _made(structure: Any, tensor: Any, near: torch.device | None) -> Any:
+    """Return the value ``structure`` describes, each tensor from ``tensor(dtype, shape, device)``."""
     kind = structure[0]
     if kind == "tensor":
-        return _tensor(structure[1], structure[2], structure[3], generator_of, near)
+        return tensor(structure[1], structure[2], structure[3])
     if kind == "value":
         return structure[1]
     if kind in ("tuple", "list"):
-        items = [_made(item, generator_of) for item in structure[1]]
+        items = [_made(item, tensor, near) for item in structure[1]]
         return tuple(items) if kind == "tuple" else items
     if kind == "dict":
-        return {key: _made(item, generator_of) for key, item in structure[1]}
+        return {key: _made(item, tensor, near) for key, item in structure[1]}
     if kind == "mapping":
-        return _class(structure[1])(**{key: _made(item, generator_of) for key, item in structure[2]})
+        return _class(structure[1])(**{key: _made(item, tensor, near) for key, item in structure[2]})
     if kind == "named":
-        return _class(structure[1])(*(_made(item, generator_of) for item in structure[2]))
+        return _class(structure[1])(*(_made(item, tensor, near) for item in structure[2]))
     if kind == "object":  # a plain object: its attributes set as they were, no constructor run
         made_class = _class(structure[1])
         made = made_class.__new__(made_class)
-        made.__dict__.update({name: _made(item, generator_of) for name, item in structure[2]})
+        made.__dict__.update({name: _made(item, tensor, near) for name, item in structure[2]})
         return made
     return None  # OPAQUE
 
 
-def tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Yield the tensors ``value`` holds (in tuples, lists, dicts), and the bases of views among them."""
+def tensors_in(value: Any, depth: int = 0, *, bases: bool = True) -> Iterator[torch.Tensor]:
+    """Yield the tensors ``value`` holds (in tuples, lists, dicts), and the bases of views among them (unless not
+    ``bases``)."""
     if depth > 32:
         return
     if isinstance(value, torch.Tensor):
         yield value
-        if value._base is not None:
+        if bases and value._base is not None:
             yield value._base
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from tensors_in(item, depth + 1)
+            yield from tensors_in(item, depth + 1, bases=bases)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from tensors_in(item, depth + 1)
+            yield from tensors_in(item, depth + 1, bases=bases)
 
 
 class ProofGuard(TorchFunctionMode):
@@ -203,29 +263,38 @@ class ProofGuard(TorchFunctionMode):
         self.tainted = _Tensors()
         self.watching = True  # False once the run goes on through a real encoder: it is a miss's encode then
         self.draw: str | None = None  # the draw that stopped the run (also when the run's code caught Draws)
+        self.kept_numbers: dict[int, torch.Tensor] = {}  # the numbers the stand-ins view, kept for later runs
 
     def plant(self, value: Any) -> None:
-        """Note the tensors of ``value``, a stand-in, as stand-in data."""
-        for tensor in tensors_in(value):
+        """Note the tensors of ``value``, a stand-in, as stand-in data (the views handed out: the numbers they view are
+        kept for the next run, see :func:`stand_in`)."""
+        for tensor in tensors_in(value, bases=False):
             self.tainted.add(tensor)
+            if tensor._base is not None:
+                self.kept_numbers[id(tensor._base)] = tensor._base
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if not self.watching:
             return func(*args, **kwargs)
-        generator = kwargs.get("generator")
-        if generator is not None or func in _RANDOM:
-            output = self._without_drawing(func, args, kwargs, generator)
+        kind = _KINDS.get(func)
+        if kind is None:
+            if len(_KINDS) > 4096:  # never in practice: torch has fewer functions
+                _KINDS.clear()
+            kind = _KINDS[func] = _kind_of(func)
+        if kind & _DRAWS or (kwargs and kwargs.get("generator") is not None):
+            output = self._without_drawing(func, args, kwargs, kwargs.get("generator"))
         else:
             output = func(*args, **kwargs)
         tainted = self.tainted
-        if tainted and _touches(args, kwargs, tainted):
+        if tainted._refs and _touches(args, kwargs, tainted._refs):
             if type(output) is torch.Tensor:
                 tainted.add(output)
             elif isinstance(output, (tuple, list)):
                 for tensor in tensors_in(output):
                     tainted.add(tensor)
-            if _writes_in_place(getattr(func, "__name__", ""), kwargs):
+            if kind & _IN_PLACE or "out" in kwargs:
                 for argument in (args[:1] if args else ()) + ((kwargs["out"],) if "out" in kwargs else ()):
                     for tensor in tensors_in(argument):
                         tainted.add(tensor)
@@ -250,13 +319,9 @@ class ProofGuard(TorchFunctionMode):
                 raise Draws(self.draw)
         return output
 
-    def drew(self) -> str | None:
-        """Return the draw that stopped the run, if one did (undone), even where the run's own code caught it."""
-        return self.draw
-
     def left_behind(self, result: Any) -> int:
         """Return how many tensors computed from stand-ins are still alive outside ``result`` (and the stand-ins)."""
-        held = {id(tensor) for tensor in tensors_in(result)}
+        held = {id(tensor) for tensor in tensors_in(result)} | self.kept_numbers.keys()
         return sum(1 for key in self.tainted.alive() if key not in held)
 
     @contextlib.contextmanager
@@ -273,12 +338,22 @@ class ProofGuard(TorchFunctionMode):
             self.watching = watching
 
 
-def _writes_in_place(name: str, kwargs: dict) -> bool:
-    """Return True for a call that writes into its first argument or ``out``: ``add_``, ``x[i] = v``, ``x += v``;
-    not other dunders (``__getitem__`` reads: a real tensor indexed by a stand-in stays real)."""
+#: What a torch function may do that a proof run watches (bits): draw random numbers; write into its first argument.
+_DRAWS, _IN_PLACE = 1, 2
+#: Each torch function met, by itself: its bits (a function is looked up once per process).
+_KINDS: dict[Any, int] = {}
+
+
+def _kind_of(func: Any) -> int:
+    return (_DRAWS if func in _RANDOM else 0) | (_IN_PLACE if _writes_in_place(getattr(func, "__name__", "")) else 0)
+
+
+def _writes_in_place(name: str) -> bool:
+    """Return True for a function that writes into its first argument: ``add_``, ``x[i] = v``, ``x += v``; not other
+    dunders (``__getitem__`` reads: a real tensor indexed by a stand-in stays real); ``out`` is checked per call."""
     if name.startswith("__"):
         return name in _IN_PLACE_DUNDERS
-    return name[-1:] == "_" or "out" in kwargs
+    return name[-1:] == "_"
 
 
 _IN_PLACE_DUNDERS = frozenset(
@@ -334,43 +409,18 @@ class _Tensors:
         return [key for key, ref in list(self._refs.items()) if ref() is not None]
 
 
-def _touches(args: tuple, kwargs: dict, tainted: _Tensors) -> bool:
+def _touches(args: tuple, kwargs: dict, refs: dict[int, weakref.ref[torch.Tensor]]) -> bool:
+    """Return True when a torch call is handed a tensor in ``refs`` (the live stand-in data, by id), itself or in a
+    tuple or list."""
     for argument in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(argument, torch.Tensor):
-            if argument in tainted:
+            ref = refs.get(id(argument))
+            if ref is not None and ref() is argument:
                 return True
-        elif isinstance(argument, (tuple, list)) and any(
-            isinstance(item, torch.Tensor) and item in tainted for item in argument
-        ):
-            return True
+        elif isinstance(argument, (tuple, list)):
+            for item in argument:
+                if isinstance(item, torch.Tensor):
+                    ref = refs.get(id(item))
+                    if ref is not None and ref() is item:
+                        return True
     return False
-
-
-def _comparable(value: Any, depth: int = 0) -> Any:
-    """Return ``value`` with each part no key can read (an object of the adapter's own) replaced by its type's name:
-    what a proof compares of it (a stand-in cannot have shaped such an object's identity, and it is served as kept)."""
-    if depth > 32 or isinstance(value, torch.Tensor) or value is None or type(value) in (bool, int, float, str, bytes):
-        return value
-    if type(value) in (tuple, list):
-        return type(value)(_comparable(item, depth + 1) for item in value)
-    if type(value) is dict:
-        return {key: _comparable(item, depth + 1) for key, item in value.items()}
-    name = (type(value).__module__, type(value).__qualname__)
-    if isinstance(value, tuple):  # a NamedTuple: its fields, and its type
-        return (name, tuple(_comparable(item, depth + 1) for item in value))
-    if isinstance(value, Mapping):  # a ModelOutput, an OrderedDict: its items, and its type
-        return (name, {str(key): _comparable(item, depth + 1) for key, item in value.items()})
-    if type(value_identity(value)) is not Bypass:
-        return value
-    if hasattr(value, "__dict__") and not callable(value):  # an object of the adapter's own: its attributes
-        return (name, {key: _comparable(item, depth + 1) for key, item in vars(value).items()})
-    return ("opaque", *name)
-
-
-def result_digest(value: Any) -> str | Bypass:
-    """Return the digest of what a stand-in run returned (its values are the stand-ins' own: xxh3 digests do)."""
-    with torch.inference_mode(False):
-        identity = value_identity(_comparable(value))
-    if type(identity) is Bypass:
-        return identity
-    return hashlib.blake2b(repr(identity).encode("utf-8", "surrogatepass"), digest_size=32).hexdigest()
