@@ -6,8 +6,9 @@ A proof re-runs the wrapped method with its text-encoder calls answered, so no p
 method's own code around its encoder. On the token-ID Qwen-Image pipeline inside a real ``AsyncOmni`` engine (the
 tests' tiny checkpoint, on the CPU platform) this times, as medians in one process: a proven hit, a miss, the same
 call with no cache (the class's own ``encode_prompt``), and that call with the text encoder's forward answered by
-a ready output (its own first output: the method's body alone, what a proof cannot avoid), and that body under
-what every proof run is watched by: the guard (a torch function mode: draws, stand-in data left behind) and the
+a ready output (its own first output: the method's body alone, what a proof cannot avoid), that body under a
+torch function mode that does nothing (one Python frame per torch call), and under what every proof run is
+watched by: the guard (a torch function mode: draws, stand-in data left behind) and the
 trace of the instance (writes after the encoder undone).
 """
 
@@ -36,6 +37,7 @@ def measure(calls: int) -> dict[str, float]:
 
     opt_in_where_no_gpu()  # before vLLM is imported
     import torch
+    from torch.overrides import TorchFunctionMode
 
     from vllm_omni_prompt_cache.demo.rollout import RolloutSpec, engine_kwargs
     from vllm_omni_prompt_cache.keys.reads import traced
@@ -77,6 +79,14 @@ def measure(calls: int) -> dict[str, float]:
                         ready.append(real_forward(*args, **kwargs))
                     return ready[0]
 
+                class Bare(TorchFunctionMode):  # what a function mode costs before it does anything
+                    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+                        return func(*args, **(kwargs or {}))
+
+                def bare_mode(_: int) -> None:
+                    with Bare():
+                        uncached(seen.clone())
+
                 def watched(_: int) -> None:
                     guard = ProofGuard()
                     guard.plant(ready[0])
@@ -86,10 +96,18 @@ def measure(calls: int) -> dict[str, float]:
                 encoder.forward = answered
                 try:
                     body = _median_us(lambda _: uncached(seen.clone()), calls)
+                    body_bare_mode = _median_us(bare_mode, calls)
                     body_watched = _median_us(watched, calls)
                 finally:
                     del encoder.forward
-            return {"hit_us": hit, "miss_us": miss, "uncached_us": bare, "body_us": body, "watched_us": body_watched}
+            return {
+                "hit_us": hit,
+                "miss_us": miss,
+                "uncached_us": bare,
+                "body_us": body,
+                "bare_mode_us": body_bare_mode,
+                "watched_us": body_watched,
+            }
 
     return asyncio.run(run())
 
@@ -110,6 +128,7 @@ def main() -> None:
         ("miss", miss),
         ("the call with no cache", found["uncached_us"]),
         ("the method's body, its encoder answered by a ready output (no cache, no proof)", found["body_us"]),
+        ("that body under a torch function mode that does nothing", found["bare_mode_us"]),
         ("that body under the proof's guard (output planted as stand-in data) and the trace", found["watched_us"]),
     ]
     lines = [
