@@ -191,3 +191,24 @@ def test_stand_ins_are_new_objects_over_numbers_made_once_per_thread() -> None:
     thread.start()
     thread.join()
     assert torch.equal(elsewhere[0][0], third[0]) and elsewhere[0][0].data_ptr() != third[0].data_ptr()
+
+
+def test_the_guard_takes_a_torch_function_it_cannot_hash() -> None:
+    """The guard looks each torch function up once (by hash); a callable without a hash, handed to torch's override
+    machinery as code with its own ``__torch_function__`` handling does, is looked at every time instead."""
+    from torch.overrides import handle_torch_function
+
+    from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard
+
+    class Doubled:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+            return tensor * 2
+
+    stand_in = torch.ones(3)
+    guard = ProofGuard()
+    guard.plant(stand_in)
+    with guard:
+        doubled = handle_torch_function(Doubled(), (stand_in,), stand_in)
+    assert torch.equal(doubled, torch.full((3,), 2.0)) and doubled in guard.tainted

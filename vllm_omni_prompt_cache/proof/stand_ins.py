@@ -278,11 +278,14 @@ class ProofGuard(TorchFunctionMode):
             kwargs = {}
         if not self.watching:
             return func(*args, **kwargs)
-        kind = _KINDS.get(func)
-        if kind is None:
-            if len(_KINDS) > 4096:  # never in practice: torch has fewer functions
-                _KINDS.clear()
-            kind = _KINDS[func] = _kind_of(func)
+        try:
+            kind = _KINDS.get(func)
+            if kind is None:
+                if len(_KINDS) > 4096:  # never in practice: torch has fewer functions
+                    _KINDS.clear()
+                kind = _KINDS[func] = _kind_of(func)
+        except TypeError:  # an unhashable callable: looked at every time, and no function torch lists as drawing
+            kind = _IN_PLACE if _writes_in_place(getattr(func, "__name__", "")) else 0
         if kind & _DRAWS or (kwargs and kwargs.get("generator") is not None):
             output = self._without_drawing(func, args, kwargs, kwargs.get("generator"))
         else:
