@@ -107,8 +107,8 @@ def test_a_whole_call_hit_travels_no_further_than_it_does_now() -> None:
 #: is read through reads.held_state, bound into MethodState; the result's digest moved to stand_ins with its caller
 #: first_use's entry, the entry's record seal/unseal to call_key).
 #: Then the hit was made cheaper (issue 58's cost): the stand-in is made and noted as stand-in data in one call
-#: (stand_ins.stand_in, handed the run's guard), the result's digest is a key's concern again (call_key.result_digest,
-#: beside value_identity, which it calls), the draw a guard saw is an attribute, and the record's first input is read
-#: where it is: 9 modules, 17 entries.
+#: (stand_ins.StandIns.make, handed the run's guard), the result's digest is a key's concern again
+#: (call_key.result_digest, beside value_identity, which it calls), the draw a guard saw is an attribute, and the
+#: record's first input is read where it is: 9 modules, 17 entries.
 MODULES_NOW = 9
 ENTRIES_NOW = 17

@@ -172,25 +172,64 @@ def test_a_run_that_writes_into_its_stand_in_leaves_the_next_run_fresh_numbers(e
     assert (stats["misses"], stats["proven_hits"]) == (1, 3), stats
 
 
-def test_stand_ins_are_new_objects_over_numbers_made_once_per_thread() -> None:
-    import threading
-
-    from vllm_omni_prompt_cache.proof.stand_ins import stand_in, structure_of
+def test_stand_ins_are_copies_of_numbers_made_once_per_pipeline() -> None:
+    """A pipeline's gate keeps each stand-in's numbers (``StandIns``) and hands every run copies: equal values in
+    storage of its own, so no write a run makes, tracked or not, reaches what a later run starts from."""
+    from vllm_omni_prompt_cache.proof.stand_ins import StandIns, stand_in, structure_of
 
     structure = structure_of((torch.zeros(2, 3), [torch.zeros(4, 5000, dtype=torch.bfloat16)]))
-    first, second = stand_in(structure, "0"), stand_in(structure, "0")
-    assert first[0] is not second[0] and torch.equal(first[0], second[0])
-    assert torch.equal(first[1][0], second[1][0]) and first[0].data_ptr() == second[0].data_ptr()  # made once
-    assert not torch.equal(first[0], stand_in(structure, "1")[0])  # another path, other numbers
-    pristine = first[0].clone()
-    first[0].mul_(3)  # a run wrote into its stand-in (second's numbers too): the next run gets them made again
-    third = stand_in(structure, "0")
-    assert torch.equal(third[0], pristine) and not torch.equal(second[0], pristine)
-    elsewhere: list[Any] = []
-    thread = threading.Thread(target=lambda: elsewhere.append(stand_in(structure, "0")))
-    thread.start()
-    thread.join()
-    assert torch.equal(elsewhere[0][0], third[0]) and elsewhere[0][0].data_ptr() != third[0].data_ptr()
+    kept = StandIns()
+    first, second = kept.make(structure, "0", None), kept.make(structure, "0", None)
+    assert torch.equal(first[0], stand_in(structure, "0")[0]) and torch.equal(first[1][0], second[1][0])
+    assert first[0].data_ptr() != second[0].data_ptr() and first[1][0].data_ptr() != second[1][0].data_ptr()
+    assert not torch.equal(first[0], kept.make(structure, "1", None)[0])  # another call index, other numbers
+    pristine = second[0].clone()
+    first[0].data.mul_(3)  # through .data: no version counter moves
+    first[1][0].data.zero_()
+    third = kept.make(structure, "0", None)
+    assert torch.equal(third[0], pristine) and torch.equal(third[1][0], second[1][0])
+
+
+#: Read by :class:`ScalesThroughData` after its encoder call: state no key and no trace holds.
+SCALE = [2.0]
+
+
+class ScalesThroughData(torch.nn.Module):
+    """A token-ID encode (mirrors no adapter) that scales the encoder's output in place by a module-level number,
+    through ``.data`` or a NumPy view: writes torch's version counter does not see."""
+
+    def __init__(self, encoder: torch.nn.Module, through: str) -> None:
+        super().__init__()
+        self.text_encoder = encoder
+        self.through = through
+
+    @torch.inference_mode()
+    def encode_prompt(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.text_encoder(input_ids=prompt_ids).last_hidden_state
+        if self.through == "data":
+            hidden.data.mul_(SCALE[0])
+        else:
+            with torch.inference_mode(False):
+                hidden.numpy()[...] *= SCALE[0]
+        return hidden.clone()
+
+
+@pytest.mark.parametrize("through", ["data", "numpy"])
+def test_a_write_into_a_stand_in_torch_does_not_count_reaches_no_later_run(encoder, through: str) -> None:
+    """The reference run of a miss writes into its stand-in by a module-level scale (2); the repeats run with another
+    scale (1). Had the next run started from the written numbers, 2 x stand-in x 1 would equal the record and the
+    miss's embedding be served: every repeat must equal the uncached twin."""
+    pipeline, twin = ScalesThroughData(encoder, through), ScalesThroughData(build_qwen2_encoder(), through)
+    install_prompt_embed_cache(pipeline)
+    ids = torch.tensor([PROMPTS["A"]])
+    wrong = 0
+    try:
+        for scale in (2.0, 1.0, 1.0):
+            SCALE[0] = scale
+            wrong += not torch.equal(pipeline.encode_prompt(ids), twin.encode_prompt(ids))
+    finally:
+        SCALE[0] = 2.0
+    assert wrong == 0
 
 
 def test_the_guard_takes_a_torch_function_it_cannot_hash() -> None:

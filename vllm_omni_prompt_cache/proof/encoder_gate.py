@@ -30,7 +30,7 @@ import torch
 from vllm_omni_prompt_cache.encoders.text_encoders import TABLES_NOTED, is_text_encoder, paths_to_embeddings
 from vllm_omni_prompt_cache.keys.call_key import Bypass, unseal, value_key
 from vllm_omni_prompt_cache.keys.method_state import changed_state
-from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard, interned, stand_in, structure_of
+from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard, StandIns, interned, structure_of
 
 #: Why a hit could not be proven (the ``reason`` label of ``unproven_reasons``).
 DIFFERED = "another input reached the text encoder"
@@ -111,6 +111,7 @@ class GateRun:
     abort_on_refute: bool = False
     reference: bool = False  # the run that completes a miss's record: nothing to look up, nothing to go on to
     guard: ProofGuard | None = None
+    stand_ins: StandIns | None = None  # the gate's: the numbers its answers copy
     #: each encoder call no other encloses: [module path, digest of its inputs (or why none), its output's structure]
     calls: list[list[Any]] = field(default_factory=list)
     depth: int = 0  # how deep in watched modules the run is now (recording)
@@ -202,7 +203,8 @@ class GateRun:
         if _matches(expected, index, path, inputs):
             structure = expected.calls[index].output
             self.calls.append([path, inputs, structure])
-            return stand_in(structure, str(index), _device_of(args, kwargs), self.guard)
+            made = self.stand_ins if self.stand_ins is not None else StandIns()
+            return made.make(structure, str(index), _device_of(args, kwargs), self.guard)
         if index == 0 and not self.reference:
             # Encoders waiting off the device: encode again, placed, unless this run already changed pipeline state,
             # which a second run would change twice; then it goes on, the encoders placed at their forward.
@@ -250,6 +252,7 @@ class EncoderGate:
         #: id of each hooked module -> (its path, itself, whether it is a text encoder itself, not a part of one)
         self._paths: dict[int, tuple[str, torch.nn.Module, bool]] = {}
         self._lock = threading.Lock()
+        self.stand_ins = StandIns()  # what answers this pipeline's encoder calls in its proof and reference runs
         self.refresh()
 
     def refresh(self) -> None:
@@ -300,7 +303,7 @@ class EncoderGate:
         outer = getattr(self._local, "run", None)
         if outer is None:
             self.refresh()
-        gate_run = GateRun(expected, abort_on_refute, reference, guard)
+        gate_run = GateRun(expected, abort_on_refute, reference, guard, self.stand_ins)
         if outer is not None:  # a wrapped method called from another's encode: the outer run records
             gate_run.nested = True
             gate_run.expected = None

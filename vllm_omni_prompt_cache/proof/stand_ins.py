@@ -141,55 +141,77 @@ def _tensor(dtype_name: str, shape: list[int], device_name: str, generator_of: A
     else:  # a view of a short vector: each element is base[sum(index * stride)]
         strides = list(reversed(_STRIDES[: len(shape)]))
         sizes = [1 + sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))] if shape else []
-    with torch.inference_mode(False):  # a normal tensor: its version counter tells a write into any view of it
-        if dtype.is_floating_point or dtype.is_complex:  # both signs, beyond 1: a relu, an abs or a clamp shows
-            base = ((torch.rand(sizes, generator=generator, device=device, dtype=torch.float32) * 2 - 1) * 4).to(dtype)
-        elif dtype is torch.bool:
-            base = torch.rand(sizes, generator=generator, device=device, dtype=torch.float32) < 0.5
-        else:
-            low = -1000 if torch.iinfo(dtype).min < 0 else 0
-            base = torch.randint(low, 1000, sizes, generator=generator, device=device, dtype=dtype)
-    return _Made(base, list(shape), strides, base._version)
+    if dtype.is_floating_point or dtype.is_complex:  # both signs, beyond 1: a relu, an abs or a clamp shows
+        base = ((torch.rand(sizes, generator=generator, device=device, dtype=torch.float32) * 2 - 1) * 4).to(dtype)
+    elif dtype is torch.bool:
+        base = torch.rand(sizes, generator=generator, device=device, dtype=torch.float32) < 0.5
+    else:
+        low = -1000 if torch.iinfo(dtype).min < 0 else 0
+        base = torch.randint(low, 1000, sizes, generator=generator, device=device, dtype=dtype)
+    return _Made(base, list(shape), strides)
 
 
 class _Made(NamedTuple):
-    """One stand-in tensor's numbers, made once: each run is handed a fresh view of ``base``."""
+    """One stand-in tensor's numbers: ``base`` is never handed out; each run gets a view of its own copy."""
 
     base: torch.Tensor
     shape: list[int]
     strides: list[int] | None
-    version: int  # the base's version counter when made: a run that wrote into its view changed it
 
-    def view(self) -> torch.Tensor:
-        return self.base.view(self.shape) if self.strides is None else self.base.as_strided(self.shape, self.strides)
+    def handed_out(self) -> torch.Tensor:
+        """Return a new tensor of these numbers: a copy of ``base`` (a few thousand numbers), viewed as recorded. A
+        copy, not a view of ``base``: no write a run makes (in place, through ``.data``, a kernel given its pointer)
+        can reach the numbers a later run or the reference digest starts from."""
+        copy = self.base.clone()
+        if copy.is_cuda:  # read on this stream: not reused before the copy is made, if dropped meanwhile
+            self.base.record_stream(torch.cuda.current_stream(copy.device))
+        return copy.view(self.shape) if self.strides is None else copy.as_strided(self.shape, self.strides)
 
 
-#: Per thread, the numbers of the stand-ins made lately, by (id of the structure, path, device of the inputs): a proof
-#: run hands out views of them (each run's tensors are its own objects; no two threads share numbers).
-_made_lately = threading.local()
-#: At most this many stand-ins' numbers are kept per thread (each a few thousand numbers a tensor: see ``_STRIDES``).
+#: At most this many stand-ins' numbers are kept by a pipeline's gate (each a few thousand numbers a tensor).
 _KEPT = 64
 
 
-def stand_in(structure: Any, path: str = "", near: torch.device | None = None, guard: ProofGuard | None = None) -> Any:
-    """Return a value of ``structure`` (see :func:`structure_of`) filled with numbers seeded by ``path``: the same
-    structure and path give the same values, each tensor its own, of both signs. Tensors of more than a few thousand
-    elements are views of a short vector (see ``_STRIDES``). Every call returns new tensor objects; their numbers are
-    made once per thread and structure, and made again if a run wrote into them. ``near``: the device of the call's
-    inputs, used for tensors recorded on a device of its type. ``guard``: the run's, which notes them as stand-in data.
-    """
-    kept: OrderedDict[tuple[int, str, Any], tuple[Any, list[_Made]]] | None = getattr(_made_lately, "kept", None)
-    if kept is None:
-        kept = _made_lately.kept = OrderedDict()
-    key = (id(structure), path, near)
-    found = kept.get(key)
-    if found is not None and found[0] is structure and all(made.base._version == made.version for made in found[1]):
-        kept.move_to_end(key)
-        views = iter([made.view() for made in found[1]])
-        value = _made(structure, lambda *_: next(views), near)
+class StandIns:
+    """The stand-ins of one pipeline's proof runs: the numbers of the last :data:`_KEPT` made (by output structure,
+    call index and device) are kept on that device while the pipeline lives, and every run is handed copies."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple[int, str, Any], tuple[Any, list[_Made]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def make(self, structure: Any, path: str, near: torch.device | None, guard: ProofGuard | None = None) -> Any:
+        """Return :func:`stand_in`'s value for these arguments, its numbers made once; noted by ``guard``."""
+        key = (id(structure), path, near)
+        with self._lock:
+            found = self._kept.get(key)
+            if found is not None and found[0] is structure:  # held here, so its id is no other structure's
+                self._kept.move_to_end(key)
+        if found is not None and found[0] is structure:
+            copies = iter([made.handed_out() for made in found[1]])
+            value = _made(structure, lambda *_: next(copies), near)
+        else:
+            numbers: list[_Made] = []
+            value = _stand_in(structure, path, near, numbers)
+            with self._lock:
+                self._kept[key] = (structure, numbers)
+                if len(self._kept) > _KEPT:
+                    self._kept.popitem(last=False)
         if guard is not None:
             guard.plant(value)
         return value
+
+
+def stand_in(structure: Any, path: str = "", near: torch.device | None = None) -> Any:
+    """Return a value of ``structure`` (see :func:`structure_of`) filled with numbers seeded by ``path``: the same
+    structure and path give the same values, each tensor its own, of both signs. Tensors of more than a few thousand
+    elements are views of a short vector (see ``_STRIDES``). ``near``: the device of the call's inputs, used for
+    tensors recorded on a device of its type. (:class:`StandIns` keeps the numbers for later runs.)"""
+    return _stand_in(structure, path, near, [])
+
+
+def _stand_in(structure: Any, path: str, near: torch.device | None, numbers: list[_Made]) -> Any:
+    """Make :func:`stand_in`'s value, noting each tensor's numbers in ``numbers`` (the value holds copies of them)."""
     generators: dict[torch.device, torch.Generator] = {}
 
     def generator_of(device: torch.device) -> torch.Generator:
@@ -197,19 +219,11 @@ def stand_in(structure: Any, path: str = "", near: torch.device | None = None, g
             generators[device] = torch.Generator(device=device).manual_seed(_seed(f"{path}@{device.type}"))
         return generators[device]
 
-    numbers: list[_Made] = []
-
     def tensor(*spelled: Any) -> torch.Tensor:
         numbers.append(_tensor(*spelled, generator_of, near))
-        return numbers[-1].view()
+        return numbers[-1].handed_out()
 
-    value = _made(structure, tensor, near)
-    kept[key] = (structure, numbers)
-    if len(kept) > _KEPT:
-        kept.popitem(last=False)
-    if guard is not None:
-        guard.plant(value)
-    return value
+    return _made(structure, tensor, near)
 
 
 def _made(structure: Any, tensor: Any, near: torch.device | None) -> Any:
@@ -236,21 +250,20 @@ def _made(structure: Any, tensor: Any, near: torch.device | None) -> Any:
     return None  # OPAQUE
 
 
-def tensors_in(value: Any, depth: int = 0, *, bases: bool = True) -> Iterator[torch.Tensor]:
-    """Yield the tensors ``value`` holds (in tuples, lists, dicts), and the bases of views among them (unless not
-    ``bases``)."""
+def tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Yield the tensors ``value`` holds (in tuples, lists, dicts), and the bases of views among them."""
     if depth > 32:
         return
     if isinstance(value, torch.Tensor):
         yield value
-        if bases and value._base is not None:
+        if value._base is not None:
             yield value._base
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from tensors_in(item, depth + 1, bases=bases)
+            yield from tensors_in(item, depth + 1)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from tensors_in(item, depth + 1, bases=bases)
+            yield from tensors_in(item, depth + 1)
 
 
 class ProofGuard(TorchFunctionMode):
@@ -263,29 +276,25 @@ class ProofGuard(TorchFunctionMode):
         self.tainted = _Tensors()
         self.watching = True  # False once the run goes on through a real encoder: it is a miss's encode then
         self.draw: str | None = None  # the draw that stopped the run (also when the run's code caught Draws)
-        self.kept_numbers: dict[int, torch.Tensor] = {}  # the numbers the stand-ins view, kept for later runs
 
     def plant(self, value: Any) -> None:
-        """Note the tensors of ``value``, a stand-in, as stand-in data (the views handed out: the numbers they view are
-        kept for the next run, see :func:`stand_in`)."""
-        for tensor in tensors_in(value, bases=False):
+        """Note the tensors of ``value``, a stand-in, as stand-in data."""
+        for tensor in tensors_in(value):
             self.tainted.add(tensor)
-            if tensor._base is not None:
-                self.kept_numbers[id(tensor._base)] = tensor._base
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if kwargs is None:
             kwargs = {}
         if not self.watching:
             return func(*args, **kwargs)
-        try:
-            kind = _KINDS.get(func)
-            if kind is None:
+        kept = type(func) in _STABLE or (type(func) is _FUNCTION and func.__closure__ is None)
+        kind = _KINDS.get(func) if kept else None
+        if kind is None:
+            kind = _kind_of(func)
+            if kept:
                 if len(_KINDS) > 4096:  # never in practice: torch has fewer functions
                     _KINDS.clear()
-                kind = _KINDS[func] = _kind_of(func)
-        except TypeError:  # an unhashable callable: looked at every time, and no function torch lists as drawing
-            kind = _IN_PLACE if _writes_in_place(getattr(func, "__name__", "")) else 0
+                _KINDS[func] = kind
         if kind & _DRAWS or (kwargs and kwargs.get("generator") is not None):
             output = self._without_drawing(func, args, kwargs, kwargs.get("generator"))
         else:
@@ -324,7 +333,7 @@ class ProofGuard(TorchFunctionMode):
 
     def left_behind(self, result: Any) -> int:
         """Return how many tensors computed from stand-ins are still alive outside ``result`` (and the stand-ins)."""
-        held = {id(tensor) for tensor in tensors_in(result)} | self.kept_numbers.keys()
+        held = {id(tensor) for tensor in tensors_in(result)}
         return sum(1 for key in self.tainted.alive() if key not in held)
 
     @contextlib.contextmanager
@@ -343,12 +352,23 @@ class ProofGuard(TorchFunctionMode):
 
 #: What a torch function may do that a proof run watches (bits): draw random numbers; write into its first argument.
 _DRAWS, _IN_PLACE = 1, 2
-#: Each torch function met, by itself: its bits (a function is looked up once per process).
+#: Each torch function met, by itself: its bits, looked up once per process for the kinds of callable torch's own
+#: functions are (builtins, descriptors, ops, functions without a closure: they live as long as torch); a closure or
+#: a bound method handed to the mode is looked at every time, and not kept alive here.
 _KINDS: dict[Any, int] = {}
+_STABLE = frozenset(
+    type(each)
+    for each in (torch.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.shape.__get__, torch.Tensor.add)
+) | {torch._ops.OpOverload, torch._ops.OpOverloadPacket}
+_FUNCTION = types.FunctionType  # (``types`` is an argument's name in ``__torch_function__``)
 
 
 def _kind_of(func: Any) -> int:
-    return (_DRAWS if func in _RANDOM else 0) | (_IN_PLACE if _writes_in_place(getattr(func, "__name__", "")) else 0)
+    name = getattr(func, "__name__", "")
+    random = False
+    with contextlib.suppress(TypeError):  # an unhashable callable: none of torch's random functions
+        random = func in _RANDOM
+    return (_DRAWS if random else 0) | (_IN_PLACE if type(name) is str and _writes_in_place(name) else 0)
 
 
 def _writes_in_place(name: str) -> bool:
