@@ -161,8 +161,9 @@ class ScalesItsOutputInPlace(torch.nn.Module):
 
 
 def test_a_run_that_writes_into_its_stand_in_leaves_the_next_run_fresh_numbers(encoder) -> None:
-    """A stand-in's numbers are made once and each run gets views of them (``stand_ins.stand_in``); a run that writes
-    into its view changes them, so the next run gets them made again: every repeat is proven, none encoded again."""
+    """Every proof run writes into its stand-in in place; each run gets copies of the numbers its pipeline keeps
+    (``stand_ins.StandIns``), so the next starts from the numbers the record was made with: every repeat is proven,
+    none encoded again."""
     pipeline, twin = ScalesItsOutputInPlace(encoder), ScalesItsOutputInPlace(build_qwen2_encoder())
     cache = install_prompt_embed_cache(pipeline)
     ids = torch.tensor([PROMPTS["A"]])
@@ -172,14 +173,24 @@ def test_a_run_that_writes_into_its_stand_in_leaves_the_next_run_fresh_numbers(e
     assert (stats["misses"], stats["proven_hits"]) == (1, 3), stats
 
 
-def test_stand_ins_are_copies_of_numbers_made_once_per_pipeline() -> None:
+def test_stand_ins_are_copies_of_numbers_made_once_per_pipeline(monkeypatch) -> None:
     """A pipeline's gate keeps each stand-in's numbers (``StandIns``) and hands every run copies: equal values in
     storage of its own, so no write a run makes, tracked or not, reaches what a later run starts from."""
+    from vllm_omni_prompt_cache.proof import stand_ins
+    from vllm_omni_prompt_cache.proof.encoder_gate import EncoderGate
     from vllm_omni_prompt_cache.proof.stand_ins import StandIns, stand_in, structure_of
+
+    gate = EncoderGate(dict)
+    with gate.run() as gate_run:
+        assert gate_run.stand_ins is gate.stand_ins  # one pipeline's runs share its numbers
 
     structure = structure_of((torch.zeros(2, 3), [torch.zeros(4, 5000, dtype=torch.bfloat16)]))
     kept = StandIns()
+    made = []
+    real_tensor = stand_ins._tensor
+    monkeypatch.setattr(stand_ins, "_tensor", lambda *spelled: made.append(spelled) or real_tensor(*spelled))
     first, second = kept.make(structure, "0", None), kept.make(structure, "0", None)
+    assert len(made) == 2  # the two tensors' numbers, made once
     assert torch.equal(first[0], stand_in(structure, "0")[0]) and torch.equal(first[1][0], second[1][0])
     assert first[0].data_ptr() != second[0].data_ptr() and first[1][0].data_ptr() != second[1][0].data_ptr()
     assert not torch.equal(first[0], kept.make(structure, "1", None)[0])  # another call index, other numbers
@@ -251,3 +262,27 @@ def test_the_guard_takes_a_torch_function_it_cannot_hash() -> None:
     with guard:
         doubled = handle_torch_function(Doubled(), (stand_in,), stand_in)
     assert torch.equal(doubled, torch.full((3,), 2.0)) and doubled in guard.tainted
+
+
+def test_the_guard_keeps_no_tensor_a_torch_function_is_bound_to_alive() -> None:
+    """A tensor's bound method (``y.add``) or a closure handed to the guard is looked at, not kept by it."""
+    import gc
+    import weakref
+
+    from torch.overrides import handle_torch_function
+
+    from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard
+
+    def adding(held: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda tensor: tensor + held  # a closure over a tensor
+
+    stand_in, bound_to, closure = torch.ones(3), torch.full((3,), 5.0), adding(torch.zeros(3))
+    gone = [weakref.ref(bound_to), weakref.ref(closure.__closure__[0].cell_contents)]
+    guard = ProofGuard()
+    guard.plant(stand_in)
+    with guard:
+        handle_torch_function(bound_to.add, (stand_in,), stand_in)
+        handle_torch_function(closure, (stand_in,), stand_in)
+    del bound_to, closure
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]

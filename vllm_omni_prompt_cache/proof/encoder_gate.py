@@ -203,8 +203,8 @@ class GateRun:
         if _matches(expected, index, path, inputs):
             structure = expected.calls[index].output
             self.calls.append([path, inputs, structure])
-            made = self.stand_ins if self.stand_ins is not None else StandIns()
-            return made.make(structure, str(index), _device_of(args, kwargs), self.guard)
+            assert self.stand_ins is not None, "an answered run is made by its gate, which hands it its stand-ins"
+            return self.stand_ins.make(structure, str(index), _device_of(args, kwargs), self.guard)
         if index == 0 and not self.reference:
             # Encoders waiting off the device: encode again, placed, unless this run already changed pipeline state,
             # which a second run would change twice; then it goes on, the encoders placed at their forward.

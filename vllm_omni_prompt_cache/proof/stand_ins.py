@@ -67,7 +67,7 @@ def structure_of(value: Any) -> Any:
 
 
 #: Output structures by their spelling: the encodes and records of prompts whose encoder outputs have one shape share
-#: one, and with it the stand-in numbers made for it (see :func:`stand_in`). Emptied when full.
+#: one, and with it the stand-in numbers a pipeline keeps for it (see :class:`StandIns`). Emptied when full.
 _structures: dict[str, Any] = {}
 
 
@@ -173,8 +173,8 @@ _KEPT = 64
 
 
 class StandIns:
-    """The stand-ins of one pipeline's proof runs: the numbers of the last :data:`_KEPT` made (by output structure,
-    call index and device) are kept on that device while the pipeline lives, and every run is handed copies."""
+    """The stand-ins of one pipeline's proof runs: the numbers of the last :data:`_KEPT` used (by output structure,
+    call index and device) are kept on their device while the pipeline lives, and every run is handed copies."""
 
     def __init__(self) -> None:
         self._kept: OrderedDict[tuple[int, str, Any], tuple[Any, list[_Made]]] = OrderedDict()
@@ -193,6 +193,8 @@ class StandIns:
         else:
             numbers: list[_Made] = []
             value = _stand_in(structure, path, near, numbers)
+            for device in {made.base.device for made in numbers if made.base.is_cuda}:
+                torch.cuda.current_stream(device).synchronize()  # made before another thread's stream copies them
             with self._lock:
                 self._kept[key] = (structure, numbers)
                 if len(self._kept) > _KEPT:
@@ -287,7 +289,10 @@ class ProofGuard(TorchFunctionMode):
             kwargs = {}
         if not self.watching:
             return func(*args, **kwargs)
-        kept = type(func) in _STABLE or (type(func) is _FUNCTION and func.__closure__ is None)
+        owner = getattr(func, "__self__", None)  # a tensor's bound method (``x.add``) is not kept: nor its tensor
+        kept = (type(func) in _STABLE or (type(func) is _FUNCTION and func.__closure__ is None)) and not isinstance(
+            owner, torch.Tensor
+        )
         kind = _KINDS.get(func) if kept else None
         if kind is None:
             kind = _kind_of(func)
