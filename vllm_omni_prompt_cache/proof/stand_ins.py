@@ -289,14 +289,13 @@ class ProofGuard(TorchFunctionMode):
             kwargs = {}
         if not self.watching:
             return func(*args, **kwargs)
-        owner = getattr(func, "__self__", None)  # a tensor's bound method (``x.add``) is not kept: nor its tensor
-        kept = (type(func) in _STABLE or (type(func) is _FUNCTION and func.__closure__ is None)) and not isinstance(
-            owner, torch.Tensor
-        )
-        kind = _KINDS.get(func) if kept else None
+        try:
+            kind = _KINDS.get(func)  # only torch's own functions are ever kept there (see _keeps)
+        except TypeError:  # an unhashable callable
+            kind = None
         if kind is None:
             kind = _kind_of(func)
-            if kept:
+            if _keeps(func):
                 if len(_KINDS) > 4096:  # never in practice: torch has fewer functions
                     _KINDS.clear()
                 _KINDS[func] = kind
@@ -366,6 +365,13 @@ _STABLE = frozenset(
     for each in (torch.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.shape.__get__, torch.Tensor.add)
 ) | {torch._ops.OpOverload, torch._ops.OpOverloadPacket}
 _FUNCTION = types.FunctionType  # (``types`` is an argument's name in ``__torch_function__``)
+
+
+def _keeps(func: Any) -> bool:
+    """Return True for a callable :data:`_KINDS` may keep: one of torch's own kinds, bound to no tensor (``x.add`` is
+    not kept, nor its tensor with it)."""
+    stable = type(func) in _STABLE or (type(func) is _FUNCTION and func.__closure__ is None)
+    return stable and not isinstance(getattr(func, "__self__", None), torch.Tensor)
 
 
 def _kind_of(func: Any) -> int:
