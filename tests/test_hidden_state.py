@@ -413,6 +413,22 @@ def test_a_proof_the_encode_swallows_is_still_a_proof(encoder) -> None:
     assert cache.stats()["proven_hits"] >= 2
 
 
+def test_the_gate_hooks_a_replaced_text_encoder_of_a_pipeline_that_is_no_torch_module(encoder) -> None:
+    """A pipeline need not be a torch module; its children are then its attributes. The gate tells a replaced one
+    from what those attributes hold, and records the new text encoder's calls (unhooked, a run records none)."""
+    from vllm_omni_prompt_cache.proof.encoder_gate import EncoderGate
+
+    pipeline = types.SimpleNamespace(text_encoder=encoder, steps=1)
+    gate = EncoderGate(pipeline)
+    for replacement in (None, build_qwen2_encoder()):
+        if replacement is not None:
+            pipeline.text_encoder, pipeline.steps = replacement, 2
+        with gate.run() as run:
+            pipeline.text_encoder(input_ids=padded([1, 2])[0])
+        assert type(run.record) is str and len(run.calls) == 1
+    gate.remove()
+
+
 def test_the_gate_looks_for_encoders_again_only_when_a_child_module_is_replaced(encoder) -> None:
     """Each encode and each proof asks the gate to refresh; scanning every module of every child each time
     would cost a 7B encoder's worth of module walks per hit. It rescans when a child is replaced, and hooks a
@@ -420,8 +436,7 @@ def test_the_gate_looks_for_encoders_again_only_when_a_child_module_is_replaced(
     from vllm_omni_prompt_cache.proof.encoder_gate import EncoderGate
 
     pipeline = pipeline_for("ContextVar", False, encoder)
-    scans = []
-    gate = EncoderGate(lambda: scans.append(1) or dict(pipeline.named_children()))
+    gate = EncoderGate(pipeline)
     walks = []
     original = torch.nn.Module.modules
 

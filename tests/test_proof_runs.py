@@ -180,7 +180,7 @@ def test_stand_ins_are_copies_of_numbers_made_once_per_pipeline(monkeypatch) -> 
     from vllm_omni_prompt_cache.proof.encoder_gate import EncoderGate
     from vllm_omni_prompt_cache.proof.stand_ins import StandIns, stand_in, structure_of
 
-    gate = EncoderGate(dict)
+    gate = EncoderGate(types.SimpleNamespace())  # a pipeline with no child modules
     with gate.run() as gate_run:
         assert gate_run.stand_ins is gate.stand_ins  # one pipeline's runs share its numbers
 

@@ -10,7 +10,6 @@ pipeline runs (see :mod:`.discovery`). Each wrapped method's calls are served by
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import threading
@@ -73,7 +72,7 @@ class Installation:
         self._watch: EncoderWatch | None = None
         self.configuration = instance_attributes(pipeline)  # what the pipeline held at install (see MethodState)
         #: records what reaches the text encoders on an encode, and compares it before a hit is served
-        self.gate = EncoderGate(functools.partial(child_modules, pipeline))
+        self.gate = EncoderGate(pipeline)
 
     @property
     def encoders(self) -> list[str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -65,6 +66,17 @@ def child_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
     except TypeError:
         return {}
     return {name: value for name, value in attributes.items() if isinstance(value, torch.nn.Module)}
+
+
+def modules_held_by(pipeline: Any) -> Mapping[str, Any]:
+    """Return the live mapping :func:`child_modules` finds the pipeline's children in (a torch module's ``_modules``,
+    else the instance's attributes): comparing what it holds tells, without a walk, whether a child was replaced."""
+    if isinstance(pipeline, torch.nn.Module):
+        return pipeline._modules
+    try:
+        return vars(pipeline)
+    except TypeError:
+        return {}
 
 
 def is_token_embedding(module: torch.nn.Module) -> bool:

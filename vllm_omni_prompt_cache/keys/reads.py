@@ -105,8 +105,8 @@ class Trace:
     #: attributes written after that point, and the content of those read before it, as it was at that point
     written_late: set[str] = field(default_factory=set)
     identities_at_encoder: dict[str, Any] = field(default_factory=dict)
-    #: a proof run's: the instance as it was at the first encoder call (see :meth:`undo_after_encoder`)
-    snapshot_at_encoder: bool = False
+    #: a proof run's (see :func:`traced`): the instance before the run, and as it was at its first encoder call
+    before: Snapshot | None = None
     snapshot: Snapshot | None = None
     #: properties set through their setter (their value lives elsewhere), with what they read before: after the
     #: encoder call, or from the start when ``setters_from_start`` (a reference run, undone whole)
@@ -120,14 +120,13 @@ class Trace:
         if _is_number(value) and (name in self.numbers or _is_number(before)):
             self.numbers.setdefault(name, [before, value])[1] = value
 
-    def undo_after_encoder(self, *, release: bool = False, since: Snapshot | None = None) -> None:
-        """Put back what the call changed on the instance after its first encoder call: a proof run answered by
-        stand-ins leaves nothing behind (a hit then replays the entry's writes, as it always does). ``since``: the
-        instance before the call; what the call's own code put back as it was (a tokenizer swapped in and restored
-        in a ``finally``) stays. ``release``: then drop the values this trace holds (see :meth:`release`)."""
+    def undo_after_encoder(self, *, release: bool = False) -> None:
+        """Put back what a proof run changed on the instance after its first encoder call (a hit replays the entry's
+        writes); what its own code put back as it was before the run (a tokenizer swapped in and restored in a
+        ``finally``) stays. ``release``: then drop the values this trace holds (stand-in data among them)."""
         if self.snapshot is not None:
             touched = {*self.reads, *self.writes, *self.overwritten, *self.read_identities}
-            self.snapshot.restore(skip=self.numbers, unless_as=since, names=touched)
+            self.snapshot.restore(skip=self.numbers, unless_as=self.before, names=touched)
         self.undo_setters()
         if release:
             self.release()
@@ -135,7 +134,7 @@ class Trace:
     def release(self) -> None:
         """Drop the values this trace holds (a proof run's carry stand-in data: nothing of it may stay alive)."""
         self.reads, self.writes, self.overwritten, self.setters, self.snapshot = {}, {}, {}, {}, None
-        self.numbers = {}
+        self.numbers, self.before = {}, None
 
     def undo_setters(self) -> None:
         """Take back what this call set through properties, and the numbers it changed (by what it added)."""
@@ -154,7 +153,7 @@ class Trace:
     def reach_encoder(self) -> None:
         """Note that the call reached its first text-encoder call (see encoder_gate.py)."""
         self.encoder_reached = True
-        if self.snapshot_at_encoder:
+        if self.before is not None:
             self.snapshot = Snapshot(self.instance)
         instance_dict = attributes_of(self.instance)
         self.identities_at_encoder = {
@@ -189,7 +188,7 @@ class Trace:
         self.writes[name] = value
         if self.encoder_reached:
             self.written_late.add(name)
-            if self.snapshot_at_encoder:
+            if self.before is not None:
                 self.note_number(name, before, value)
 
 
@@ -435,10 +434,11 @@ class CannotTrace(Exception):
 
 
 @contextmanager
-def traced(instance: Any) -> Iterator[Trace]:
-    """Record what this thread's code reads from and writes to ``instance`` inside the block."""
+def traced(instance: Any, *, proof_run: bool = False) -> Iterator[Trace]:
+    """Record what this thread's code reads from and writes to ``instance`` inside the block; ``proof_run``: keep the
+    instance as it was before and at its first encoder call too (see :meth:`Trace.undo_after_encoder`)."""
     outer = getattr(_local, "trace", None)
-    trace = Trace(instance)
+    trace = Trace(instance, before=Snapshot(instance) if proof_run else None)
     with _swap_lock:
         held = _swapped.get(id(instance))
         if held is None:

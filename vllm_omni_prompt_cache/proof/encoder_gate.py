@@ -27,7 +27,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_omni_prompt_cache.encoders.text_encoders import TABLES_NOTED, is_text_encoder, paths_to_embeddings
+from vllm_omni_prompt_cache.encoders.text_encoders import (
+    TABLES_NOTED,
+    child_modules,
+    is_text_encoder,
+    modules_held_by,
+    paths_to_embeddings,
+)
 from vllm_omni_prompt_cache.keys.call_key import Bypass, unseal, value_key
 from vllm_omni_prompt_cache.keys.method_state import changed_state
 from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard, StandIns, interned, structure_of
@@ -243,8 +249,9 @@ class EncoderGate:
     the forward runs; other threads' calls go through as before.
     """
 
-    def __init__(self, children: Callable[[], dict[str, torch.nn.Module]]) -> None:
-        self._children = children  # the pipeline's child modules now, by attribute name
+    def __init__(self, pipeline: Any) -> None:
+        self._children = functools.partial(child_modules, pipeline)  # the pipeline's child modules now, by name
+        self._held = modules_held_by(pipeline)  # the live mapping they are among: looked at on every run
         self._local = threading.local()  # .run: the GateRun of this thread, if any
         self._handles: list[Any] = []
         self._hooked: dict[str, int] = {}  # child name -> id of the module hooked
@@ -257,13 +264,12 @@ class EncoderGate:
 
     def refresh(self) -> None:
         """Hook the text encoders the pipeline holds now (again, if a child module was replaced since)."""
-        every = self._children()
-        seen = {name: id(module) for name, module in every.items()}
+        seen = {name: id(value) for name, value in self._held.items() if isinstance(value, torch.nn.Module)}
         seen[""] = TABLES_NOTED[0]  # a token table recognised since: look again
         if seen == self._children_seen:  # the common case, on every run: nothing was replaced
             return
         with self._lock:
-            children = {name: module for name, module in every.items() if is_text_encoder(module)}
+            children = {name: module for name, module in self._children().items() if is_text_encoder(module)}
             if {name: id(module) for name, module in children.items()} == self._hooked:
                 self._children_seen = seen  # another child changed (a DiT reloaded): the hooks stand
                 return

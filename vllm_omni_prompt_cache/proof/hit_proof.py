@@ -18,7 +18,6 @@ from vllm_omni_prompt_cache.proof.encoder_gate import (
     DIFFERED_AFTER,
     NO_RECORD,
     UNRECORDED,
-    GateRun,
     Record,
     Refuted,
     parse,
@@ -56,41 +55,43 @@ class HitProof:
         main_input = expected.calls[0].inputs if expected is not None and expected.calls else None
         placed = getattr(first_use.pipeline, PLACEMENT_ATTRIBUTE, None) is not None
         guard = ProofGuard()
-        # What a later run starts from (its reference run, an encode instead): the instance, and the arguments as the
-        # caller gave them (an encode may change them in place: vLLM-Omni's Z-Image templates its prompt list).
-        before, given = Snapshot(first_use.instance), copied(args, kwargs)
-        gate_run = GateRun()
-        trace = Trace(first_use.instance)
+        # What a later run starts from (its reference run, an encode instead): the instance (the trace's ``before``),
+        # and the arguments as the caller gave them (an encode may change them in place: vLLM-Omni's Z-Image templates
+        # its prompt list).
+        given = copied(args, kwargs)
+        gate_run = trace = None
         try:
             with (
                 guard,
                 first_use.gate.run(expected or Record((), ""), abort_on_refute=placed, guard=guard) as gate_run,
             ):
                 gate_run.on_refute, gate_run.alternative = first_use.note_encoded, self._alternative(found)
-                with traced(first_use.instance) as trace:
-                    trace.snapshot_at_encoder, gate_run.trace = True, trace
+                with traced(first_use.instance, proof_run=True) as trace:
+                    gate_run.trace = trace
                     result = first_use.original(*args, **kwargs)
         except Refuted:  # stand-ins were handed out, or its encoders wait off the device: encoded again
-            return None, self._again(trace, before, args, kwargs, given, gate_run.why_unproven, rows, main_input)
+            assert gate_run is not None and trace is not None  # raised by the run's encoder calls
+            return None, self._again(trace, args, kwargs, given, gate_run.why_unproven, rows, main_input)
         except Draws as draws:
-            return None, self._drew(trace, before, str(draws), args, kwargs, given)
+            return None, self._drew(trace, str(draws), args, kwargs, given)
         except Exception as error:
-            if not gate_run.calls or gate_run.went_on:  # before any stand-in: raised as the uncached call would
-                raise
+            if gate_run is None or trace is None or not gate_run.calls or gate_run.went_on:
+                raise  # before any stand-in: raised as the uncached call would
             why = f"its proof run raised {type(error).__qualname__}"  # on stand-in data: encoded again
-            return None, self._again(trace, before, args, kwargs, given, why, rows, main_input)
+            return None, self._again(trace, args, kwargs, given, why, rows, main_input)
         if gate_run.went_on:  # its first encoder input differed: the run went on through the encoder, a miss's
             encode = Encode(result, trace, gate_run, None)
-            self.reference(*given, encode, before)
+            assert trace.before is not None
+            self.reference(*given, encode, trace.before)
             why = UNRECORDED if expected is None and gate_run.unreadable is None else gate_run.why_unproven
             return None, self._unproven(encode, rows, why, main_input)
         if guard.draw is not None:  # a draw the run's own code caught
-            return None, self._drew(trace, before, guard.draw, args, kwargs, given)
+            return None, self._drew(trace, guard.draw, args, kwargs, given)
         if gate_run.differed is not None:  # a Refuted the run's own code caught
-            return None, self._again(trace, before, args, kwargs, given, gate_run.why_unproven, rows, main_input)
+            return None, self._again(trace, args, kwargs, given, gate_run.why_unproven, rows, main_input)
         if not gate_run.calls:  # it reached no encoder: its own result is served
             return None, Unproven(result, None, None, gate_run.why_unproven)
-        trace.undo_after_encoder(release=True, since=before)  # first: what it wrote on the instance a hit replays
+        trace.undo_after_encoder(release=True)  # first: what it wrote on the instance a hit replays
         left = guard.left_behind(result)  # before the caller's arguments are refilled: what they kept counts
         put_back(args, kwargs, given)
         assert gate_run.expected is not None
@@ -105,7 +106,6 @@ class HitProof:
     def _again(
         self,
         trace: Trace,
-        before: Snapshot,
         args: tuple,
         kwargs: dict,
         given: tuple[tuple, dict],
@@ -115,15 +115,14 @@ class HitProof:
     ) -> Unproven:
         """Put back what a stopped proof run changed (the instance after its encoder call, the caller's arguments) and
         encode the call as a miss."""
-        trace.undo_after_encoder(since=before)
+        trace.undo_after_encoder()
         put_back(args, kwargs, given)
         return self._encoded_again(args, kwargs, reason, rows, main_input)
 
-    def _drew(
-        self, trace: Trace, before: Snapshot, draw: str, args: tuple, kwargs: dict, given: tuple[tuple, dict]
-    ) -> Unproven:
+    def _drew(self, trace: Trace | None, draw: str, args: tuple, kwargs: dict, given: tuple[tuple, dict]) -> Unproven:
         """Refuse a method whose proof run drew random numbers (undone); encode the call uncached, as given."""
-        trace.undo_after_encoder(since=before)
+        if trace is not None:
+            trace.undo_after_encoder()
         put_back(args, kwargs, given)
         why = drawing_refusal(draw)
         verdict = self.first_use.refusal(why)
