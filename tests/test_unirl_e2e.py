@@ -9,7 +9,9 @@ its random weights. How the settings travel on those routes: ``test_unirl_settin
 Every cached run here is compared with one uncached run (``uncached``, shared by the module): the same
 prompts, seeds and weight syncs give the same images and captures whatever the route or tap, so one
 engine is the reference of all four, where each test used to start its own (on 0.27.0rc1 an engine's
-worker is a spawned process, about 25 s to start).
+worker is a spawned process, about 25 s to start). It takes the deploy-config route, the one that used
+to drop settings, so that the cache is seen off there when none is given; the uncached runs each route's
+release fact records are that run's.
 """
 
 from __future__ import annotations
@@ -33,13 +35,16 @@ SYNCS = ("transformer", "transformer", "transformer", "text_encoder", "transform
 
 @pytest.fixture(scope="module")
 def uncached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list]]:
-    """Five steps of UniRL's loop with the cache off, through the conditioning tap's class (installed at the first
-    forward; it only records what the request's encode returned)."""
+    """Five steps of UniRL's loop with no cache setting given (a deploy config beside an empty ``omni_extra``),
+    through the conditioning tap's class (installed at the first forward; it only records what the encode
+    returned)."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         without_cache_env(monkeypatch)
-        with rollout_of(tmp_path_factory.mktemp("uncached"), "kwargs", {}, unirl.TAP_AFTER_CACHE) as rollout:
+        scratch = tmp_path_factory.mktemp("uncached")
+        with rollout_of(scratch, "deploy config", {}, unirl.TAP_AFTER_CACHE) as rollout:
             seen = train(rollout, SYNCS)
-    assert seen["runs"] == [2 * len(STEPS[0])] * len(SYNCS)  # a prompt and the negative prompt per request
+    # The cache is off: a prompt and the negative prompt encoded per request, at every step.
+    assert seen["runs"] == [2 * len(STEPS[0])] * len(SYNCS)
     yield seen
 
 
