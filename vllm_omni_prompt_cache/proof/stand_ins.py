@@ -304,7 +304,7 @@ class ProofGuard(TorchFunctionMode):
         else:
             output = func(*args, **kwargs)
         tainted = self.tainted
-        if tainted._refs and _touches(args, kwargs, tainted._refs):
+        if tainted.refs and _touches(args, kwargs, tainted.refs):
             if type(output) is torch.Tensor:
                 tainted.add(output)
             elif isinstance(output, (tuple, list)):
@@ -424,23 +424,17 @@ class _Tensors:
     """A set of live tensors by identity (a WeakSet would compare tensors with ``==``, element by element)."""
 
     def __init__(self) -> None:
-        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.refs: dict[int, weakref.ref[torch.Tensor]] = {}  # read directly on every torch call (see _touches)
 
     def add(self, tensor: torch.Tensor) -> None:
-        self._refs[id(tensor)] = weakref.ref(tensor)
+        self.refs[id(tensor)] = weakref.ref(tensor)
 
-    def __contains__(self, key: object) -> bool:
-        if isinstance(key, torch.Tensor):
-            ref = self._refs.get(id(key))
-            return ref is not None and ref() is key
-        ref = self._refs.get(key)  # type: ignore[call-overload]
-        return ref is not None and ref() is not None
-
-    def __bool__(self) -> bool:
-        return bool(self._refs)
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        ref = self.refs.get(id(tensor))
+        return ref is not None and ref() is tensor
 
     def alive(self) -> list[int]:
-        return [key for key, ref in list(self._refs.items()) if ref() is not None]
+        return [key for key, ref in list(self.refs.items()) if ref() is not None]
 
 
 def _touches(args: tuple, kwargs: dict, refs: dict[int, weakref.ref[torch.Tensor]]) -> bool:
