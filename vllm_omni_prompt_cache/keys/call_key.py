@@ -321,9 +321,22 @@ def result_digest(value: Any) -> str | Bypass:
     """Return the digest of what a stand-in run returned (its values are the stand-ins' own: xxh3 digests do)."""
     with torch.inference_mode(False):
         identity = value_identity(_comparable(value))
-    if type(identity) is Bypass:
-        return identity
-    return hashlib.blake2b(repr(identity).encode("utf-8", "surrogatepass"), digest_size=32).hexdigest()
+    return identity if type(identity) is Bypass else _digest(identity, ())
+
+
+def input_digest(value: Any) -> str | Bypass:
+    """Return the digest of what reached a text-encoder call (its module path, arguments and keyword arguments), or
+    why it has none: its identity and the bytes themselves (the identity's xxh3 digests are not collision resistant)."""
+    with torch.inference_mode(False):  # read as the call's arguments are, whatever mode the encode runs in
+        key = value_key(value)
+    return key if type(key) is Bypass else _digest(*key)
+
+
+def _digest(identity: Any, witness: tuple) -> str:
+    digest = hashlib.blake2b(repr(identity).encode("utf-8", "surrogatepass"), digest_size=32)
+    for part in witness:
+        digest.update(part)
+    return digest.hexdigest()
 
 
 class CallKeyBuilder:

@@ -16,7 +16,6 @@ Design: docs/design.md, "Proven hits". Nothing here knows about vLLM-Omni.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import threading
 import types
@@ -34,7 +33,7 @@ from vllm_omni_prompt_cache.encoders.text_encoders import (
     modules_held_by,
     paths_to_embeddings,
 )
-from vllm_omni_prompt_cache.keys.call_key import Bypass, unseal, value_key
+from vllm_omni_prompt_cache.keys.call_key import Bypass, input_digest, unseal
 from vllm_omni_prompt_cache.keys.method_state import changed_state
 from vllm_omni_prompt_cache.proof.stand_ins import ProofGuard, StandIns, interned, structure_of
 
@@ -94,15 +93,7 @@ def parse(spelled: str) -> Record | None:
 
 def record_of(name: str, args: tuple, kwargs: dict) -> str | Bypass:
     """Return the digest of a call of encoder module ``name`` with ``args`` and ``kwargs``, or why it has none."""
-    with torch.inference_mode(False):  # read as the call's arguments are, whatever mode the encode runs in
-        key = value_key((name, args, kwargs))
-    if type(key) is Bypass:
-        return key
-    identity, witness = key
-    digest = hashlib.blake2b(repr(identity).encode("utf-8", "surrogatepass"), digest_size=32)
-    for part in witness:  # the bytes themselves: the identity's xxh3 digests are not collision resistant
-        digest.update(part)
-    return digest.hexdigest()
+    return input_digest((name, args, kwargs))
 
 
 #: What :meth:`GateRun.answer` returns for a call that goes on through the real encoder.
