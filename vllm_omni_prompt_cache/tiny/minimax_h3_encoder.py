@@ -1,9 +1,10 @@
-"""vLLM-Omni's own MiniMax-H3 text encoder, built tiny with random weights, and called as its pipeline calls it.
+"""vLLM-Omni's own MiniMax-H3 text encoder, built tiny with random weights.
 
 Mirrors ``vllm_omni/diffusion/models/minimax_h3/encoder.py`` (``MiniMaxH3Qwen3VLEncoder``, vLLM-Omni
 0.30) and the way ``pipeline_minimax_h3.py`` builds and calls it. :func:`build_minimax_h3_encoder`
 returns the real class, not a copy: its constructor reads a ``Qwen3VLConfig`` from a directory (a
-tiny ``config.json`` is written to a temporary one), and :func:`encode_ids` makes the pipeline's call.
+tiny ``config.json`` is written to a temporary one); ``tests/test_minimax_h3_encoder.py`` makes the
+pipeline's call.
 
 The pipeline (``MiniMaxH3Pipeline.__init__``, ``text_encoder_tp_size == 1``) passes
 ``device=self.device``, ``load_model=True`` on rank 0 and an ``encoder_group`` that is its
@@ -119,8 +120,9 @@ def _keep_linear_weights(encoder: torch.nn.Module) -> None:
 
 def build_minimax_h3_encoder(*, seed: int = 0, device: torch.device | str = "cpu") -> torch.nn.Module:
     """vLLM-Omni's ``MiniMaxH3Qwen3VLEncoder`` from the tiny config (see the module), seeded random
-    float32 weights, eval mode, on ``device`` (the pipeline passes its own, as ``_load_text_encoder`` does).
-    Joins a one-rank vLLM TP group for the process if none is up."""
+    float32 weights, eval mode. ``device`` is what ``MiniMaxH3Pipeline.__init__`` passes (its own): the encoder keeps
+    it as its target and its weights on the CPU until ``load_to_device()``, as the real constructor does. Joins a
+    one-rank vLLM TP group for the process if none is up."""
     from transformers import Qwen3VLConfig
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm_omni.diffusion.models.minimax_h3.encoder import MiniMaxH3Qwen3VLEncoder
