@@ -150,20 +150,24 @@ def test_replica_killed_mid_rollout_then_directory_removed_then_read_only(tmp_pa
 
         # 1b. What a replica killed mid-encode leaves, made for certain: each entry's file replaced by A's
         # claim and a temporary file of A's, named after A's (dead) process. B takes every claim over at
-        # once instead of waiting 10 s for it; the next process removes the temporaries.
-        dead = f"{host_id()}-{a.pid}"
+        # once, because its process is gone, instead of waiting 10 s for it; the next process removes the
+        # temporaries. The claims are dated an hour ahead, so no wait can make them old enough to take
+        # over: had B waited, its waits would end in dir_wait_timeouts, with no claim taken over.
+        dead, ahead = f"{host_id()}-{a.pid}", time.time() + 3600
         for entry in root.glob("*/*.safetensors"):
             entry.unlink()
-            entry.with_suffix(".claim").write_text(f"{dead} {'0' * 32}")
+            claim = entry.with_suffix(".claim")
+            claim.write_text(f"{dead} {'0' * 32}")
+            os.utime(claim, (ahead, ahead))
             entry.with_name(f".{entry.name}.{dead}.{'0' * 8}.tmp").write_bytes(b"half a file")
-        before, began = b.counts(*WATCHED), time.monotonic()
+        before = b.counts(*WATCHED)
         for prompt in PROMPTS:
             if b.image(prompt, 2) != reference[(prompt, 2)]:
                 wrong.append(("A's leftovers", prompt))
         phases["a killed replica's claims and temporaries"] = counted = phase(
             before, b.counts(*WATCHED), len(PROMPTS), wrong
         )
-        assert counted["dir_stale_claims_total"] >= len(PROMPTS) - 1 and time.monotonic() - began < 10
+        assert counted["dir_stale_claims_total"] >= len(PROMPTS) - 1 and counted["dir_wait_timeouts_total"] == 0
         next_process = DirectoryTier(root, None, lambda: "only scanning")  # its rescan, as any process's
         next_process.budget.enforce()
         assert next_process.counts()[DIR_LEFTOVERS_REMOVED] >= len(PROMPTS) - 1
