@@ -218,10 +218,10 @@ def test_an_output_whose_waiter_registers_while_the_pump_files_it_reaches_the_wa
     executor._init_executor()
     waiters: list = []
     unpack = executor_module.unpack_diffusion_output_shm
+    engine = threading.Thread(target=lambda: waiters.append(executor.wait_output_ready("out")))
 
     def unpack_while_the_engine_waits(unpacked) -> None:
         unpack(unpacked)
-        engine = threading.Thread(target=lambda: waiters.append(executor.wait_output_ready("out")))
         engine.start()
         engine.join(timeout=2)  # a release that unpacks under the lock registers the waiter after filing
 
@@ -233,9 +233,6 @@ def test_an_output_whose_waiter_registers_while_the_pump_files_it_reaches_the_wa
 
     monkeypatch.setattr(executor_module, "unpack_diffusion_output_shm", unpack_while_the_engine_waits)
     executor._result_pump(SimpleNamespace(dequeue=dequeue))
-    for _ in range(500):  # the engine thread, if it is still blocked on the lock the pump held
-        if waiters:
-            break
-        threading.Event().wait(0.01)
-    assert waiters[0].result(timeout=5) is output
+    engine.join(60)  # if it was still blocked on the lock the pump held; the bound only keeps a hang from blocking
+    assert waiters[0].result(timeout=60) is output
     assert executor._output_futures == {} and "out" not in executor._completed_outputs
