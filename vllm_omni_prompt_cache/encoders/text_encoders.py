@@ -58,19 +58,21 @@ def _holds_observed_table(module: torch.nn.Module) -> bool:
 
 
 def child_modules(pipeline: Any) -> dict[str, torch.nn.Module]:
-    """Return the pipeline's direct child modules by attribute name (a torch module's children, else its attributes)."""
-    if isinstance(pipeline, torch.nn.Module):
-        return dict(pipeline.named_children())
-    try:
-        attributes = vars(pipeline)
-    except TypeError:
-        return {}
-    return {name: value for name, value in attributes.items() if isinstance(value, torch.nn.Module)}
+    """Return the pipeline's direct child modules by attribute name (a torch module's children, each once under its
+    first name, as ``named_children`` has them; else its attributes), read from one copy of what holds them."""
+    once = isinstance(pipeline, torch.nn.Module)
+    children: dict[str, torch.nn.Module] = {}
+    for name, value in dict(modules_held_by(pipeline)).items():  # a copy: see modules_held_by
+        if isinstance(value, torch.nn.Module) and not (once and any(value is child for child in children.values())):
+            children[name] = value
+    return children
 
 
 def modules_held_by(pipeline: Any) -> Mapping[str, Any]:
     """Return the live mapping :func:`child_modules` finds the pipeline's children in (a torch module's ``_modules``,
-    else the instance's attributes): comparing what it holds tells, without a walk, whether a child was replaced."""
+    else the instance's attributes): comparing what it holds tells, without a walk, whether a child was replaced.
+    Walk a copy, ``dict(held)``, made at once: another thread may add an attribute to the pipeline meanwhile, and a
+    walk over the live mapping would then raise out of the user's call."""
     if isinstance(pipeline, torch.nn.Module):
         return pipeline._modules
     try:

@@ -255,7 +255,8 @@ class EncoderGate:
 
     def refresh(self) -> None:
         """Hook the text encoders the pipeline holds now (again, if a child module was replaced since)."""
-        seen = {name: id(value) for name, value in self._held.items() if isinstance(value, torch.nn.Module)}
+        held = dict(self._held)  # a copy made at once (see modules_held_by): others may add attributes meanwhile
+        seen = {name: id(value) for name, value in held.items() if isinstance(value, torch.nn.Module)}
         seen[""] = TABLES_NOTED[0]  # a token table recognised since: look again
         if seen == self._children_seen:  # the common case, on every run: nothing was replaced
             return
