@@ -141,15 +141,12 @@ release_record = _ReleaseRecord()
 
 
 @pytest.fixture(autouse=True)
-def no_refuted_layouts_carry_over() -> Iterator[None]:
-    """A layout a test refutes (a class an audit turns off) stays so in the process: start each test afresh."""
-    from vllm_omni_prompt_cache.rows import layout_proofs as proofs
+def no_audit_failures_carry_over() -> Iterator[None]:
+    """A class an audit turns off stays so in the process: start each test afresh."""
     from vllm_omni_prompt_cache.store import audit
 
-    proofs._REFUTED.clear()
     audit.FAILED_CLASSES.clear()
     yield
-    proofs._REFUTED.clear()
     audit.FAILED_CLASSES.clear()
 
 

@@ -10,7 +10,6 @@ stock vLLM-Omni.
 
 from vllm_omni_prompt_cache.calls.wrapper import install_prompt_embed_cache, uninstall_prompt_embed_cache
 from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, CallKeyBuilder
-from vllm_omni_prompt_cache.rows.layout import RowLayout, RowOutput
 from vllm_omni_prompt_cache.settings.resolved import (
     PromptEmbedCacheSettings,
     resolve_prompt_embed_cache_config,
@@ -19,7 +18,7 @@ from vllm_omni_prompt_cache.settings.resolved import (
 from vllm_omni_prompt_cache.settings.schema import PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.store.prompt_embed_cache import MISS, CacheStats, PromptEmbedCache
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "MISS",
@@ -30,8 +29,6 @@ __all__ = [
     "PromptEmbedCache",
     "PromptEmbedCacheConfigError",
     "PromptEmbedCacheSettings",
-    "RowLayout",
-    "RowOutput",
     "install_prompt_embed_cache",
     "resolve_prompt_embed_cache_config",
     "resolve_prompt_embed_cache_settings",

@@ -1,33 +1,27 @@
-"""One wrapped pipeline's state, and the function that replaces each of its encode methods.
+"""One pipeline's installation: its text encoders' calls served from the store, and its encode methods wrapped.
 
-:class:`Installation` is what the cache sets on a pipeline besides upstream's two attributes
-(``_prompt_embed_cache``, ``_prompt_embed_cache_original_fn``) and, where the text encoders are placed on a
-miss, the placement (:data:`~.residency.PLACEMENT_ATTRIBUTE`): the store, each wrapped
-method's original, layout proof and state, and the encoder watch that finds more methods while the
-pipeline runs (see :mod:`.discovery`). Each wrapped method's calls are served by a
-:class:`~.method_calls.MethodCalls`, entered through :func:`~.method_calls.cached_method`.
+:class:`Installation` is what the cache sets on a pipeline besides upstream's two attributes (``_prompt_embed_cache``,
+``_prompt_embed_cache_original_fn``): the store, the :class:`~.encoder_calls.EncoderCalls` that serves every call of
+the pipeline's text encoders, and each wrapped method's :class:`~.method_calls.MethodCalls`. ``encode_prompt`` and
+the declared methods are wrapped at install; a method of the pipeline seen calling a text encoder outside every
+wrapped one is wrapped then (``find_encodes``), so that its calls are counted under its name, one call at a time.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.calls.layouts import layout_proof, method_layout_proof
-from vllm_omni_prompt_cache.calls.method_calls import MethodCalls, cached_method, noting_encodes
+from vllm_omni_prompt_cache.calls.encoder_calls import EncoderCalls
+from vllm_omni_prompt_cache.calls.method_calls import MethodCalls, cached_method
 from vllm_omni_prompt_cache.counts.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.keys.call_key import CallKeyBuilder
-from vllm_omni_prompt_cache.keys.method_state import MethodState, instance_attributes
-from vllm_omni_prompt_cache.logs import warn_once
-from vllm_omni_prompt_cache.proof.discovery import EncoderWatch, OpenEncode, child_modules
-from vllm_omni_prompt_cache.proof.encoder_gate import EncoderGate
-from vllm_omni_prompt_cache.rows.layout import RowLayout
-from vllm_omni_prompt_cache.rows.layout_proofs import LayoutProof
 from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
 
 logger = logging.getLogger(__name__)
@@ -40,8 +34,7 @@ ORIGINAL_ATTRIBUTE = "_prompt_embed_cache_original_fn"
 
 
 class Installation:
-    """Everything the cache keeps for one wrapped pipeline: its wrapped methods (original, layout proof, state),
-    and the encoder watch that finds more (see :mod:`.discovery`)."""
+    """Everything the cache keeps for one pipeline (see the module docstring)."""
 
     def __init__(
         self,
@@ -50,167 +43,69 @@ class Installation:
         tag: str,
         digest: Callable[[Any], bytes] | None,
         report: Callable[[PromptEmbedCache], None] | None,
-        row_layout: RowLayout | None,
-        row_layouts: Mapping[str, RowLayout] | None,
+        *,
+        find_encodes: bool = True,
     ) -> None:
         self.pipeline = pipeline
         self.cache = cache
         self.tag = tag
         self.digest = digest
         self.report = report
-        self.row_layout = row_layout
-        self.row_layouts = row_layouts
-        self.inside = threading.local()  # set while a wrapped method of this pipeline runs on this thread
+        self.inside = threading.local()  # .active: a wrapped method of this pipeline runs on this thread
         self.originals: dict[str, Callable[..., Any]] = {}  # each wrapped method's original, by name
         self.methods: dict[str, MethodCalls] = {}  # what serves each wrapped method's calls, by name
-        self.rejected: dict[str, str] = {}  # candidates found by watching that turned out not to be encodes
-        self.unwrappable: dict[str, str] = {}  # encoder -> why no method could be wrapped for it
-        self._inner: dict[str, list[str]] = {}  # candidate -> the methods around it, tried next
-        self._open: OpenEncode | None = None  # the encode whose encoder calls are being gathered
-        self._settle_hooks: list[Any] = []  # on the other child modules while an encode is open
         self._lock = threading.RLock()
-        self._watch: EncoderWatch | None = None
-        self.configuration = instance_attributes(pipeline)  # what the pipeline held at install (see MethodState)
-        #: records what reaches the text encoders on an encode, and compares it before a hit is served
-        self.gate = EncoderGate(pipeline)
+        self.encoder_calls = EncoderCalls(pipeline, cache, tag, self._found if find_encodes else None)
 
     @property
     def encoders(self) -> list[str]:
-        return [] if self._watch is None else list(self._watch.encoders)
+        return self.encoder_calls.encoders
 
-    @property
-    def proofs(self) -> dict[str, LayoutProof]:
-        """Return each wrapped method's row layout proof, by name."""
-        return {name: calls.proof for name, calls in self.methods.items()}
-
-    @property
-    def states(self) -> dict[str, MethodState]:
-        """Return what the cache knows of each wrapped method, by name."""
-        return {name: calls.state for name, calls in self.methods.items()}
-
-    def wrap(
-        self, name: str, source: str, encode_fn: Callable[..., Any], signature: inspect.Signature, *, inferred: bool
-    ) -> None:
-        """Wrap ``name`` on the pipeline with its own keys, layout, counters and :class:`MethodState`."""
-        pipeline = self.pipeline
-        if name == ENCODE_PROMPT:
-            proof = layout_proof(pipeline, signature, self.tag, self.row_layout, self.row_layouts)
-            method_tag = self.tag
-        else:  # another method: its own keys (never an encode_prompt entry), layout and counters
-            proof = method_layout_proof(pipeline, name, signature, self.tag)
-            method_tag = f"{self.tag}.{name}"
-        # A method found by watching is observed on its first call before anything is kept, and so is every
-        # method where several ranks run: each rank's first call encodes, so all see its collectives at once
-        # (a lower tier's hit on one rank could skip them). Elsewhere encode_prompt and declared methods are
-        # served from their first call, their first encode observed (see FirstUse.encode_traced).
-        instance = getattr(encode_fn, "__self__", pipeline)
-        configuration = self.configuration if instance is pipeline else instance_attributes(instance)
-        state = MethodState(name, source, inferred, learning=inferred or _several_ranks(), configuration=configuration)
+    def wrap(self, name: str, source: str, encode_fn: Callable[..., Any], signature: inspect.Signature, *, found: bool) -> None:
+        """Wrap ``name`` on the pipeline with its own keys and counters; ``found``: seen calling a text encoder."""
+        method_tag = self.tag if name == ENCODE_PROMPT else f"{self.tag}.{name}"
         calls = MethodCalls(
             self.cache,
-            noting_encodes(encode_fn, self.inside, pipeline),
-            signature,
+            encode_fn,
             CallKeyBuilder(signature, method_tag, digest=self.digest),
-            proof,
+            self.encoder_calls,
             method=name,
+            source=source,
             tag=self.tag,
-            pipeline=pipeline,
-            state=state,
-            host=self,
-            instance=instance,
-            original=encode_fn,
-            gate=self.gate,
+            found=found,
         )
-        if not inferred:
-            self.cache.register(name)  # listed in stats() from now on; a candidate once it is confirmed
-        _set_attribute(pipeline, name, cached_method(calls, encode_fn, self.cache, self.report, self.inside, pipeline))
+        self.cache.register(name)
+        _set_attribute(
+            self.pipeline, name, cached_method(calls, encode_fn, self.cache, self.report, self.inside, self.pipeline)
+        )
         self.originals[name] = encode_fn
         self.methods[name] = calls
 
-    def watch(self) -> None:
-        """Start watching the text encoders for encodes that no wrapped method covers."""
-        self._watch = EncoderWatch(self.pipeline, lambda: getattr(self.inside, "active", False), self._found)
-
-    def _found(self, calls: list[tuple[str, Any]], encoder: str) -> None:
-        """An encoder ran outside every wrapped method, called through ``calls`` (outermost first). The encode
-        it belongs to is settled when the next one begins (see :class:`~.discovery.OpenEncode`)."""
+    def _found(self) -> str | None:
+        """An encoder runs outside every wrapped method: wrap the deepest method of the pipeline that called it, and
+        return its name (None: no method of the pipeline called it)."""
+        frame = sys._getframe(2)
+        names = [name for name in calling_methods(self.pipeline, frame) if name not in ("__call__", "forward")]
+        if not names:
+            return None
+        name = names[-1]
         with self._lock:
-            if not calls:  # another object's call (an encoder shared with a reference pipeline), or no method's
-                return
-            if self._open is not None and self._open.joins(calls, encoder):
-                return
-            self._settle_open()
-            self._open = OpenEncode(calls, {encoder}, {encoder: [frame for _, frame in calls]})
-            # The encode ends, at the latest, when another child module runs (the DiT after the encodes).
-            self._settle_hooks = [
-                module.register_forward_pre_hook(self._on_other_module)
-                for name, module in child_modules(self.pipeline).items()
-                if name not in self.encoders
-            ]
-
-    def _on_other_module(self, module: torch.nn.Module, args: tuple) -> None:
-        with self._lock:
-            self._settle_open()
-
-    def _settle_open(self) -> None:
-        """Settle the encode being gathered, if any; the lock is held."""
-        for handle in self._settle_hooks:
-            handle.remove()
-        self._settle_hooks = []
-        if self._open is not None:
-            encode, self._open = self._open, None
-            self._settle(encode)
-
-    def _settle(self, encode: OpenEncode) -> None:
-        names = encode.candidates()
-        if any(name in self.methods for name in names):  # a method it runs under is wrapped (or being tried)
-            return
-        candidates = [name for name in names if name not in self.rejected]
-        if candidates:
-            self._try(candidates)
-        else:
-            why = f"no method that calls it is an encode ({', '.join(names)})"
-            for encoder in encode.encoders - set(self.unwrappable):
-                self.unwrappable[encoder] = why
-                warn_once(f"{self.tag}.{encoder} runs uncached: {why}")
-
-    def _try(self, candidates: list[str]) -> None:
-        """Wrap the first of ``candidates`` that can be, remembering the rest for when it is refuted."""
-        for index, name in enumerate(candidates):
+            if name in self.methods:  # wrapped on another thread meanwhile, or called unwrapped by a bound reference
+                return name
             encode_fn = getattr(self.pipeline, name, None)
             try:
                 signature = inspect.signature(encode_fn)
-            except (TypeError, ValueError) as why:
-                self.rejected[name] = f"its signature cannot be read ({why})"
-                continue
+            except (TypeError, ValueError):
+                return name
             encoders = ", ".join(self.encoders)
-            self._inner[name] = candidates[index + 1 :]
-            self.wrap(name, f"found: it hands {encoders} their token ids", encode_fn, signature, inferred=True)
-            return
-
-    def reject(self, name: str, why: str) -> None:
-        """Unwrap a candidate that is not an encode, and try the method around it."""
-        with self._lock:
-            if name not in self.methods:
-                return
-            self.rejected[name] = why
-            original = self.originals.pop(name)
-            del self.methods[name]
-            restore(self.pipeline, name, original)
-            logger.debug("Prompt-embed cache: %s.%s is not an encode: %s.", self.tag, name, why)
-            following = [inner for inner in self._inner.pop(name, []) if inner not in self.methods]
-            if following:
-                self._try([inner for inner in following if inner not in self.rejected])
+            self.wrap(name, f"found: it calls {encoders}", encode_fn, signature, found=True)
+            logger.info("Prompt-embed cache: %s.%s calls %s; its calls are counted as its own.", self.tag, name, encoders)
+        return name
 
     def describe(self) -> dict[str, Any]:
-        """Return what stats() says of the encode methods: found, how, keyed on what; and the rejected."""
+        """Return what stats() says of the encode methods: how each was found, and what serves its calls."""
         with self._lock:
-            described = {name: state.describe() for name, state in self.states.items()}
-            for name, why in self.rejected.items():
-                described[name] = {"found": "a candidate", "state": "not an encode", "refusal": why}
-            for encoder, why in self.unwrappable.items():
-                described[f"<{encoder}>"] = {"found": "an encoder call", "state": "uncached", "refusal": why}
-            return described
+            return {name: calls.describe() for name, calls in self.methods.items()}
 
     def attach(self) -> None:
         """Set this installation on the pipeline, with upstream's two attributes."""
@@ -219,14 +114,33 @@ class Installation:
         object.__setattr__(self.pipeline, INSTALLATION_ATTRIBUTE, self)
 
     def remove(self) -> None:
-        """Stop watching the encoders (the wrapped methods are restored by the caller)."""
-        if self._watch is not None:
-            self._watch.remove()
-        self.gate.remove()
-        with self._lock:
-            for handle in self._settle_hooks:
-                handle.remove()
-            self._settle_hooks, self._open = [], None
+        """Give the text encoders their classes back (the wrapped methods are restored by the caller)."""
+        self.encoder_calls.remove()
+
+
+def calling_methods(pipeline: Any, frame: Any) -> list[str]:
+    """Return the names of ``pipeline``'s methods running on the stack above ``frame``, outermost first: frames
+    whose first argument is the pipeline and whose code is what the pipeline's class resolves that name to."""
+    kind = type(pipeline)
+    names: list[str] = []
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount >= 1 and frame.f_locals.get(code.co_varnames[0]) is pipeline:
+            name = code.co_name
+            if _defines(kind, name, code) and not _defines(torch.nn.Module, name, code):
+                names.append(name)
+        frame = frame.f_back
+    return names[::-1]
+
+
+def _defines(kind: type, name: str, code: Any) -> bool:
+    for base in kind.__mro__:
+        value = vars(base).get(name)
+        if value is not None:
+            function = getattr(value, "__func__", value)
+            function = inspect.unwrap(function) if callable(function) else function
+            return getattr(function, "__code__", None) is code
+    return False
 
 
 def restore(pipeline: Any, name: str, original: Callable[..., Any]) -> None:
@@ -235,12 +149,6 @@ def restore(pipeline: Any, name: str, original: Callable[..., Any]) -> None:
         object.__delattr__(pipeline, name)  # the original was the class's bound method
     else:
         _set_attribute(pipeline, name, original)
-
-
-def _several_ranks() -> bool:
-    """Return True when this process is one of several torch.distributed ranks."""
-    distributed = torch.distributed
-    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
 
 
 def _set_attribute(pipeline: Any, name: str, value: Any) -> None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_prompt_cache.counts.counters import ENCODE_PROMPT
-from vllm_omni_prompt_cache.rows.layout_proofs import class_path
 from vllm_omni_prompt_cache.settings.schema import METHODS, PromptEmbedCacheConfigError
 
 
@@ -88,3 +87,8 @@ def _import_class(path: str) -> Any:
     for part in qualname.split("."):
         found = getattr(found, part, None)
     return found
+
+
+def class_path(kind: type) -> str:
+    """Return ``module.qualname``: how settings and logs name a pipeline class."""
+    return f"{kind.__module__}.{kind.__qualname__}"

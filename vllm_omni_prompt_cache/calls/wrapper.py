@@ -1,45 +1,29 @@
-"""How a pipeline's encode methods are intercepted: install and uninstall.
+"""How a pipeline's text encoders and encode methods are intercepted: install and uninstall.
 
-Same contract as upstream vLLM-Omni's ``install_prompt_embed_cache``: idempotent, ``None`` for a
-pipeline with nothing to wrap, and the cache and the original ``encode_prompt`` stored on the pipeline
-as ``_prompt_embed_cache`` and ``_prompt_embed_cache_original_fn``; everything else the cache keeps
-for the pipeline is one :class:`~.installation.Installation` beside them. What differs is the key
-(tensors are keyed by content, see :mod:`.call_key`, and so is what the encode read from the pipeline,
-see :mod:`.reads`), the store (budgets, verification, single-flight, bypass reasons, see
-:mod:`.prompt_embed_cache`), rows (see :mod:`.layout` and :mod:`.method_calls`), and which methods: ``encode_prompt``,
-the declared ones, and those found by watching the text encoders (see :mod:`.discovery`), each keyed,
-split and counted on its own in one shared store.
+Same contract as upstream vLLM-Omni's ``install_prompt_embed_cache``: idempotent, ``None`` for a pipeline with
+nothing to serve, and the cache and the original ``encode_prompt`` stored on the pipeline as
+``_prompt_embed_cache`` and ``_prompt_embed_cache_original_fn``; everything else the cache keeps for the pipeline is
+one :class:`~.installation.Installation` beside them. What differs is what is cached: what each text encoder
+returned for the inputs that reached it (:mod:`.encoder_calls`), keyed by their content (:mod:`.call_key`), while
+every encode method runs as written; a method that reaches no text encoder the cache recognises is cached whole on
+its arguments, as upstream caches it (:mod:`.method_calls`).
 
-:func:`install_prompt_embed_cache`'s settings (``max_size`` and ``enabled`` as keywords, as upstream's; each
-of the others an attribute of the one :class:`~.resolved.PromptEmbedCacheSettings` it takes):
+:func:`install_prompt_embed_cache`'s settings (``max_size`` and ``enabled`` as keywords, as upstream's; each of the
+others an attribute of the one :class:`~.resolved.PromptEmbedCacheSettings` it takes):
 
-* Methods: ``encode_prompt``, and ``methods[class path]`` (a user's declarations, for classes they
-  cannot edit; the path is ``module.qualname`` where the class is defined, as
-  :func:`~.methods.resolve_declared_methods` returns it). Each has its own keys, row layout and
-  counters (``stats()["methods"]``).
-* ``max_size`` bounds entries; ``max_bytes`` bounds tensor bytes held (values plus verification
-  bytes); ``verify`` compares input bytes on every hit; ``digest`` replaces xxh3-128 (tests use a weak
-  one to force collisions); ``report(cache)`` runs after each call (the vLLM-Omni worker uses it for a
-  rate-limited log line).
-* Rows of batched ``encode_prompt`` calls are cached on their own when a layout is known:
-  ``row_layout``, else ``row_layouts[class path]`` (a user's declarations), else the class's
-  ``prompt_embed_row_layout``, else a layout proven for vLLM-Omni's pipelines, else one inferred from
-  a call (see :mod:`.layouts` and :mod:`.layout_proofs`); another method's rows follow a layout proven for
-  it, else one inferred. A layout given in code (``row_layout``, the class attribute) is its author's
-  word; any other is checked against the uncached call on the first call of each kind before its
-  rows are served.
-* Tiers below device memory: ``host_bytes`` bounds a host-memory tier that entries leaving device
-  memory move to (``"auto"``, the default: only those a level-1 sleep drops, within ``max_size`` and
-  ``max_bytes``; None: none, a sleep clears the cache); ``directory`` holds a file per encoded entry
-  within ``directory_bytes`` (None: no limit), namespaced by the pipeline's fingerprint (see
-  :mod:`.fingerprint`), shared with every process that uses the same directory; with
-  ``directory_key`` its files are signed and unsigned ones refused, and ``directory_group`` (a gid)
+* Methods: ``encode_prompt``, and ``methods[class path]`` (a user's declarations), each counted on its own
+  (``stats()["methods"]``); with ``find_encodes``, a method seen calling a text encoder outside them too.
+* ``max_size`` bounds entries; ``max_bytes`` bounds tensor bytes held (values plus verification bytes); ``verify``
+  compares input bytes on every hit; ``digest`` replaces xxh3-128 (tests use a weak one to force collisions);
+  ``report(cache)`` runs after each call (the vLLM-Omni worker uses it for a rate-limited log line).
+* Tiers below device memory: ``host_bytes`` bounds a host-memory tier that entries leaving device memory move to
+  (``"auto"``, the default: only those a level-1 sleep drops, within ``max_size`` and ``max_bytes``; None: none, a
+  sleep clears the cache); ``directory`` holds a file per entry within ``directory_bytes`` (None: no limit),
+  namespaced by the pipeline's fingerprint (see :mod:`.fingerprint`), shared with every process that uses the same
+  directory; with ``directory_key`` its files are signed and unsigned ones refused, and ``directory_group`` (a gid)
   shares what it creates with that group (see :mod:`.directory_trust`).
-* ``audit``: the share of hits encoded again and compared with what was served (see :mod:`.audit`).
-* ``find_encodes``: watch the pipeline's text encoders and wrap the method that hands them their token
-  ids, whatever it is called (see :mod:`.discovery`); False: ``encode_prompt`` and the declared
-  methods only. Every wrapped method is keyed on its arguments and on what its calls were seen to
-  read from the pipeline, and replays what they wrote (see :mod:`.reads`).
+* ``audit``: the share of encoder calls answered from the cache that are encoded again and compared (see
+  :mod:`.audit`).
 """
 
 from __future__ import annotations
@@ -61,7 +45,6 @@ from vllm_omni_prompt_cache.calls.installation import (
     Installation,
     restore,
 )
-from vllm_omni_prompt_cache.calls.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.calls.methods import EncodeMethod, find_encode_methods
 from vllm_omni_prompt_cache.counts.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.encoders.fingerprint import code_and_configuration, encode_devices, pipeline_fingerprint
@@ -72,7 +55,6 @@ from vllm_omni_prompt_cache.settings.schema import (
     DIRECTORY_KEY_FILE,
     ENABLE,
     MAX_SIZE,
-    ROW_LAYOUTS,
     PromptEmbedCacheConfigError,
 )
 from vllm_omni_prompt_cache.store.audit import Audit
@@ -109,8 +91,7 @@ def install_prompt_embed_cache(
     settings = _for_install(PromptEmbedCacheSettings() if settings is None else settings, max_size, enabled)
     wrapped = _readable_methods(pipeline, find_encode_methods(pipeline, settings.methods))
     find_encodes = settings.find_encodes
-    watchable = find_encodes and bool(text_encoders(pipeline))
-    if not wrapped and not watchable:
+    if not wrapped and not text_encoders(pipeline):
         logger.debug("Prompt-embed cache: %s has no encode method to wrap; skipping.", type(pipeline).__name__)
         return None
     tag = model_tag or type(pipeline).__name__
@@ -124,21 +105,16 @@ def install_prompt_embed_cache(
         directory=tier,
     )
     _set_audit(cache, settings.audit, type(pipeline))
-    row_layouts = resolve_declared_layouts(
-        settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, "keyword argument")
-    )
     installation = Installation(
-        pipeline, cache, tag, settings.digest, settings.report, settings.row_layout, row_layouts
+        pipeline, cache, tag, settings.digest, settings.report, find_encodes=find_encodes
     )
     for method, encode_fn, signature in wrapped:
-        installation.wrap(method.name, method.source, encode_fn, signature, inferred=False)
-    if find_encodes:
-        installation.watch()
+        installation.wrap(method.name, method.source, encode_fn, signature, found=False)
     installation.attach()
     cache.attach(encode_methods=installation.describe)
     logger.info(
         "Prompt-embed cache (content-keyed) installed on %s: max_size=%d, max_bytes=%s, verify=%s, enabled=%s, "
-        "host tier: %s, directory tier: %s, rows: %s, methods: %s; finding encodes: %s.",
+        "host tier: %s, directory tier: %s, text encoders: %s, methods: %s; finding encodes: %s.",
         tag,
         max_size,
         "unlimited" if settings.max_bytes is None else settings.max_bytes,
@@ -146,7 +122,7 @@ def install_prompt_embed_cache(
         enabled,
         _host_described(settings.host_bytes),
         _directory_described(settings.directory, settings.directory_bytes),
-        _rows_described(installation),
+        ", ".join(installation.encoders) or "none recognised (encode methods are cached whole, as upstream does)",
         "; ".join(f"{method.name} ({method.source})" for method, _, _ in wrapped) or "none yet",
         _watch_described(installation, find_encodes),
     )
@@ -270,22 +246,11 @@ def _directory_described(directory: str | os.PathLike | None, directory_bytes: i
     return f"{directory} ({'no limit' if directory_bytes is None else f'{directory_bytes} bytes'})"
 
 
-def _rows_described(installation: Installation) -> str:
-    """Return the install log line's words for the rows of ``encode_prompt`` (else the first method wrapped)."""
-    proofs = installation.proofs
-    proof = proofs.get(ENCODE_PROMPT) or next(iter(proofs.values()), None)
-    if proof is None:
-        return "none"
-    if proof.layout is not None:
-        return f"{proof.layout.name} ({proof.source})"
-    return "inferred from the first batched call, then checked" if proof.may_infer else "whole calls only"
-
-
 def _watch_described(installation: Installation, find_encodes: bool) -> str:
     """Return the install log line's words for finding encodes by watching the text encoders."""
     if not find_encodes:
         return "off"
-    return f"watching {', '.join(installation.encoders) or 'nothing (no child module holds a token embedding)'}"
+    return "on" if installation.encoders else "off (no child module holds a token embedding)"
 
 
 def _host_described(host_bytes: int | str | None) -> str:

@@ -161,28 +161,11 @@ WHOLE_CALL_REASONS = register(
         family="whole_calls",
     )
 )
-# Hits proven before they are served: what would reach the text encoder compared with what reached it
-# when the entry was made (see encoder_gate.py).
-PROVEN_HITS = register(
-    Count(
-        "proven_hits",
-        "Calls and rows served from the cache after their whole encode was proven: every text-encoder call's inputs "
-        "and what the code after them returned matched the entry's.",
-    )
-)
 KEY_ONLY_HITS = register(
     Count(
         "key_only_hits",
-        "Calls and rows served from the cache on their key alone: their encode reaches no text encoder the cache "
-        "watches, so no proof was run (upstream's behaviour).",
-    )
-)
-UNPROVEN_REASONS = register(
-    Count(
-        "unproven_reasons",
-        "Calls and rows that found an entry but were encoded, since it could not be proven equal, by reason.",
-        by_reason=True,
-        family="unproven",
+        "Calls served from the cache on their arguments alone: their encode reaches no text encoder the cache "
+        "recognises, so it is cached whole (upstream's behaviour).",
     )
 )
 CHANGED_ENTRIES = register(
@@ -374,8 +357,6 @@ def tally(
     row_reasons: Mapping[str, int] | None = None,
     rows_encoded: int = 0,
     whole_call: str | None = None,
-    proven: int = 0,
-    unproven: Mapping[str, int] | None = None,
     key_only: int = 0,
 ) -> dict[Count, Any]:
     """Return what one call adds to its method's counters.
@@ -383,8 +364,7 @@ def tally(
     ``call``: what the call came to (None: counted by another tally); ``reason``: why it bypassed;
     ``rows_*``: what its rows came to and how many reached the encoder; ``row_reasons``: its rows
     encoded without being cached, by reason; ``whole_call``: why a call with a row layout was not
-    split into rows; ``proven``: calls or rows served after their encoder inputs were compared; ``unproven``:
-    those encoded instead, by reason.
+    split into rows.
     """
     counts: dict[Count, Any] = {}
     if call is Outcome.HIT:
@@ -403,10 +383,6 @@ def tally(
         counts[ROWS_ENCODED] = rows_encoded
     if whole_call is not None:
         counts[WHOLE_CALL_REASONS] = {whole_call: 1}
-    if proven:
-        counts[PROVEN_HITS] = proven
-    if unproven:
-        counts[UNPROVEN_REASONS] = unproven
     if key_only:
         counts[KEY_ONLY_HITS] = key_only
     return counts
@@ -415,9 +391,6 @@ def tally(
 #: What a call served from an entry adds (the hit path's tallies, made once): keyed whole, or as its one row.
 WHOLE_HIT: Mapping[Count, Any] = MappingProxyType(tally(Outcome.HIT))
 ROW_HIT: Mapping[Count, Any] = MappingProxyType(tally(Outcome.HIT, rows_hit=1))
-#: The same, for a hit whose encoder inputs were compared with its entry's first.
-PROVEN_WHOLE_HIT: Mapping[Count, Any] = MappingProxyType(tally(Outcome.HIT, proven=1))
-PROVEN_ROW_HIT: Mapping[Count, Any] = MappingProxyType(tally(Outcome.HIT, rows_hit=1, proven=1))
 
 
 def ranked_reasons(reasons: Counter[str]) -> dict[str, int]:

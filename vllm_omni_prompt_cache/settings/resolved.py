@@ -17,7 +17,7 @@ from vllm_omni_prompt_cache.settings.schema import (
     DIRECTORY_GROUP,
     DIRECTORY_KEY_FILE,
     ENABLE,
-    ROW_LAYOUTS,
+    REMOVED,
     SETTINGS,
     by_field,
     carried_settings,
@@ -75,6 +75,8 @@ class PromptEmbedCacheSettings:
     ) -> None:
         known = by_field()
         unknown = set(values) - set(known)
+        for name in sorted(unknown & set(REMOVED)):
+            raise PromptEmbedCacheConfigError(f"the setting {name} given as a keyword argument was {REMOVED[name]}")
         if unknown:
             raise TypeError(f"unknown prompt-embed cache setting(s) {sorted(unknown)}: expected {', '.join(known)}")
         resolved = {name: copy.copy(setting.default) for name, setting in known.items()}
@@ -133,11 +135,6 @@ class PromptEmbedCacheSettings:
                     f"{setting.name} is given in code only and cannot travel to another process; install the "
                     "cache with it in the process that holds the pipeline"
                 )
-        if any(not isinstance(reference, str) for reference in self._values[ROW_LAYOUTS.field].values()):
-            raise PromptEmbedCacheConfigError(
-                f"{ROW_LAYOUTS.name} holds a RowLayout object, which cannot travel to another process; name it "
-                "instead (a proven layout's name, or pkg.module:NAME)"
-            )
         return {
             **{setting.name: setting.plain_value(self._values[setting.field]) for setting in carried_settings()},
             "sources": dict(self.sources),
@@ -180,13 +177,17 @@ def resolve_settings(
     Each setting: its env var, else the given value, else its default.
     """
     settings = carried_settings()
+    environ = os.environ if environ is None else environ
+    for name in sorted(REMOVED):
+        if name in environ or given.get(name) is not None:
+            where = f"environment variable {name}" if name in environ else f"{source} {name}"
+            raise PromptEmbedCacheConfigError(f"{where}: the setting was {REMOVED[name]}")
     unknown = set(given) - {setting.name for setting in settings}
     if unknown:
         raise PromptEmbedCacheConfigError(
             f"unknown prompt-embed cache setting(s) {sorted(unknown)} from {source}: "
             f"expected {', '.join(setting.name for setting in settings)}"
         )
-    environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for setting in settings:

@@ -28,7 +28,7 @@ class Setting:
     settings object's attribute, ``install_prompt_embed_cache``'s use of it, the docs table) is read from here.
 
     A setting without an env var (``env=None``) is given in code only: a function or an object that cannot
-    travel to another process (a digest function, a row layout object); it has no flag and no kwarg.
+    travel to another process (a digest function); it has no flag and no kwarg.
     """
 
     name: str  # AsyncOmni / Omni keyword argument and OmniDiffusionConfig field
@@ -134,20 +134,6 @@ BACKEND = Setting(
     metavar="{" + ",".join(values.BACKENDS) + "}",
 )
 
-ROW_LAYOUTS = Setting(
-    "prompt_embed_cache_row_layouts",
-    "row_layouts",
-    "--prompt-embed-cache-row-layouts",
-    "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_ROW_LAYOUTS",
-    {},
-    "CLASS=LAYOUT pairs separated by commas: CLASS a pipeline class path (pkg.module.Class), LAYOUT the "
-    "name of a proven layout (qwen-image-text, token-ids, qwen-image-token-ids, qwen-image-edit-token-ids) "
-    "or pkg.module:NAME of a RowLayout; each class once",
-    "Row layouts for pipeline classes you cannot edit; each is checked against the uncached call on first use.",
-    values.row_layouts,
-    metavar="CLASS=LAYOUT[,...]",
-)
-
 METHODS = Setting(
     "prompt_embed_cache_methods",
     "methods",
@@ -156,8 +142,8 @@ METHODS = Setting(
     {},
     "CLASS=METHOD[+METHOD...] pairs separated by commas: CLASS a pipeline class path (pkg.module.Class), "
     "METHOD the name of a method of it that encodes prompts; each class once",
-    "Encode methods to cache besides encode_prompt, for pipeline classes you cannot edit (each keyed, "
-    "row-split and counted like encode_prompt; a method must depend only on its arguments).",
+    "Encode methods to count besides encode_prompt, for pipeline classes you cannot edit (each counted on its "
+    "own; one that reaches no text encoder the cache recognises is cached whole on its arguments).",
     values.methods,
     metavar="CLASS=METHOD[+METHOD][,...]",
     plain=lambda declared: {class_path: "+".join(names) for class_path, names in declared.items()},
@@ -170,8 +156,8 @@ FIND_ENCODES = Setting(
     "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_FIND_ENCODES",
     True,
     "a boolean: 1/0, true/false, yes/no, on/off",
-    "Watch the pipeline's text encoders and cache the method that hands them their token ids, whatever it is "
-    "called (checked on first use). Off: encode_prompt and the declared methods only.",
+    "Count a text-encoder call made outside every wrapped method under the pipeline method that made it, "
+    "whatever it is called (its encoder calls are cached either way). Off: counted under the encoder's name.",
     values.boolean,
 )
 
@@ -292,16 +278,6 @@ REPORT = Setting(
     "Runs after each call with the cache (the vLLM-Omni worker's rate-limited statistics log line).",
     values.function,
 )
-ROW_LAYOUT = Setting(
-    "row_layout",
-    "row_layout",
-    None,
-    None,
-    None,
-    "a RowLayout",
-    "encode_prompt's row layout, its author's word: its rows are served without a first-use check (anything else "
-    "is refused with a warning when the cache is installed, and calls are keyed whole).",
-)
 DIRECTORY_KEY = Setting(
     "directory_key",
     "directory_key",
@@ -313,6 +289,19 @@ DIRECTORY_KEY = Setting(
     values.key_bytes,
 )
 
+#: Settings of earlier releases that no longer exist, by the names a user gave them, with what replaces them:
+#: given (a keyword argument or an environment variable), they raise rather than being ignored.
+REMOVED: Mapping[str, str] = {
+    name: "removed in 0.3.0: a batched call's rows are cut where they reach the text encoder, whatever the "
+    "pipeline, and shown independent on first use; nothing replaces the setting"
+    for name in (
+        "prompt_embed_cache_row_layouts",
+        "row_layouts",
+        "row_layout",
+        "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_ROW_LAYOUTS",
+    )
+}
+
 #: Every setting, in the order --help and the docs table show them.
 SETTINGS: tuple[Setting, ...] = (
     ENABLE,
@@ -320,7 +309,6 @@ SETTINGS: tuple[Setting, ...] = (
     MAX_BYTES,
     VERIFY,
     BACKEND,
-    ROW_LAYOUTS,
     METHODS,
     FIND_ENCODES,
     HOST_BYTES,
@@ -332,7 +320,6 @@ SETTINGS: tuple[Setting, ...] = (
     AUDIT,
     DIGEST,
     REPORT,
-    ROW_LAYOUT,
     DIRECTORY_KEY,
 )
 

@@ -1,4 +1,4 @@
-"""How a written setting is read: booleans, sizes with units, fractions, paths, keys, layouts and method lists.
+"""How a written setting is read: booleans, sizes with units, fractions, paths, keys and method lists.
 
 Each parser returns the value, or None where it is not allowed (the schema then raises
 :class:`PromptEmbedCacheConfigError`, naming the setting, where the value came from and what is allowed).
@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_prompt_cache.rows.layout import RowLayout
 from vllm_omni_prompt_cache.store.tiers.directory_trust import MIN_KEY_BYTES
 from vllm_omni_prompt_cache.store.tiers.host import HOST_AT_SLEEP
 
@@ -147,33 +146,6 @@ def backend(value: Any) -> str | None:
 
 _CLASS_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
 _LAYOUT_REFERENCE = re.compile(r"^([a-z0-9][a-z0-9-]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
-
-
-def row_layouts(value: Any) -> dict[str, Any] | None:
-    """Parse ``CLASS=LAYOUT[,CLASS=LAYOUT...]`` (or a mapping): class paths to layout references, or, given in
-    code, to :class:`~.layout.RowLayout` objects."""
-    if isinstance(value, Mapping):
-        pairs = list(value.items())
-    elif isinstance(value, str):
-        items = [item.strip() for item in value.split(",") if item.strip()]
-        if not all(item.count("=") == 1 for item in items):
-            return None
-        pairs = [tuple(part.strip() for part in item.split("=")) for item in items]
-    else:
-        return None
-    layouts: dict[str, str] = {}
-    for class_path, reference in pairs:
-        if not isinstance(class_path, str) or not _CLASS_PATH.match(class_path) or class_path in layouts:
-            return None
-        if not isinstance(reference, RowLayout) and not (
-            isinstance(reference, str) and _LAYOUT_REFERENCE.match(reference)
-        ):
-            return None
-        layouts[class_path] = reference
-    return layouts
-
-
-_METHOD_NAME = re.compile(r"^[A-Za-z_]\w*$")
 
 
 def methods(value: Any) -> dict[str, tuple[str, ...]] | None:

@@ -29,8 +29,6 @@ from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch, spli
 from vllm_omni.diffusion.worker.utils import StepRequestState
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
-from vllm_omni_prompt_cache.rows.layout import RowLayout
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 
 PIPELINE_CLASS = "vllm_omni_prompt_cache.tiny.token_id_pipeline.TokenIdQwenImagePipeline"
@@ -68,9 +66,6 @@ class TokenIdQwenImagePipeline(CountsEncoderRuns, QwenImagePipeline):
 
     # prepare_encode below replaces the stock one, which calls encode_prompt with the text signature.
     supports_step_execution: ClassVar[bool] = True
-    # Our own class, so we declare its layout (served without a first-use check; tests/test_rows.py
-    # checks it against the uncached call).
-    prompt_embed_row_layout: ClassVar[RowLayout] = TOKEN_IDS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

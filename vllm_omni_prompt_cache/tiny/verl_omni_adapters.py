@@ -48,7 +48,6 @@ class VerlOmniQwenImagePipeline(TokenIdQwenImagePipeline):
     """verl-omni's Qwen-Image token-ID ``encode_prompt`` and its two call patterns (see the module)."""
 
     supports_request_batch: ClassVar[bool] = True
-    prompt_embed_row_layout = None  # verl-omni declares nothing: its rows must be found, then checked
 
     def encode_prompt(  # type: ignore[override]
         self,
@@ -152,7 +151,6 @@ class TeamTokenIdPipeline(TokenIdQwenImagePipeline):
     """An RL team's own token-ID adapter: other parameter names and an extra argument, registered nowhere."""
 
     supports_request_batch: ClassVar[bool] = True
-    prompt_embed_row_layout = None  # declares nothing: its rows are inferred, then checked
 
     def encode_prompt(  # type: ignore[override]
         self,

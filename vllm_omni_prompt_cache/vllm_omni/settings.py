@@ -30,12 +30,11 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from vllm_omni_prompt_cache.calls.layouts import resolve_declared_layouts
 from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings, resolve_settings
 from vllm_omni_prompt_cache.settings.schema import (
     ENABLE,
     MAX_SIZE,
-    ROW_LAYOUTS,
+    REMOVED,
     PromptEmbedCacheConfigError,
     carried_settings,
 )
@@ -76,13 +75,12 @@ def patch_legacy_deploy_config(module: ModuleType) -> None:
 def _resolved_in_caller(kwargs: dict[str, Any]) -> tuple[PromptEmbedCacheSettings, dict[str, Any]]:
     """Resolve our settings from ``kwargs`` (and the environment); return them and the kwargs vLLM-Omni knows."""
     given = {setting.name: kwargs.get(setting.name) for setting in carried_settings()}
+    given.update({name: kwargs[name] for name in REMOVED if name in kwargs})  # refused by name, not dropped
     # vLLM-Omni refuses (0.30) or drops (0.27, 0.28) keyword arguments it does not know; its own two stay.
     kwargs = {name: value for name, value in kwargs.items() if name not in given or name in _UPSTREAM_SETTINGS}
-    settings = resolve_settings(given, source=KWARG_SOURCE)
-    # A layout reference that names nothing fails here, before any stage loads. Declared methods'
-    # classes are imported where the pipeline loads, in the worker (importing an adapter here
+    # Declared methods' classes are imported where the pipeline loads, in the worker (importing an adapter here
     # could patch or need what only the worker has).
-    resolve_declared_layouts(settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, KWARG_SOURCE))
+    settings = resolve_settings(given, source=KWARG_SOURCE)
     return settings, kwargs
 
 
@@ -185,7 +183,6 @@ def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -
         given = {name: top_level.get(name) if value is None else value for name, value in given.items()}
         where = f"{KWARG_SOURCE} for diffusion stage {stage_id}"
         settings = resolve_settings(given, source=where)  # a bad value fails here, at construction
-        resolve_declared_layouts(settings.row_layouts, settings.sources.get(ROW_LAYOUTS.name, where))
         for name in _UPSTREAM_SETTINGS:
             if given[name] is not None:
                 result[f"{prefix}{name}"] = given[name]

@@ -1,0 +1,378 @@
+"""What an entry keeps of a text encoder's output, and the output a hit hands back.
+
+A text encoder returns more than an encode reads: Qwen-Image asks Qwen2.5-VL for every layer's hidden states
+(``output_hidden_states=True``) and reads the last one, beside logits over the vocabulary and a KV cache. So an
+output is taken apart into its **form** (containers, field names, each tensor's shape and dtype, plain values) and
+its **leaves** (tensors and other objects). The leaves an encode was seen to take out of their containers
+(:class:`Reads`) are kept; a hit hands back an output of the same form with fresh copies of the kept leaves, and
+every other tensor as a :class:`Deferred` tensor, which runs the encoder for real the first time anything but
+its shape is asked of it. Any other object a hit's encode reads (a KV cache) is fetched the same way. What an
+entry lacks therefore costs an encode, never a wrong value. Nothing here knows about vLLM-Omni or the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+#: The tag of an entry's value (its form, then its kept leaves): a value without it was not made here.
+ENTRY_TAG = "encoder-output/1"
+
+
+class Unkeepable(Exception):
+    """An output whose form cannot be kept: an object outside a model output's fields, a key that is no string."""
+
+
+def _is_model_output(value: Any) -> bool:
+    """A ``transformers`` ``ModelOutput``: a dataclass that is an ordered dict of its set fields."""
+    return isinstance(value, OrderedDict) and dataclasses.is_dataclass(value)
+
+
+def take_apart(output: Any) -> tuple[tuple, list[Any]]:
+    """Return ``output``'s form and its leaves, in the order the form numbers them."""
+    leaves: list[Any] = []
+    return _form(output, leaves, in_fields=False), leaves
+
+
+def _form(value: Any, leaves: list[Any], *, in_fields: bool) -> tuple:
+    kind = type(value)
+    if isinstance(value, torch.Tensor):
+        leaves.append(value)
+        return ("tensor", len(leaves) - 1, tuple(value.shape), str(value.dtype).removeprefix("torch."))
+    if value is None:
+        return ("none",)
+    if kind in (bool, int, float, str):
+        return ("value", value)
+    if kind in (tuple, list):
+        return (kind.__name__, tuple(_form(item, leaves, in_fields=False) for item in value))
+    if kind is dict:
+        if not all(type(key) is str for key in value):
+            raise Unkeepable("a dict whose keys are not all strings")
+        return ("dict", tuple((key, _form(item, leaves, in_fields=False)) for key, item in value.items()))
+    if _is_model_output(value):
+        spelled = f"{_plain_class(kind).__module__}:{_plain_class(kind).__qualname__}"
+        fields = tuple((name, _form(item, leaves, in_fields=True)) for name, item in dict.items(value))
+        return ("output", spelled, fields)
+    if in_fields:  # a KV cache, say: never kept, fetched by a hit that reads it
+        leaves.append(value)
+        return ("object", len(leaves) - 1)
+    raise Unkeepable(f"a {kind.__module__}.{kind.__qualname__} outside a model output's fields")
+
+
+def _plain_class(kind: type) -> type:
+    return getattr(kind, "_plain_class", kind)
+
+
+def tensor_leaves(form: tuple) -> Iterator[tuple]:
+    """Yield the ``("tensor", index, shape, dtype)`` parts of ``form``."""
+    tag = form[0]
+    if tag == "tensor":
+        yield form
+    elif tag in ("tuple", "list"):
+        for item in form[1]:
+            yield from tensor_leaves(item)
+    elif tag == "dict":
+        for _, item in form[1]:
+            yield from tensor_leaves(item)
+    elif tag == "output":
+        for _, item in form[2]:
+            yield from tensor_leaves(item)
+
+
+def splits(form: tuple, size: int) -> bool:
+    """Return True when every tensor of an output of ``form`` leads with ``size``."""
+    return all(len(part[2]) >= 1 and part[2][0] == size for part in tensor_leaves(form))
+
+
+def row_form(form: tuple, rows: int) -> tuple:
+    """Return ``form`` with each tensor's leading size set to ``rows``."""
+    tag = form[0]
+    if tag == "tensor":
+        return ("tensor", form[1], (rows, *form[2][1:]), form[3])
+    if tag in ("tuple", "list"):
+        return (tag, tuple(row_form(item, rows) for item in form[1]))
+    if tag == "dict":
+        return (tag, tuple((key, row_form(item, rows)) for key, item in form[1]))
+    if tag == "output":
+        return (tag, form[1], tuple((key, row_form(item, rows)) for key, item in form[2]))
+    return form
+
+
+class Reads:
+    """Which leaves of one encoder output its encode took out of their containers (thread-safe enough: a set)."""
+
+    def __init__(self) -> None:
+        self.leaves: set[int] = set()
+
+
+# --- A miss: the real output, in containers that note what is read ------------------------------------------------
+
+
+class ReadingTuple(tuple):
+    """A tuple that notes which of its items are read (``hidden_states[-1]``, unpacking, iteration). Read whole by C
+    code (``torch.stack``), none is noted: a hit then fetches those it lacks."""
+
+    __slots__ = ()
+    _indices: tuple[int, ...]
+    _reads: Reads
+
+    def __new__(cls, items: tuple, indices: tuple[int | None, ...], reads: Reads) -> ReadingTuple:
+        made = super().__new__(cls, items)
+        _TUPLE_NOTES[id(made)] = (indices, reads)
+        return made
+
+    def _note(self, positions: range | list[int]) -> None:
+        notes = _TUPLE_NOTES.get(id(self))
+        if notes is not None:
+            indices, reads = notes
+            reads.leaves.update(indices[position] for position in positions if indices[position] is not None)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            self._note(range(len(self))[index])
+            return tuple(tuple.__getitem__(self, index))
+        self._note([range(len(self))[index]])
+        return tuple.__getitem__(self, index)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._note(range(len(self)))
+        return tuple.__iter__(self)
+
+    def __del__(self) -> None:
+        _TUPLE_NOTES.pop(id(self), None)
+
+
+#: A reading tuple's leaf indices and reads, by its id (a tuple subclass with ``__slots__ = ()`` holds no attributes).
+_TUPLE_NOTES: dict[int, tuple[tuple[int | None, ...], Reads]] = {}
+
+
+def reading(output: Any, form: tuple, reads: Reads) -> Any:
+    """Return ``output`` as its encode gets it on a miss: the same leaves, in containers that note in ``reads``
+    which of them the encode takes out. A leaf no container hands out (a bare tensor) counts as read."""
+    if form[0] == "tensor":
+        reads.leaves.add(form[1])
+        return output
+    if form[0] == "tuple" and type(output) is tuple:
+        indices = tuple(item[1] if item[0] == "tensor" else None for item in form[1])
+        others = [item for item in form[1] if item[0] != "tensor"]
+        for item in others:  # nested containers: read whole
+            reads.leaves.update(part[1] for part in tensor_leaves(item))
+        return ReadingTuple(output, indices, reads)
+    if form[0] == "output":
+        for name, item in form[2]:
+            if item[0] == "tuple" and type(dict.__getitem__(output, name)) is tuple:
+                wrapped = reading(dict.__getitem__(output, name), item, reads)
+                OrderedDict.__setitem__(output, name, wrapped)
+                object.__setattr__(output, name, wrapped)
+        object.__setattr__(output, "__class__", _reading_class(type(output)))
+        _OUTPUT_NOTES[id(output)] = (form, reads, None)
+        return output
+    reads.leaves.update(part[1] for part in tensor_leaves(form))  # lists and dicts: read whole
+    return output
+
+
+#: A reading model output's form, reads and fetch, by its id.
+_OUTPUT_NOTES: dict[int, tuple[tuple, Reads, Callable[[int], Any] | None]] = {}
+_reading_classes: dict[type, type] = {}
+_classes_lock = threading.Lock()
+
+
+def _field_read(output: Any, name: str) -> None:
+    notes = _OUTPUT_NOTES.get(id(output))
+    if notes is None:
+        return
+    form, reads, fetch = notes
+    for field, item in form[2]:
+        if field != name:
+            continue
+        if item[0] == "tensor":
+            reads.leaves.add(item[1])
+        elif item[0] == "object":
+            reads.leaves.add(item[1])
+            if fetch is not None and dict.__getitem__(output, name) is _ABSENT:
+                fetched = fetch(item[1])
+                OrderedDict.__setitem__(output, name, fetched)
+                object.__setattr__(output, name, fetched)
+        elif item[0] != "tuple":
+            reads.leaves.update(part[1] for part in tensor_leaves(item))
+
+
+def _reading_class(kind: type) -> type:
+    """Return the subclass of a model output class whose field reads are noted (and absent objects fetched)."""
+    found = _reading_classes.get(kind)
+    if found is not None:
+        return found
+    fields = {field.name for field in dataclasses.fields(kind)}
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        if name in fields:
+            _field_read(self, name)
+        return kind.__getattribute__(self, name)
+
+    def __getitem__(self: Any, key: Any) -> Any:
+        if isinstance(key, str):
+            _field_read(self, key)
+            return kind.__getitem__(self, key)
+        names = list(dict.keys(self))
+        for name in names[key] if isinstance(key, slice) else [names[key]]:
+            _field_read(self, name)
+        return kind.__getitem__(self, key)
+
+    def __del__(self: Any) -> None:
+        _OUTPUT_NOTES.pop(id(self), None)
+
+    def to_tuple(self: Any) -> tuple:
+        return tuple(self[name] for name in dict.keys(self))
+
+    def values(self: Any) -> Any:
+        return [self[name] for name in dict.keys(self)]
+
+    def items(self: Any) -> Any:
+        return [(name, self[name]) for name in dict.keys(self)]
+
+    namespace = {
+        "__getattribute__": __getattribute__,
+        "__getitem__": __getitem__,
+        "__del__": __del__,
+        "to_tuple": to_tuple,
+        "values": values,
+        "items": items,
+        "_plain_class": kind,
+        "__module__": kind.__module__,
+        "__qualname__": kind.__qualname__,
+    }
+    with _classes_lock:
+        found = _reading_classes.get(kind)
+        if found is None:
+            found = _reading_classes[kind] = type(kind.__name__, (kind,), namespace)
+    return found
+
+
+# --- What an entry keeps, and what a hit hands back --------------------------------------------------------------
+
+
+def kept(form: tuple, leaves: list[Any], keep: set[int] | None) -> tuple:
+    """Return an entry's value: the form and a copy of each tensor leaf in ``keep`` (None: every tensor)."""
+    stored = tuple(
+        leaf.detach().clone() if isinstance(leaf, torch.Tensor) and (keep is None or index in keep) else None
+        for index, leaf in enumerate(leaves)
+    )
+    return (ENTRY_TAG, form, stored)
+
+
+def is_entry(value: Any) -> bool:
+    return type(value) is tuple and len(value) == 3 and value[0] == ENTRY_TAG
+
+
+class Deferred(torch.Tensor):
+    """A tensor of an encoder output that its entry does not keep: its shape, dtype and device are known; anything
+    else asked of it runs the encoder for real (once per output) and answers from the real tensor."""
+
+    _fetch: Callable[[], torch.Tensor]
+
+    @staticmethod
+    def __new__(cls, shape: tuple, dtype: torch.dtype, device: torch.device, fetch: Callable[[], torch.Tensor]) -> Any:
+        made = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        made._fetch = fetch
+        return made
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        real = tree_map(lambda value: value._fetch() if isinstance(value, Deferred) else value, (args, kwargs or {}))
+        return func(*real[0], **real[1])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        raise RuntimeError(f"a deferred encoder output reached {func} without being fetched")
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return repr(self._fetch())
+
+
+_METADATA = {
+    torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.__len__,
+    torch.Tensor.is_floating_point,
+}
+
+_ABSENT = object()  # a model output's field an entry does not keep, until it is fetched
+
+
+def served(value: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> Any:
+    """Return the output an entry's ``value`` stands for, on ``device`` (None: where its tensors are): each kept
+    tensor a fresh copy (what the caller does to it never reaches the entry), every other leaf fetched on use by
+    ``fetch(index)``."""
+    _, form, stored = value
+    return _rebuilt(form, stored, device, fetch)
+
+
+def _rebuilt(form: tuple, stored: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> Any:
+    tag = form[0]
+    if tag == "tensor":
+        index = form[1]
+        leaf = stored[index]
+        if leaf is not None:
+            return leaf.clone() if device is None or leaf.device == device else leaf.to(device, copy=True)
+        dtype = getattr(torch, form[3])
+        where = device if device is not None else _any_device(stored)
+        return Deferred(torch.Size(form[2]), dtype, where, lambda: fetch(index))
+    if tag == "none":
+        return None
+    if tag == "value":
+        return form[1]
+    if tag == "tuple":
+        return tuple(_rebuilt(item, stored, device, fetch) for item in form[1])
+    if tag == "list":
+        return [_rebuilt(item, stored, device, fetch) for item in form[1]]
+    if tag == "dict":
+        return {key: _rebuilt(item, stored, device, fetch) for key, item in form[1]}
+    if tag == "output":
+        return _rebuilt_output(form, stored, device, fetch)
+    raise ValueError(f"an entry's form holds {tag!r} where no leaf may be")
+
+
+def _rebuilt_output(form: tuple, stored: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> Any:
+    module, _, name = form[1].partition(":")
+    kind: Any = importlib.import_module(module)
+    for part in name.split("."):
+        kind = getattr(kind, part)
+    fields = {field: (_ABSENT if item[0] == "object" else _rebuilt(item, stored, device, fetch)) for field, item in form[2]}
+    absent = [field for field, value in fields.items() if value is _ABSENT]
+    output = kind(**{field: value for field, value in fields.items() if value is not _ABSENT})
+    if not absent:
+        return output
+    for field in absent:  # in its place, so that positions and keys are the real output's
+        OrderedDict.__setitem__(output, field, _ABSENT)
+        object.__setattr__(output, field, _ABSENT)
+    _reorder(output, [field for field, _ in form[2]])
+    object.__setattr__(output, "__class__", _reading_class(kind))
+    _OUTPUT_NOTES[id(output)] = (form, Reads(), fetch)
+    return output
+
+
+def _reorder(output: Any, order: list[str]) -> None:
+    for field in order:
+        OrderedDict.move_to_end(output, field)
+
+
+def _any_device(stored: tuple) -> torch.device:
+    return next((leaf.device for leaf in stored if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
