@@ -20,6 +20,7 @@ import torch
 
 from vllm_omni_prompt_cache.calls.encoder_calls import EncoderCalls
 from vllm_omni_prompt_cache.calls.method_calls import MethodCalls, cached_method
+from vllm_omni_prompt_cache.calls.row_calls import RowCalls
 from vllm_omni_prompt_cache.counts.counters import ENCODE_PROMPT
 from vllm_omni_prompt_cache.keys.call_key import CallKeyBuilder
 from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
@@ -56,6 +57,7 @@ class Installation:
         self.methods: dict[str, MethodCalls] = {}  # what serves each wrapped method's calls, by name
         self._lock = threading.RLock()
         self.encoder_calls = EncoderCalls(pipeline, cache, tag, self._found if find_encodes else None)
+        self.encoder_calls.rows = RowCalls(self.encoder_calls)
 
     @property
     def encoders(self) -> list[str]:

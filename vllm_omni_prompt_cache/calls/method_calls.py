@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_omni_prompt_cache.calls.encoder_calls import EncoderCalls, EncodeTally
 from vllm_omni_prompt_cache.counts.counters import KEY_ONLY_HITS, Outcome, tally
+from vllm_omni_prompt_cache.encoders.text_encoders import noting_token_tables
 from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKeyBuilder
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
@@ -68,6 +69,11 @@ class MethodCalls:
         store = self.store
         if not store.enabled:
             return self._run(args, kwargs, bypass=store.off_reason or DISABLED_REASON)
+        if self.reaches_encoder:  # the method runs as written, its text-encoder calls served
+            result, done = self._encode(args, kwargs)
+            counts = done.counts()
+            self.count(counts if counts is not None else tally(Outcome.BYPASS, reason=self._not_reached(args, kwargs)))
+            return result
         arguments = self.key_builder.bind(args, kwargs)
         if type(arguments) is not Bypass:
             precomputed = self.key_builder.precomputed(arguments)
@@ -75,13 +81,15 @@ class MethodCalls:
                 return self._run(args, kwargs, bypass=precomputed.reason)
         if self.reaches_encoder is False:
             return self._whole(args, kwargs, arguments)
-        result, done = self._encode(args, kwargs)
-        if done.reached:
+        # Its first call: a raw table its encoder looks ids up in is recognised as a text encoder's from now on.
+        with noting_token_tables() as tables:
+            result, done = self._encode(args, kwargs)
+        counts = done.counts()
+        if counts is not None or tables.noted:
+            if counts is None:
+                self.encoder_calls.refresh()
             self.reaches_encoder = True
-            self.count(done.counts())
-            return result
-        if self.found or self.reaches_encoder:
-            self.count(tally(Outcome.BYPASS, reason=NOT_REACHED))
+            self.count(counts if counts is not None else tally(Outcome.MISS))
             return result
         with self._lock:
             self.reaches_encoder = False
@@ -92,6 +100,13 @@ class MethodCalls:
         self.count(tally(Outcome.MISS))
         self.store.put(key, detach_value(unaliased(result, (args, kwargs))))
         return result
+
+    def _not_reached(self, args: tuple, kwargs: dict) -> str:
+        """Return why a call of a method that reaches a text encoder reached none: it was handed what the encoder
+        makes (``prompt_embeds``), or it served itself."""
+        arguments = self.key_builder.bind(args, kwargs)
+        precomputed = None if type(arguments) is Bypass else self.key_builder.precomputed(arguments)
+        return NOT_REACHED if precomputed is None else precomputed.reason
 
     def _encode(self, args: tuple, kwargs: dict) -> tuple[Any, EncodeTally]:
         """Run the method for real, its text-encoder calls served; return its result and what they came to."""
@@ -124,17 +139,18 @@ class MethodCalls:
             return unaliased(result, (args, kwargs))
 
         def count(outcome: Outcome, reason: str | None) -> None:
-            if ran and ran[0].reached:
+            if ran and ran[0].counts() is not None:
                 return  # counted below, as what its encoder calls came to
             self.count(tally(outcome, reason=reason))
 
         self.local.encoded = False
         value = self.store.lookups.serve(key, encode, count, self.method)
-        if ran and ran[0].reached:  # it reaches a text encoder now: never cached whole again
+        reached = ran[0].counts() if ran else None
+        if reached is not None:  # it reaches a text encoder now: never cached whole again
             with self._lock:
                 self.reaches_encoder = True
             self.store.lookups.forget(key.identity)
-            self.count(ran[0].counts())
+            self.count(reached)
         elif not ran:
             warn_once(
                 f"{self.tag}.{self.method}'s hits are served on its arguments alone (key_only_hits): its calls reach "

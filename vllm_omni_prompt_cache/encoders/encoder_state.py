@@ -51,14 +51,16 @@ class EncoderState:
         self._versions = -1
         self._config: Any = None
         self._lock = threading.Lock()
-        self.changed()
+        self._changed()
 
-    def key(self) -> tuple[bool, str]:
-        """Return what enters each call's key: its mode and its parameters' dtype."""
+    def key(self) -> tuple[tuple[bool, str], str | None]:
+        """Return what enters each call's key (its mode and its parameters' dtype), and why the outputs cached before
+        may differ from its outputs now (None: they do not)."""
+        changed = self._changed()
         first = self._tensors[0] if self._tensors else None
-        return self.module.training, "" if first is None else str(first.dtype)
+        return (self.module.training, "" if first is None else str(first.dtype)), changed
 
-    def changed(self) -> str | None:
+    def _changed(self) -> str | None:
         """Return why the encoder's outputs may differ from those cached before (and note its state now), or None."""
         with self._lock:
             why = None

@@ -23,10 +23,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Parameters seen fed integer ids through ``F.embedding`` while a method was watched (see :func:`note_token_table`).
 _observed_tables: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -195,3 +196,34 @@ def paths_to_embeddings(name: str, module: torch.nn.Module) -> list[tuple[str, t
         if path in on_the_way and id(part) not in found:
             found[id(part)] = (f"{name}.{path}" if path else name, part)
     return list(found.values())
+
+
+_EMBEDDING = torch.ops.aten.embedding.default
+
+
+class _TablesNoted(TorchDispatchMode):
+    """Notes each parameter looked up by integer ids (``F.embedding``): a token table, wherever it is held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.noted = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if (
+            func is _EMBEDDING
+            and len(args) > 1
+            and isinstance(args[0], torch.nn.Parameter)
+            and not args[1].is_floating_point()
+            and note_token_table(args[0])
+        ):
+            self.noted += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def noting_token_tables() -> Iterator[_TablesNoted]:
+    """Note, for the block, every parameter fed integer ids (a method's first call: an encoder built from a raw
+    table is recognised from then on); ``.noted``: how many were new."""
+    mode = _TablesNoted()
+    with mode:
+        yield mode

@@ -43,6 +43,7 @@ class TokenIdTextPipeline(CountsEncoderRuns, torch.nn.Module):
     def __init__(self, text_encoder: torch.nn.Module) -> None:
         super().__init__()
         self.text_encoder = text_encoder
+        self.count_encoder_calls(text_encoder)  # runs and rows that reached it (a cache hit reaches nothing)
 
     @torch.inference_mode()
     def encode_prompt(
@@ -58,7 +59,6 @@ class TokenIdTextPipeline(CountsEncoderRuns, torch.nn.Module):
             attention_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
         attention_mask = attention_mask[:, :max_sequence_length]
         hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=attention_mask.long()).last_hidden_state
-        self.encoder_runs += 1  # counted once the encoder ran: a cache hit's proof puts it back
         embeds = hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (
             embeds.repeat_interleave(num_images_per_prompt, dim=0),
@@ -74,10 +74,6 @@ class QwenStyleTokenPipeline(TokenIdTextPipeline):
     that layout without vLLM-Omni; ``encoder_rows`` counts rows that reached the encoder.
     """
 
-    def __init__(self, text_encoder: torch.nn.Module) -> None:
-        super().__init__(text_encoder)
-        self.encoder_rows = 0
-
     @torch.inference_mode()
     def encode_prompt(
         self,
@@ -89,8 +85,6 @@ class QwenStyleTokenPipeline(TokenIdTextPipeline):
         """Return ``(prompt_embeds [B*n, S, D], mask [B*n, S])``, S the longest attended row."""
         mask = attention_mask.bool()
         hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=mask.long()).last_hidden_state
-        self.encoder_runs += 1  # counted once the encoder ran: a cache hit's proof puts it back
-        self.encoder_rows += prompt_ids.shape[0]
         rows = torch.split(hidden[mask], mask.sum(dim=1).tolist())
         longest = max(row.shape[0] for row in rows)
         embeds = torch.stack([torch.cat([row, row.new_zeros(longest - row.shape[0], row.shape[1])]) for row in rows])

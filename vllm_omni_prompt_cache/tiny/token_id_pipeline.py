@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from typing import Any, ClassVar
 
 import torch
@@ -70,6 +69,7 @@ class TokenIdQwenImagePipeline(CountsEncoderRuns, QwenImagePipeline):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.set_progress_bar_config(disable=True)  # one bar per request is noise in a rollout
+        self.count_encoder_calls(self.text_encoder)  # runs and rows that reached it, timed (a hit reaches nothing)
 
     def encode_prompt(
         self,
@@ -91,24 +91,17 @@ class TokenIdQwenImagePipeline(CountsEncoderRuns, QwenImagePipeline):
         self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the text encoder on ``[B, L]`` ids; return each row's attended states after the template
-        prefix, right-padded with zeros to the longest row, and their long mask. Counted."""
-        started = time.perf_counter()
-        try:
-            mask = attention_mask.to(torch.long)
-            outputs = self.text_encoder(input_ids=prompt_ids, attention_mask=mask, output_hidden_states=True)
-            # Counted once the encoder ran: a cache hit's proof runs this method up to the encoder, not through it.
-            self.encoder_runs += 1
-            self.encoder_rows += int(prompt_ids.shape[0])
-            per_prompt = self._extract_masked_hidden(outputs.hidden_states[-1], mask)
-            per_prompt = [hidden[self.prompt_template_encode_start_idx :] for hidden in per_prompt]
-            longest = max(hidden.size(0) for hidden in per_prompt)
-            embeds = torch.stack([torch.cat([h, h.new_zeros(longest - h.size(0), h.size(1))]) for h in per_prompt])
-            embeds_mask = torch.zeros((len(per_prompt), longest), dtype=torch.long, device=embeds.device)
-            for index, hidden in enumerate(per_prompt):
-                embeds_mask[index, : hidden.size(0)] = 1
-            return embeds.to(self.text_encoder.dtype), embeds_mask
-        finally:
-            self.encode_seconds += time.perf_counter() - started
+        prefix, right-padded with zeros to the longest row, and their long mask."""
+        mask = attention_mask.to(torch.long)
+        outputs = self.text_encoder(input_ids=prompt_ids, attention_mask=mask, output_hidden_states=True)
+        per_prompt = self._extract_masked_hidden(outputs.hidden_states[-1], mask)
+        per_prompt = [hidden[self.prompt_template_encode_start_idx :] for hidden in per_prompt]
+        longest = max(hidden.size(0) for hidden in per_prompt)
+        embeds = torch.stack([torch.cat([h, h.new_zeros(longest - h.size(0), h.size(1))]) for h in per_prompt])
+        embeds_mask = torch.zeros((len(per_prompt), longest), dtype=torch.long, device=embeds.device)
+        for index, hidden in enumerate(per_prompt):
+            embeds_mask[index, : hidden.size(0)] = 1
+        return embeds.to(self.text_encoder.dtype), embeds_mask
 
     def encode_request_prompts(
         self,

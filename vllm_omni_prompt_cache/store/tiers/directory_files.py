@@ -33,8 +33,9 @@ from vllm_omni_prompt_cache.store.tiers.directory_trust import (
 
 logger = logging.getLogger(__name__)
 
-#: /2: entries carry the record of what reached their text encoder (encoder_gate.py); a /1 file has none
-FORMAT = "vllm-omni-prompt-cache/2"
+#: /3: an entry is what one text-encoder call returned, keyed by its inputs (0.3.0); /2 and /1 files held whole
+#: encode results (0.2.x) and are refused by this name ("another namespace or format"), never misread.
+FORMAT = "vllm-omni-prompt-cache/3"
 SUFFIX = ".safetensors"
 
 # Reasons a file is removed on read (the ``reason`` label of the rejection counts).
