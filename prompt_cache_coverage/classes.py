@@ -4,7 +4,7 @@ Every module under ``vllm_omni.diffusion.models`` is imported, in name order. A 
 it is defined there (under each name its module binds it to, so a registry alias such as
 ``LTX2DistilledPipeline`` counts too) and its MRO defines ``encode_prompt``, the method
 :func:`~vllm_omni_prompt_cache.calls.methods.find_encode_methods` wraps on every pipeline (others
-are found while a pipeline runs, see :mod:`vllm_omni_prompt_cache.proof.discovery`). A class that
+are found while a pipeline runs, see :mod:`vllm_omni_prompt_cache.calls.installation`). A class that
 vLLM-Omni's diffusion registry does not name and that only serves as a base of other counted
 classes (a mixin, a shared runtime) is a base, not a pipeline: it is reported apart.
 

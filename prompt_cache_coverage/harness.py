@@ -5,11 +5,11 @@ the one its forward calls instead) runs on a tiny random-weight text stack, and 
 pipeline's forward calls it. :func:`judge` runs the same calls on two fresh builds, one cached and
 one not, and reads the counts and the row layout of that method alone:
 
-1. prompt A, twice: the second call must be a whole-call hit, equal to the uncached call;
-2. prompts [A, B]: the first batched call (a row layout is checked here, served uncached);
-3. prompts [B, A]: served from rows when the pipeline has a proven layout, compared with the
-   uncached [B, A] call (the gap is the largest per-row relative difference, as the layout check
-   measures it).
+1. prompt A, twice: the second call must be a hit (its text-encoder calls answered), equal to the uncached call;
+2. prompts [A, B]: the first batched call (its encoder's rows are compared with the batch here, served uncached);
+3. prompts [B, A]: its encoder calls' rows served from the cache when the rows were shown independent, compared
+   with the uncached [B, A] call (the gap is the largest per-row relative difference, as the row check measures
+   it).
 
 Nothing is mocked: when a step cannot run, the verdict says why.
 """
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.calls.methods import ENCODE_PROMPT
-from vllm_omni_prompt_cache.rows.layout_proofs import class_path, compare_outputs, refuted_layouts
+from vllm_omni_prompt_cache.calls.methods import ENCODE_PROMPT, class_path
+from vllm_omni_prompt_cache.rows.encoder_rows import compare_outputs
 from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 
 COVERED = "covered"
@@ -99,7 +99,7 @@ def _judge(case: Case) -> Verdict:
         return verdict(NOT_COVERED, reason=_failure("building or the uncached calls", error))
     if cache is None:
         return verdict(NOT_COVERED, reason="install_prompt_embed_cache installed nothing")
-    if case.method not in pipeline._prompt_embed_cache_installation.proofs:
+    if case.method not in pipeline._prompt_embed_cache_installation.methods:
         return verdict(NOT_COVERED, reason=f"the cache does not wrap {case.method}", note=case.note)
     try:
         served = [case.encode(pipeline, [first]), case.encode(pipeline, [first])]
@@ -135,7 +135,7 @@ def _judge(case: Case) -> Verdict:
         COVERED_WITHOUT_ROWS if whole_hit else NOT_COVERED,
         whole_call_hit=whole_hit,
         gap=gap if whole_hit else None,
-        reason=_why_no_rows(pipeline, case.method, after_rows) if whole_hit else "the repeated call was not a hit",
+        reason=_why_no_rows(after_rows) if whole_hit else "the repeated call was not a hit",
         note=case.note,
     )
 
@@ -143,17 +143,23 @@ def _judge(case: Case) -> Verdict:
 def _method_counts(cache: Any, method: str) -> dict[str, Any]:
     """Return ``method``'s counts now, as ``cache.stats()["methods"][method]`` holds them (zeros before a call)."""
     counts = cache.snapshot().methods.get(method, {})
-    return {"hits": 0, "rows_encoded": 0, "row_hits": 0, "bypass_reasons": {}, "whole_call_reasons": {}, **counts}
+    return {
+        "hits": 0,
+        "rows_encoded": 0,
+        "row_hits": 0,
+        "layout_mismatches": 0,
+        "bypass_reasons": {},
+        "whole_call_reasons": {},
+        **counts,
+    }
 
 
-def _why_no_rows(pipeline: Any, method: str, counts: dict[str, Any]) -> str:
-    proof = pipeline._prompt_embed_cache_installation.proofs[method]
-    refuted = refuted_layouts(proof.owner)
-    if refuted:
-        return "layout refuted: " + "; ".join(refuted.values())
+def _why_no_rows(counts: dict[str, Any]) -> str:
+    if counts["layout_mismatches"]:
+        return "its text encoder's rows differ when encoded alone"
     if counts["whole_call_reasons"]:
         return "calls keyed whole: " + ", ".join(counts["whole_call_reasons"])
-    return f"no row layout ({proof.source})"
+    return "its text encoder is not called with batched token ids"
 
 
 def _failure(where: str, error: BaseException) -> str:

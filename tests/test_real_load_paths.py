@@ -43,7 +43,6 @@ from vllm_omni_prompt_cache.settings.schema import (
     MAX_BYTES,
     MAX_SIZE,
     METHODS,
-    ROW_LAYOUTS,
     VERIFY,
     PromptEmbedCacheConfigError,
     carried_settings,
@@ -287,7 +286,6 @@ def test_deploy_config_extras_resolve_in_the_worker(tmp_path: Path, monkeypatch:
     assert settings.sources == {
         **{name: f"{STAGE_SOURCE} {name}" for name in named},
         VERIFY.name: f"environment variable {VERIFY.env}",
-        ROW_LAYOUTS.name: "default",
         METHODS.name: "default",
         DIRECTORY_BYTES.name: "default",
         ENCODER_ON_MISS.name: "default",

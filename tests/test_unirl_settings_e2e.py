@@ -30,7 +30,6 @@ from vllm_omni_prompt_cache.settings.schema import (
     MAX_BYTES,
     MAX_SIZE,
     METHODS,
-    ROW_LAYOUTS,
     VERIFY,
     PromptEmbedCacheConfigError,
     carried_settings,
@@ -53,7 +52,6 @@ def every_setting(tmp_path: Path) -> dict[str, Any]:
         MAX_BYTES.name: "3MiB",
         VERIFY.name: False,
         BACKEND.name: "content-keyed",  # its default, given: the other backend refuses encoder_on_miss
-        ROW_LAYOUTS.name: f"{unirl.PIPELINE_CLASS}=qwen-image-text",
         METHODS.name: f"{unirl.PIPELINE_CLASS}=encode_prompt",
         FIND_ENCODES.name: False,
         HOST_BYTES.name: "5MiB",
@@ -72,7 +70,6 @@ EXPECTED = {
     MAX_BYTES.name: 3 * 2**20,
     VERIFY.name: False,
     BACKEND.name: "content-keyed",
-    ROW_LAYOUTS.name: {unirl.PIPELINE_CLASS: "qwen-image-text"},
     METHODS.name: {unirl.PIPELINE_CLASS: "encode_prompt"},
     FIND_ENCODES.name: False,
     HOST_BYTES.name: 5 * 2**20,

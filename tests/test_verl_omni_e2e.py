@@ -3,38 +3,25 @@
 2 prompts x 4 siblings, CFG with one shared negative prompt: 16 rows reach ``encode_prompt``, 3 are
 distinct. The pipelines are :mod:`vllm_omni_prompt_cache.tiny.verl_omni_adapters`: verl-omni's
 Qwen-Image adapter as it calls ``encode_prompt`` (tensor ids, and lists), and an RL team's adapter
-with other parameter names. None declares a layout: verl-omni's is found by its signature, the
-team's is inferred; both are checked against the uncached call on first use. That check is the
-only extra encoding: one uncached batched call, counted as ``layout_check_rows``.
+with other parameter names. None declares anything: rows are cut where the ids reach the text encoder,
+and the encoder's rows are compared with its first batched call on first use. That check is the only
+extra encoding: the distinct rows of that call encoded alone, counted as ``layout_check_rows``.
 """
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 from engine_support import GROUP_SIZE, PROMPTS, found_method, run, tiny_spec
 from renamed import renamed_module
 
-from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
 from vllm_omni_prompt_cache.demo.rollout import run_mode
-from vllm_omni_prompt_cache.rows.layout import RowLayout
 from vllm_omni_prompt_cache.tiny import verl_omni_adapters
 from vllm_omni_prompt_cache.tiny.verl_omni_adapters import LIST_IDS_PIPELINE, TEAM_PIPELINE, VERL_OMNI_PIPELINE
 
 pytestmark = pytest.mark.engine
 ROWS = 2 * len(PROMPTS) * GROUP_SIZE
 DISTINCT_ROWS = len(PROMPTS) + 1
-
-#: A layout that fits verl-omni's signature and is wrong: it names the length limit as the copies.
-WRONG_LAYOUT = RowLayout(
-    rows=TOKEN_IDS.rows,
-    mask=TOKEN_IDS.mask,
-    copies="max_sequence_length",
-    outputs=TOKEN_IDS.outputs,
-    name="max_sequence_length as copies",
-)
 
 
 def rollout(pipeline: str, *, max_num_seqs: int = 1, step_execution: bool = False, **overrides):
@@ -105,41 +92,18 @@ def test_verl_omni_adapter_with_list_ids_encodes_each_distinct_row_once() -> Non
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 4, 8])
-def test_an_adapter_nobody_registered_gets_rows_inferred_and_checked(max_num_seqs, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="vllm_omni_prompt_cache.rows.layout_proofs"):
-        result = rollout(TEAM_PIPELINE, max_num_seqs=max_num_seqs)
+def test_an_adapter_nobody_registered_gets_rows_checked(max_num_seqs) -> None:
+    result = rollout(TEAM_PIPELINE, max_num_seqs=max_num_seqs)
     stats = result.stats
     if max_num_seqs == 1:  # one row per call: whole-call keys already encode each distinct row once
         assert stats.layout_checks == 0 and result.encoder_rows == DISTINCT_ROWS
         assert stats.misses == DISTINCT_ROWS and stats.hits == ROWS - DISTINCT_ROWS
         return
-    assert "rows follow 'inferred (input_ids, input_mask; copies images_per_prompt)' (checked)" in caplog.text
-    # The first batched miss, encoded whole, suggested the layout; its rows, encoded alone, proved it.
+    # The first batched call, served uncached, had its rows encoded alone and compared with it.
     assert stats.layout_checks == 1 and stats.layout_mismatches == 0
     assert 2 <= stats.layout_check_rows <= max_num_seqs
     assert stats.rows_encoded == DISTINCT_ROWS and stats.whole_call_reasons == {}
     assert result.encoder_rows == DISTINCT_ROWS + stats.layout_check_rows
-
-
-def test_a_wrong_declared_layout_is_caught_on_first_use_and_never_served(caplog) -> None:
-    class_path = VERL_OMNI_PIPELINE
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache.rows.layout_proofs"):
-        result = rollout(
-            VERL_OMNI_PIPELINE,
-            max_num_seqs=4,
-            prompt_embed_cache_row_layouts={class_path: f"{__name__}:WRONG_LAYOUT"},
-        )
-    warnings = [record.getMessage() for record in caplog.records if "does not match" in record.getMessage()]
-    assert len(warnings) == 1 and "max_sequence_length as copies" in warnings[0] and class_path in warnings[0]
-    assert "(1024, 1, 64) torch.float32 assembled, (1, 38, 64) torch.float32 uncached" in warnings[0]
-    # The engine's warm-up request was that first use; the rollout's calls were all keyed whole.
-    stats = result.stats
-    assert (stats.row_hits, stats.row_misses, stats.layout_checks) == (0, 0, 0)
-    assert stats.misses == result.encoder_runs  # each miss ran the real encode_prompt once, whole
-    # Every output came from the real encode_prompt.
-    reference = rollout(VERL_OMNI_PIPELINE, max_num_seqs=4, enable_prompt_embed_cache=False)
-    for index, latents in reference.latents.items():
-        torch.testing.assert_close(result.latents[index], latents, rtol=1e-4, atol=1e-4)
 
 
 def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached) -> None:

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from vllm_omni_prompt_cache.counts.counters import WHOLE_HIT, Count, Outcome, tally
+from vllm_omni_prompt_cache.counts.counters import ROW_HIT as ONE_ROW_HIT
+from vllm_omni_prompt_cache.counts.counters import Count, Outcome, tally
 from vllm_omni_prompt_cache.encoders.encoder_state import EncoderState
 from vllm_omni_prompt_cache.encoders.fingerprint import ENCODE_DEVICE
 from vllm_omni_prompt_cache.encoders.outputs import ENTRY_TAG, Reads, Unkeepable, kept, reading, served, take_apart
@@ -64,7 +65,18 @@ class EncodeTally:
     rows_missed: int = 0
     rows_encoded: int = 0
     bypassed: Counter[str] = dataclasses.field(default_factory=Counter)
+    row_bypassed: Counter[str] = dataclasses.field(default_factory=Counter)  # rows encoded uncached, by reason
     whole: str | None = None  # why a batched encoder call was keyed whole
+
+    def add(self, *, answered: int = 0, encoded: int = 0) -> None:
+        """Count one encoder call keyed whole, of ``answered`` rows found or ``encoded`` rows encoded."""
+        if encoded:
+            self.encoded += 1
+            self.rows_missed += encoded
+            self.rows_encoded += encoded
+        else:
+            self.answered += 1
+            self.rows_hit += answered
 
     def counts(self) -> Mapping[Count, Any] | None:
         """Return what the call adds to its method's counters (None: it reached no text encoder): a miss if it
@@ -74,8 +86,8 @@ class EncodeTally:
         if self.encoded:
             outcome, reason = Outcome.MISS, None
         elif self.answered:
-            if not (self.rows_hit or self.whole):
-                return WHOLE_HIT
+            if self.rows_hit == 1 and self.answered == 1 and not self.whole:
+                return ONE_ROW_HIT
             outcome, reason = Outcome.HIT, None
         else:
             outcome, reason = Outcome.BYPASS, next(iter(self.bypassed))
@@ -85,6 +97,7 @@ class EncodeTally:
             rows_hit=self.rows_hit,
             rows_missed=self.rows_missed,
             rows_encoded=self.rows_encoded,
+            row_reasons=self.row_bypassed,
             whole_call=self.whole,
         )
 
@@ -107,9 +120,15 @@ class EncoderCalls:
     """
 
     def __init__(
-        self, pipeline: Any, store: PromptEmbedCache, tag: str, found: Callable[[], str | None] | None = None
+        self,
+        pipeline: Any,
+        store: PromptEmbedCache,
+        tag: str,
+        found: Callable[[], str | None] | None = None,
+        digest: Callable[[Any], bytes] | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.digest = digest  # what digests input arrays (None: xxh3-128)
         self.found = found
         self.rows: Callable[..., Any] | None = None
         self.store = store
@@ -146,13 +165,12 @@ class EncoderCalls:
                     modules.append(part)
             self.states, self.modules = states, modules
             intercept(hooked, self)
+            self._children_seen = self._children_now()
 
     def refresh(self) -> None:
         """Intercept the text encoders the pipeline holds now, if a child module was replaced (or a token table
         recognised) since it last looked; a text encoder replaced empties the cache (its entries are the old one's)."""
-        held = dict(self._held)  # a copy made at once: another thread may add an attribute meanwhile
-        seen = {name: id(value) for name, value in held.items() if isinstance(value, torch.nn.Module)}
-        seen[""] = TABLES_NOTED[0]
+        seen = self._children_now()
         if seen == self._children_seen:  # the common case, on every call
             return
         before = dict(self._hooked)
@@ -163,6 +181,12 @@ class EncoderCalls:
             if replaced:
                 self._state_changed(", ".join(replaced), "it was replaced")
         self._children_seen = seen
+
+    def _children_now(self) -> dict[str, int]:
+        held = dict(self._held)  # a copy made at once: another thread may add an attribute meanwhile
+        seen = {name: id(value) for name, value in held.items() if isinstance(value, torch.nn.Module)}
+        seen[""] = TABLES_NOTED[0]
+        return seen
 
     def remove(self) -> None:
         with self._lock:
@@ -248,7 +272,7 @@ class EncoderCalls:
             if placed_on is not None:
                 run = _on_device(run, placed_on)
         with torch.inference_mode(False):
-            keyed = value_key((self.tag, path, state_key, args, kwargs))
+            keyed = value_key((self.tag, path, state_key, args, kwargs), self.digest)
         if type(keyed) is Bypass:
             self.count(method, lambda t: t.bypassed.update([f"text encoder input: {keyed.reason}"]))
             return run(args, kwargs)
@@ -287,11 +311,13 @@ class EncoderCalls:
             encoded.update(output=output, form=form, site=site, value=value)
             return value
 
+        rows = _rows_of(args, kwargs)
+
         def count(outcome: Outcome, reason: str | None) -> None:
             if outcome is Outcome.BYPASS:
                 self.count(method, lambda t: t.bypassed.update([reason or ""]))
             elif "unkept" not in encoded:
-                self.count(method, _encoded)
+                self.count(method, lambda t: t.add(encoded=rows))
 
         try:
             value = self.lookups.serve(key, encode, count, method)
@@ -302,7 +328,7 @@ class EncoderCalls:
             return unkept.output
         if encoded:
             return self.read(encoded["output"], encoded["form"], encoded["site"], [(key, encoded["value"])], method)
-        self.count(method, _answered)
+        self.count(method, lambda t: t.add(answered=rows))
         output = self.served(value, args, kwargs, run, path, key, method)
         audit = self.store.audit
         if audit is not None and audit.due():
@@ -331,11 +357,13 @@ class EncoderCalls:
         if None not in value[2]:
             return served(value, device, _never)
         inputs = _owned(args, kwargs)
+        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())  # the call's: a fetch runs in them
         fresh: list[Any] = []
 
         def fetch(index: int) -> Any:
             if not fresh:
-                fresh.append(take_apart(run(*inputs)))
+                with torch.inference_mode(modes[1]), torch.set_grad_enabled(modes[0]):
+                    fresh.append(take_apart(run(*inputs)))
                 form, leaves = fresh[0]
                 site = self.site(path, form)
                 with self._lock:
@@ -375,12 +403,12 @@ class _Unkept(Exception):
         self.output, self.why = output, why
 
 
-def _encoded(tally_now: EncodeTally) -> None:
-    tally_now.encoded += 1
-
-
-def _answered(tally_now: EncodeTally) -> None:
-    tally_now.answered += 1
+def _rows_of(args: tuple, kwargs: dict) -> int:
+    """Return how many prompt rows a call keyed whole carries: its ids' leading size (1 for one prompt)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point():
+            return int(value.shape[0])
+    return 1
 
 
 def _never(index: int) -> Any:

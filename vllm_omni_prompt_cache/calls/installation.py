@@ -56,14 +56,16 @@ class Installation:
         self.originals: dict[str, Callable[..., Any]] = {}  # each wrapped method's original, by name
         self.methods: dict[str, MethodCalls] = {}  # what serves each wrapped method's calls, by name
         self._lock = threading.RLock()
-        self.encoder_calls = EncoderCalls(pipeline, cache, tag, self._found if find_encodes else None)
+        self.encoder_calls = EncoderCalls(pipeline, cache, tag, self._found if find_encodes else None, digest)
         self.encoder_calls.rows = RowCalls(self.encoder_calls)
 
     @property
     def encoders(self) -> list[str]:
         return self.encoder_calls.encoders
 
-    def wrap(self, name: str, source: str, encode_fn: Callable[..., Any], signature: inspect.Signature, *, found: bool) -> None:
+    def wrap(
+        self, name: str, source: str, encode_fn: Callable[..., Any], signature: inspect.Signature, *, found: bool
+    ) -> None:
         """Wrap ``name`` on the pipeline with its own keys and counters; ``found``: seen calling a text encoder."""
         method_tag = self.tag if name == ENCODE_PROMPT else f"{self.tag}.{name}"
         calls = MethodCalls(
@@ -75,6 +77,7 @@ class Installation:
             source=source,
             tag=self.tag,
             found=found,
+            instance=getattr(encode_fn, "__self__", self.pipeline),
         )
         self.cache.register(name)
         _set_attribute(
@@ -101,7 +104,9 @@ class Installation:
                 return name
             encoders = ", ".join(self.encoders)
             self.wrap(name, f"found: it calls {encoders}", encode_fn, signature, found=True)
-            logger.info("Prompt-embed cache: %s.%s calls %s; its calls are counted as its own.", self.tag, name, encoders)
+            logger.info(
+                "Prompt-embed cache: %s.%s calls %s; its calls are counted as its own.", self.tag, name, encoders
+            )
         return name
 
     def describe(self) -> dict[str, Any]:

@@ -17,10 +17,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from vllm_omni_prompt_cache.calls.encoder_calls import EncoderCalls, EncodeTally
 from vllm_omni_prompt_cache.counts.counters import KEY_ONLY_HITS, Outcome, tally
 from vllm_omni_prompt_cache.encoders.text_encoders import noting_token_tables
-from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKeyBuilder
+from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, CallKeyBuilder, value_key
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
 from vllm_omni_prompt_cache.store.values import detach_value, unaliased
@@ -44,8 +46,10 @@ class MethodCalls:
         source: str,
         tag: str,
         found: bool,
+        instance: Any = None,
     ) -> None:
         self.store = store
+        self.instance = instance  # what the method is bound to: whose data a whole call's key also holds
         self.encode_fn = encode_fn
         self.key_builder = key_builder
         self.encoder_calls = encoder_calls
@@ -56,6 +60,9 @@ class MethodCalls:
         self.count = store.recorder(method)
         #: whether its calls reach a recognised text encoder: None until one call has run
         self.reaches_encoder: bool | None = True if found else None
+        #: a method cached whole: the attributes of its instance its first call changed (counters, timings), which
+        #: its key does not hold; every other data attribute it does
+        self.instrumentation: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self.local = threading.local()  # .encoded: the last call on this thread ran a text encoder (or the method)
 
@@ -82,6 +89,7 @@ class MethodCalls:
         if self.reaches_encoder is False:
             return self._whole(args, kwargs, arguments)
         # Its first call: a raw table its encoder looks ids up in is recognised as a text encoder's from now on.
+        before = _data_attributes(self.instance)
         with noting_token_tables() as tables:
             result, done = self._encode(args, kwargs)
         counts = done.counts()
@@ -91,9 +99,17 @@ class MethodCalls:
             self.reaches_encoder = True
             self.count(counts if counts is not None else tally(Outcome.MISS))
             return result
+        after = _data_attributes(self.instance)
         with self._lock:
+            # A number the call read and rewrote counts calls (upstream's tests count so): not keyed. Other state it
+            # changed (a stash it consumed) is keyed as it was before the call.
+            self.instrumentation = frozenset(
+                name
+                for name in before.keys() & after.keys()
+                if before[name] != after[name] and before[name][1] and after[name][1]
+            )
             self.reaches_encoder = False
-        key = arguments if type(arguments) is Bypass else self.key_builder.build_from_arguments(arguments)
+        key = self._whole_key(arguments, before)
         if type(key) is Bypass:
             self.count(tally(Outcome.BYPASS, reason=key.reason))
             return result
@@ -126,9 +142,20 @@ class MethodCalls:
         with self.encoder_calls.passing():
             return self.encode_fn(*args, **kwargs)
 
+    def _whole_key(self, arguments: dict | Bypass, attributes: dict[str, Any] | None = None) -> CallKey | Bypass:
+        """Return the key of a call cached whole: its arguments, and the data its instance holds (but for what its
+        calls change), since upstream's test doubles and encoders the cache cannot see into read it."""
+        if type(arguments) is Bypass:
+            return arguments
+        attributes = _data_attributes(self.instance) if attributes is None else attributes
+        held = tuple(
+            (name, keyed) for name, (keyed, _) in sorted(attributes.items()) if name not in self.instrumentation
+        )
+        return self.key_builder.build_from_arguments(arguments, held=held or None)
+
     def _whole(self, args: tuple, kwargs: dict, arguments: dict | Bypass) -> Any:
         """Serve a call of a method that reaches no recognised text encoder on its arguments' key."""
-        key = arguments if type(arguments) is Bypass else self.key_builder.build_from_arguments(arguments)
+        key = self._whole_key(arguments)
         if type(key) is Bypass:
             return self._run(args, kwargs, bypass=key.reason)
         ran: list[EncodeTally] = []
@@ -160,6 +187,24 @@ class MethodCalls:
         return value
 
 
+def _data_attributes(instance: Any) -> dict[str, tuple[Any, bool]]:
+    """Return the instance's attributes that a key can hold by value (strings, numbers, tensors, containers of them),
+    each as the identity its key spells (not the object: what the call does to it later must not change it), and
+    whether it is a number."""
+    try:
+        attributes = dict(vars(instance))
+    except TypeError:
+        return {}
+    data = {}
+    for name, value in attributes.items():
+        if callable(value) or isinstance(value, torch.nn.Module):
+            continue
+        keyed = value_key(value)
+        if type(keyed) is not Bypass:
+            data[name] = (keyed, type(value) in (int, float))
+    return data
+
+
 def cached_method(
     calls: MethodCalls,
     encode_fn: Callable[..., Any],
@@ -175,7 +220,7 @@ def cached_method(
     placement when it has one (the encoders leave the device when it ends; only an encoder call that misses
     places them); a call that encoded nothing counts the encoder moves it saved.
     """
-    from vllm_omni_prompt_cache.encoders.residency import PLACEMENT_ATTRIBUTE  # noqa: PLC0415
+    from vllm_omni_prompt_cache.encoders.residency import PLACEMENT_ATTRIBUTE
 
     @functools.wraps(encode_fn)
     def cached_encode(*args: Any, **kwargs: Any) -> Any:

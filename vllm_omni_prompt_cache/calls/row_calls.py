@@ -19,8 +19,8 @@ import torch
 from vllm_omni_prompt_cache.calls.encoder_calls import (
     NOT_ROWS,
     ROWS_DEPEND,
-    EncodeTally,
     EncoderCalls,
+    EncodeTally,
     Run,
     Site,
     _Unkept,
@@ -30,6 +30,7 @@ from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, value_key
 from vllm_omni_prompt_cache.logs import logger
 from vllm_omni_prompt_cache.rows.encoder_rows import batch_size, compare_outputs, rows_of
 from vllm_omni_prompt_cache.store.flights import Claim
+from vllm_omni_prompt_cache.store.lookups import COLLISION_REASON
 
 #: What a row of a call is spelled with in its key, after the module path: no argument encodes to it.
 _ROW = ("row",)
@@ -58,7 +59,7 @@ class RowCalls:
         keys: list[CallKey] = []
         with torch.inference_mode(False):
             for row in range(size):
-                keyed = value_key((calls.tag, path, state_key, _ROW, *rows_of(args, kwargs, [row])))
+                keyed = value_key((calls.tag, path, state_key, _ROW, *rows_of(args, kwargs, [row])), calls.digest)
                 if type(keyed) is Bypass:
                     return NOT_ROWS
                 keys.append(CallKey(*keyed))
@@ -87,6 +88,8 @@ class RowCalls:
                 direct.append(row)
         fresh: dict[int, tuple] = {}  # rows this call encoded and offered to the store
         encoded = [0]
+        hit = len(values) + len(copies)  # found, and rows repeating another of this call
+        bypassed: list[str] = []
 
         def encode(row: int, remaining: list[int]) -> tuple:
             """Encode ``remaining`` (owned rows not served yet, ``row`` first) as one sub-batch, once."""
@@ -106,27 +109,35 @@ class RowCalls:
         try:
             for position, (row, flight) in enumerate(owned):
                 remaining = [later for later, _ in owned[position:] if later not in fresh]
-                values[row], _ = lookups.complete(keys[row], flight, lambda r=row, rest=remaining: encode(r, rest), method)
+                values[row], _ = lookups.complete(
+                    keys[row], flight, lambda r=row, rest=remaining: encode(r, rest), method
+                )
         except BaseException:
             lookups.abandon([(keys[row], flight) for row, flight in owned if row not in values])
             raise
         for row in direct:  # a digest collision: encoded alone, not kept
             values[row] = _alone(run, args, kwargs, row)
             encoded[0] += 1
+            bypassed.append(COLLISION_REASON)
         for row, flight in joined:
             if flight.wait():
                 values[row] = flight.value
+                hit += 1
             else:  # its owner's call raised: encode it ourselves, alone
                 values[row] = lookups.serve(keys[row], lambda r=row: _alone(run, args, kwargs, r), _uncounted, method)
                 encoded[0] += 1
+                fresh[row] = values[row]
         for row, first in copies:
             values[row] = values[first]
         made = [(keys[row], value) for row, value in fresh.items() if values.get(row) is value]
-        missed = len(fresh)
+        for row, value in fresh.items():  # a sub-batch's rows that a lower tier served instead count as found
+            hit += values.get(row) is not value
+        missed = size - hit - len(bypassed)
 
         def update(tally_now: EncodeTally) -> None:
-            tally_now.rows_hit += size - missed
+            tally_now.rows_hit += hit
             tally_now.rows_missed += missed
+            tally_now.row_bypassed.update(bypassed)
             tally_now.rows_encoded += encoded[0]
             if encoded[0]:
                 tally_now.encoded += 1

@@ -105,9 +105,7 @@ def install_prompt_embed_cache(
         directory=tier,
     )
     _set_audit(cache, settings.audit, type(pipeline))
-    installation = Installation(
-        pipeline, cache, tag, settings.digest, settings.report, find_encodes=find_encodes
-    )
+    installation = Installation(pipeline, cache, tag, settings.digest, settings.report, find_encodes=find_encodes)
     for method, encode_fn, signature in wrapped:
         installation.wrap(method.name, method.source, encode_fn, signature, found=False)
     installation.attach()

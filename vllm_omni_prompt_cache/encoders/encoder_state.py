@@ -1,19 +1,23 @@
 """What of a text encoder's own state shapes its outputs beside its inputs: in a key, or a reason to empty the cache.
 
-An entry is what the encoder returned for those inputs *with its weights and settings then*. The cheap parts go into
-each call's key: train or eval mode (dropout) and the dtype of its parameters. The rest is checked on every call and
-empties the cache when it moved: a parameter or buffer written in place (its version counter: ``copy_`` under
-``no_grad``, ``load_state_dict``), a parameter, buffer or submodule registered anywhere (torch's global
-registration hooks: a weight replaced, a LoRA layer injected), and the encoder's ``config`` (an attribute its
-forward reads, such as ``output_hidden_states`` or the attention implementation). What this cannot see: a write
-through ``.data`` (no version counter moves); vLLM-Omni's weight loads and LoRA changes empty the cache on their own
-(``vllm_omni/lifecycle.py``). Where the encoder sits (offload moves it every call) is no part of its state: a hit is
-handed back on the device of the call's inputs.
+An entry is what the encoder returned for those inputs *with its weights and settings then*. Some go into each call's
+key: train or eval mode (dropout), the dtype of its parameters, and a digest of its ``config`` (an attribute its
+forward reads, such as ``output_hidden_states`` or the attention implementation), made again only when the
+configuration is seen to differ from a copy kept of it. The rest is checked on every call and empties the cache when
+it moved: a parameter written in place (its version counter: ``copy_`` under ``no_grad``, ``load_state_dict``; a
+buffer a forward writes is a cache of its own, such as a rotary table), a parameter or submodule of it replaced or
+added (torch's global registration hooks: a weight replaced, a LoRA layer injected), and a buffer replaced by one of
+other values. What this cannot see: a write through ``.data`` (no version counter moves); vLLM-Omni's weight loads
+and LoRA changes empty the cache on their own (``vllm_omni/lifecycle.py``), and an audit catches the rest. Where the
+encoder sits (offload moves it every call) is no part of its state: a hit is handed back on the device of the call's
+inputs.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import threading
 from typing import Any
 
@@ -48,37 +52,56 @@ class EncoderState:
         self.module = module
         self._registrations = -1
         self._tensors: list[torch.Tensor] = []
+        self._parameters: list[torch.Tensor] = []
+        self._buffers: dict[str, torch.Tensor] = {}
         self._versions = -1
         self._config: Any = None
+        self._config_digest = ""
         self._lock = threading.Lock()
         self._changed()
 
-    def key(self) -> tuple[tuple[bool, str], str | None]:
-        """Return what enters each call's key (its mode and its parameters' dtype), and why the outputs cached before
-        may differ from its outputs now (None: they do not)."""
+    def key(self) -> tuple[tuple[bool, str, str], str | None]:
+        """Return what enters each call's key (its mode, its parameters' dtype, a digest of its configuration), and
+        why the outputs cached before may differ from its outputs now (None: they do not)."""
         changed = self._changed()
         first = self._tensors[0] if self._tensors else None
-        return (self.module.training, "" if first is None else str(first.dtype)), changed
+        return (self.module.training, "" if first is None else str(first.dtype), self._config_digest), changed
 
     def _changed(self) -> str | None:
         """Return why the encoder's outputs may differ from those cached before (and note its state now), or None."""
         with self._lock:
             why = None
             if _REGISTRATIONS[0] != self._registrations:
-                tensors = [*self.module.parameters(), *self.module.buffers()]
-                if self._registrations >= 0 and [id(tensor) for tensor in tensors] != [id(t) for t in self._tensors]:
-                    why = "a parameter, buffer or submodule of it was replaced or added"
-                self._registrations, self._tensors = _REGISTRATIONS[0], tensors
-            versions = sum(tensor._version for tensor in self._tensors)
+                parameters = list(self.module.parameters())
+                buffers = dict(self.module.named_buffers())
+                if self._registrations >= 0:
+                    if [id(tensor) for tensor in parameters] != [id(tensor) for tensor in self._parameters]:
+                        why = "a parameter or submodule of it was replaced or added"
+                    elif buffers.keys() != self._buffers.keys() or not all(
+                        _same_tensor(buffers[name], self._buffers[name]) for name in buffers
+                    ):  # a buffer made again with the same values (a rotary table) changes nothing
+                        why = "a buffer of it changed"
+                self._registrations, self._parameters, self._buffers = _REGISTRATIONS[0], parameters, buffers
+                self._tensors = [*parameters, *buffers.values()]
+            versions = sum(tensor._version for tensor in self._parameters)
             if self._versions >= 0 and versions != self._versions:
                 why = why or "its weights were written in place"
             self._versions = versions
             config = getattr(self.module, "config", None)
             if config is not None and not _same(config, self._config):
-                if self._config is not None:
-                    why = why or "its configuration changed"
                 self._config = _copied(config)
+                self._config_digest = _digest(config)
             return why
+
+
+def _same_tensor(tensor: torch.Tensor, kept: torch.Tensor) -> bool:
+    """A buffer made again with the same values (a rotary table a forward sets back in float32) is the same."""
+    if tensor is kept:
+        return True
+    if (tensor.shape, tensor.device) != (kept.shape, kept.device):
+        return False
+    with torch.no_grad():
+        return bool(torch.equal(tensor.to(kept.dtype), kept))
 
 
 def _same(config: Any, kept: Any) -> bool:
@@ -86,6 +109,16 @@ def _same(config: Any, kept: Any) -> bool:
         return kept is not None and type(config) is type(kept) and vars(config) == vars(kept)
     except Exception:  # a configuration that cannot be compared is taken as unchanged only if it is the same object
         return config is kept
+
+
+def _digest(config: Any) -> str:
+    """Return a digest of a configuration's contents (``to_dict()`` where it has one), the same in every process."""
+    try:
+        contents = config.to_dict() if callable(getattr(config, "to_dict", None)) else vars(config)
+        spelled = json.dumps(contents, sort_keys=True, default=repr)
+    except Exception:  # a configuration that cannot be read: one digest per object seen
+        spelled = f"unreadable {type(config).__qualname__} {id(config)}"
+    return hashlib.blake2b(spelled.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def _copied(config: Any) -> Any:

@@ -194,6 +194,11 @@ def _field_read(output: Any, name: str) -> None:
             continue
         if item[0] == "tensor":
             reads.leaves.add(item[1])
+            current = dict.__getitem__(output, name)
+            if isinstance(current, Deferred):  # a hit's: fetched where the encode reads it, in its mode
+                fetched = current._fetch()
+                OrderedDict.__setitem__(output, name, fetched)
+                object.__setattr__(output, name, fetched)
         elif item[0] == "object":
             reads.leaves.add(item[1])
             if fetch is not None and dict.__getitem__(output, name) is _ABSENT:
@@ -340,7 +345,8 @@ def _rebuilt(form: tuple, stored: tuple, device: torch.device | None, fetch: Cal
     if tag == "value":
         return form[1]
     if tag == "tuple":
-        return tuple(_rebuilt(item, stored, device, fetch) for item in form[1])
+        items = tuple(_rebuilt(item, stored, device, fetch) for item in form[1])
+        return FetchingTuple(items) if any(isinstance(item, Deferred) for item in items) else items
     if tag == "list":
         return [_rebuilt(item, stored, device, fetch) for item in form[1]]
     if tag == "dict":
@@ -355,10 +361,12 @@ def _rebuilt_output(form: tuple, stored: tuple, device: torch.device | None, fet
     kind: Any = importlib.import_module(module)
     for part in name.split("."):
         kind = getattr(kind, part)
-    fields = {field: (_ABSENT if item[0] == "object" else _rebuilt(item, stored, device, fetch)) for field, item in form[2]}
+    fields = {
+        field: (_ABSENT if item[0] == "object" else _rebuilt(item, stored, device, fetch)) for field, item in form[2]
+    }
     absent = [field for field, value in fields.items() if value is _ABSENT]
     output = kind(**{field: value for field, value in fields.items() if value is not _ABSENT})
-    if not absent:
+    if not absent and not any(isinstance(value, Deferred) for value in fields.values()):
         return output
     for field in absent:  # in its place, so that positions and keys are the real output's
         OrderedDict.__setitem__(output, field, _ABSENT)
@@ -367,6 +375,23 @@ def _rebuilt_output(form: tuple, stored: tuple, device: torch.device | None, fet
     object.__setattr__(output, "__class__", _reading_class(kind))
     _OUTPUT_NOTES[id(output)] = (form, Reads(), fetch)
     return output
+
+
+class FetchingTuple(tuple):
+    """A hit's tuple holding tensors its entry does not keep (``hidden_states``): an item read from Python is fetched
+    there, in the encode's own mode, so the encode gets a plain tensor; one C code reads in place (``torch.stack``)
+    is a :class:`Deferred` that fetches itself."""
+
+    __slots__ = ()
+
+    def __getitem__(self, index: Any) -> Any:
+        item = tuple.__getitem__(self, index)
+        if isinstance(index, slice):
+            return tuple(part._fetch() if isinstance(part, Deferred) else part for part in item)
+        return item._fetch() if isinstance(item, Deferred) else item
+
+    def __iter__(self) -> Iterator[Any]:
+        return (part._fetch() if isinstance(part, Deferred) else part for part in tuple.__iter__(self))
 
 
 def _reorder(output: Any, order: list[str]) -> None:

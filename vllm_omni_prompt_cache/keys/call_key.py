@@ -266,10 +266,10 @@ class _Encoder:
         )
 
 
-def value_key(value: Any) -> tuple[Any, tuple] | Bypass:
+def value_key(value: Any, digest: Callable[[Any], bytes] | None = None) -> tuple[Any, tuple] | Bypass:
     """Return ``value``'s identity and witness (the bytes its digests summarize), or a Bypass saying why it
-    has none."""
-    encoder = _Encoder(default_digest)
+    has none; ``digest``: what digests arrays (None: xxh3-128)."""
+    encoder = _Encoder(default_digest if digest is None else digest)
     try:
         return encoder.encode(value), tuple(encoder.witness)
     except _Uncacheable as why:

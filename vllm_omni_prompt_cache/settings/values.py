@@ -148,6 +148,9 @@ _CLASS_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
 _LAYOUT_REFERENCE = re.compile(r"^([a-z0-9][a-z0-9-]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
 
 
+_METHOD_NAME = re.compile(r"^[A-Za-z_]\w*$")
+
+
 def methods(value: Any) -> dict[str, tuple[str, ...]] | None:
     """Parse ``CLASS=METHOD[+METHOD...][,CLASS=...]`` (or a mapping): class paths to method names."""
     if isinstance(value, Mapping):

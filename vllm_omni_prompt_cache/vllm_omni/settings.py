@@ -182,7 +182,7 @@ def scope_to_diffusion_stages(pipeline_cfg: Any, overrides: Mapping[str, Any]) -
         given = {name: result.pop(f"{prefix}{name}", None) for name in names}
         given = {name: top_level.get(name) if value is None else value for name, value in given.items()}
         where = f"{KWARG_SOURCE} for diffusion stage {stage_id}"
-        settings = resolve_settings(given, source=where)  # a bad value fails here, at construction
+        resolve_settings(given, source=where)  # a bad value fails here, at construction
         for name in _UPSTREAM_SETTINGS:
             if given[name] is not None:
                 result[f"{prefix}{name}"] = given[name]
