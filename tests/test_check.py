@@ -38,7 +38,7 @@ def test_the_installed_environment_is_active_and_the_command_says_so_without_imp
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"installed: vllm-omni-prompt-cache 0.2.0, vllm-omni {INSTALLED}")
+    assert lines[0].startswith(f"installed: vllm-omni-prompt-cache 0.3.0, vllm-omni {INSTALLED}")
     assert "entry points: all registered" in lines
     cache_points = len(hook_points.required(hook_points.CACHE))
     assert f"  the prompt-embed cache: {cache_points} of {cache_points} hook points found: on" in lines

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import threading
 import types
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -153,7 +154,7 @@ class EncoderCalls:
     def hook(self) -> None:
         """Intercept the calls of every text encoder the pipeline holds now."""
         with self._lock:
-            release(self.modules)
+            release(self.modules, self)
             hooked, states, modules = [], {}, []
             encoders = text_encoders(self.pipeline)
             self._hooked = {name: id(module) for name, module in encoders.items()}
@@ -190,7 +191,7 @@ class EncoderCalls:
 
     def remove(self) -> None:
         with self._lock:
-            release(self.modules)
+            release(self.modules, self)
             self.modules, self.states = [], {}
 
     # --- one call of a wrapped method: its encoder calls tallied together -----------------------------------
@@ -469,8 +470,10 @@ def _owned(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 _local = threading.local()  # .depth: how many intercepted calls run on this thread now
 _swap_lock = threading.Lock()
-#: id of an intercepted module -> (its path, the server, its class before the swap)
-_targets: dict[int, tuple[str, EncoderCalls, type]] = {}
+#: id of an intercepted module -> (a weak reference to it, its class before the swap, {id of a server: (a weak reference
+#: to it, the module's path there)}). A module two pipelines share is served by the one whose wrapped call runs on the
+#: thread, else by the one installed last. Weak: a pipeline dropped without an uninstall leaves nothing alive here.
+_targets: dict[int, tuple[weakref.ref, type, dict[int, tuple[weakref.ref, str]]]] = {}
 _classes: dict[type, type] = {}
 #: which own methods of an encoder class were seen to reach a hooked module (True), or not (False)
 _encodes: dict[tuple[type, str], bool] = {}
@@ -491,19 +494,40 @@ def intercept(modules: list[tuple[str, torch.nn.Module, bool]], server: EncoderC
     with _swap_lock:
         for path, module, encoder in modules:
             held = _targets.get(id(module))
-            original = held[2] if held is not None else type(module)
-            _targets[id(module)] = (path, server, original)
-            if held is None:
-                object.__setattr__(module, "__class__", _intercepting_class(original, encoder))
+            if held is None or held[0]() is not module:
+                kind = type(module)
+                kind = next((original for original, made in _classes.items() if made is kind), kind)
+                held = _targets[id(module)] = (weakref.ref(module), kind, {})
+                object.__setattr__(module, "__class__", _intercepting_class(kind, encoder))
+            held[2].pop(id(server), None)
+            held[2][id(server)] = (weakref.ref(server), path)  # the last installed comes last
 
 
-def release(modules: list[torch.nn.Module]) -> None:
-    """Give each module its class back."""
+def release(modules: list[torch.nn.Module], server: EncoderCalls) -> None:
+    """Stop handing each module's calls to ``server``; give it its class back when no server is left."""
     with _swap_lock:
         for module in modules:
-            held = _targets.pop(id(module), None)
-            if held is not None and type(module) is _classes.get(held[2]):
-                object.__setattr__(module, "__class__", held[2])
+            held = _targets.get(id(module))
+            if held is None or held[0]() is not module:
+                continue
+            held[2].pop(id(server), None)
+            if not any(ref() is not None for ref, _ in held[2].values()):
+                del _targets[id(module)]
+                if type(module) is _classes.get(held[1]):
+                    object.__setattr__(module, "__class__", held[1])
+
+
+def _server_of(module: torch.nn.Module) -> tuple[EncoderCalls, str] | None:
+    held = _targets.get(id(module))
+    if held is None:
+        return None
+    servers = [(ref(), path) for ref, path in list(held[2].values())]
+    servers = [(server, path) for server, path in servers if server is not None]
+    if len(servers) > 1:
+        for server, path in servers:
+            if getattr(server.local, "tally", None) is not None:
+                return server, path
+    return servers[-1] if servers else None
 
 
 def _intercepting_class(kind: type, encoder: bool) -> type:
@@ -513,10 +537,10 @@ def _intercepting_class(kind: type, encoder: bool) -> type:
     call = kind.__call__
 
     def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        target = _targets.get(id(self))
-        if target is None or getattr(_local, "depth", 0):
+        target = None if getattr(_local, "depth", 0) else _server_of(self)
+        if target is None:
             return call(self, *args, **kwargs)
-        path, server, _ = target
+        server, path = target
         return server(path, self, lambda given, named: run_inside(call, self, *given, **named), args, kwargs)
 
     namespace: dict[str, Any] = {"__call__": __call__, "__slots__": (), "__module__": kind.__module__}
@@ -544,10 +568,10 @@ def _intercepting_method(kind: type, name: str) -> Callable[..., Any]:
     original = getattr(kind, name)
 
     def method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        target = _targets.get(id(self))
-        if target is None or getattr(_local, "depth", 0) or _encodes.get((kind, name)) is False:
+        target = None if getattr(_local, "depth", 0) or _encodes.get((kind, name)) is False else _server_of(self)
+        if target is None:
             return original(self, *args, **kwargs)
-        path, server, _ = target
+        server, path = target
         if _encodes.get((kind, name)):
             real = lambda given, named: run_inside(original, self, *given, **named)  # noqa: E731
             return server(f"{path}:{name}", self, real, args, kwargs)

@@ -93,11 +93,14 @@ class MethodCalls:
         with noting_token_tables() as tables:
             result, done = self._encode(args, kwargs)
         counts = done.counts()
-        if counts is not None or tables.noted:
-            if counts is None:
-                self.encoder_calls.refresh()
+        if counts is None and tables.noted:  # a table recognised now: its encoder is served from the next call on
+            hooked = set(self.encoder_calls.states)
+            self.encoder_calls.refresh()
+            if set(self.encoder_calls.states) - hooked:
+                counts = tally(Outcome.MISS)
+        if counts is not None:
             self.reaches_encoder = True
-            self.count(counts if counts is not None else tally(Outcome.MISS))
+            self.count(counts)
             return result
         after = _data_attributes(self.instance)
         with self._lock:

@@ -3,8 +3,9 @@ together as one sub-batch, the output reassembled.
 
 Rows are cut where they reach the encoder (:mod:`.encoder_rows`), so every adapter's batch splits the same way,
 whatever its encode does around the encoder. That a row's output does not depend on the rows beside it is shown
-once per encoder, on its first batched call: served uncached, its distinct rows encoded alone and compared with it
-(``layout_checks``; a difference, ``layout_mismatches``, keys that encoder's batched calls whole from then on). Each
+once per encoder, on its first batched call: served uncached (its rows counted in ``layout_check_rows``), its
+distinct rows encoded alone, kept, and compared with it (``layout_checks``; a difference, ``layout_mismatches``, keys
+that encoder's batched calls whole from then on). Each
 row is claimed in the store like any key (hit, own its flight, join another call's flight, or encode it uncached
 after a collision), so rows share entries, single-flight and verification with whole calls; a call encodes the rows
 it owns before it waits for rows other calls are encoding, so two calls waiting on each other cannot deadlock.
@@ -185,7 +186,7 @@ class RowCalls:
                 if why is not None:
                     break
         rows_site.rows = why is None
-        calls.store.record_layout_check(len(alone), gap if why is None else None, method=method)
+        calls.store.record_layout_check(size, gap if why is None else None, method=method)
         if why is not None:
             logger.warning(
                 "Prompt-embed cache: %s.%s: a row of its batched calls differs when encoded alone (%s); its batched "
@@ -203,9 +204,11 @@ class RowCalls:
                 made.append((keys[row], value))
 
         def update(tally_now: EncodeTally) -> None:
+            # The batch, served uncached, is the check (layout_check_rows); the rows kept are those encoded alone.
             tally_now.encoded += 1
-            tally_now.rows_missed += size
-            tally_now.rows_encoded += size
+            tally_now.rows_missed += len(firsts)
+            tally_now.rows_hit += size - len(firsts)
+            tally_now.rows_encoded += len(alone)
 
         calls.count(method, update)
         if form is None:

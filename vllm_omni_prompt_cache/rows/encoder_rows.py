@@ -86,6 +86,8 @@ def compare_outputs(assembled: Any, expected: Any) -> tuple[str | None, float]:
             gap = max(gap, measured)
         return None, gap
     if isinstance(expected, torch.Tensor):
+        if isinstance(assembled, torch.Tensor):
+            assembled, expected = assembled.detach(), expected.detach()
         if not isinstance(assembled, torch.Tensor):
             return f"expected a tensor, assembled a {type(assembled).__qualname__}", 0.0
         if assembled.shape != expected.shape or assembled.dtype != expected.dtype:

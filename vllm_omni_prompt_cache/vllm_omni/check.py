@@ -86,9 +86,10 @@ def check(say: Callable[[str], None] = print) -> int:
         else "where enable_prompt_embed_cache=True or --enable-prompt-embed-cache turns it on"
     )
     say(
-        "hits: served once their whole encode is proven (proven_hits); an encode that reaches no text encoder the "
-        "cache recognises is served on its key alone, counted as key_only_hits (stats(), /metrics "
-        "vllm_omni:prompt_embed_cache_key_only_hits_total), and the install log says which encoders it watches"
+        "hits: every encode runs as written, each text-encoder call in it answered with what that encoder returned "
+        "for the same inputs; an encode that reaches no text encoder the cache recognises is cached whole on its "
+        "arguments, counted as key_only_hits (stats(), /metrics vllm_omni:prompt_embed_cache_key_only_hits_total), "
+        "and the install log names the text encoders it serves"
     )
     say(f"active: diffusion engines in this environment use the content-keyed cache, {how}")
     return 0
