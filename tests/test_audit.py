@@ -1,12 +1,13 @@
-"""Audits: hits encoded again and compared, catching an encode that reads more than its arguments.
+"""Audits: encoder calls answered from the cache, encoded again and compared.
 
-The pipeline is a token-ID ``encode_prompt`` that scales its embeddings by a factor kept on its text
-encoder and read after the encoder ran: a component's state, which keys stand for by identity.
-Changing the factor changes the embedding of the same arguments. Where the cache recognises the
-encoder (a tiny real Qwen2), a hit's proof runs the code after the encoder too and sees it (see
-``encoder_gate.py``); where it does not (an encoder with no token table: a one-hot matmul), hits are
-served on their key alone, and nothing but an audit can see it: what an audit is for. A template kept the
-same way but read before the encoder reaches it, and the proof serves nothing stale (the first test).
+The cache keeps what a text encoder returned for the inputs that reached it; everything around the encoder runs for
+real on every call. So a template kept on a component reaches the encoder's input and its key (the first test), and
+a factor read after the encoder is read on every call (the second). What no key and no check sees is an encoder
+whose output changes unseen: weights written through ``.data``, which moves no version counter
+(``encoder_state.py``). That is what an audit is for: with a share ``f``, each encoder call answered from the cache
+is, with probability ``f``, encoded again and the kept output compared (``encoder_calls.py``, ``_audited``). Where
+the cache recognises no text encoder (an encoder with no token table: a one-hot matmul), the method is cached whole
+on its arguments, as upstream does, and served stale.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.proof.encoder_gate import DIFFERED, DIFFERED_AFTER
 from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings, resolve_prompt_embed_cache_settings
 from vllm_omni_prompt_cache.settings.schema import AUDIT, PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
@@ -27,7 +27,7 @@ IDS = torch.tensor([[3, 1, 4, 1, 5, 9]])
 
 class TemplatedPipeline(TokenIdTextPipeline):
     """Prepends ``self.template_ids`` to the prompt's ids inside ``encode_prompt``, the template kept on the text
-    encoder (a component, which keys stand for by identity, as they do for a tokenizer whose template changes)."""
+    encoder (a component, as a tokenizer whose template changes is)."""
 
     @property
     def template_ids(self) -> torch.Tensor:
@@ -76,29 +76,37 @@ def same(left: tuple, right: tuple) -> bool:
     return all(torch.equal(a, b) for a, b in zip(left, right, strict=True))
 
 
-def test_a_template_changed_on_a_component_is_never_served_stale() -> None:
-    """Keys compare arguments and the pipeline's own state, not a component's; the changed template reaches the
-    encoder, so the hit's proof sees it and the call encodes."""
+def written_unseen(encoder: torch.nn.Module) -> None:
+    """Double the encoder's final norm weight through ``.data``: every output doubles, no version counter moves."""
+    before = encoder.norm.weight._version
+    encoder.norm.weight.data.mul_(2)
+    assert encoder.norm.weight._version == before
+
+
+def test_a_template_changed_on_a_component_reaches_the_encoders_key() -> None:
+    """The changed template reaches the encoder: another input, another key; the call encodes."""
     pipeline = TemplatedPipeline(build_qwen2_encoder())
+    reference = TemplatedPipeline(build_qwen2_encoder())
     cache = install_prompt_embed_cache(pipeline)
     before = pipeline.encode_prompt(IDS)
-    pipeline.template_ids = torch.tensor([[8, 8]])
+    assert same(before, reference.encode_prompt(IDS))
+    pipeline.template_ids = reference.template_ids = torch.tensor([[8, 8]])
     after = pipeline.encode_prompt(IDS)
-    assert not same(after, before) and pipeline.encoder_runs == 2
-    assert cache.stats()["unproven_reasons"] == {DIFFERED: 1}
+    assert same(after, reference.encode_prompt(IDS)) and not same(after, before)
+    assert pipeline.encoder_runs == 2
+    assert (cache.stats()["misses"], cache.stats()["hits"]) == (2, 0)
 
 
-def test_a_factor_read_after_the_encoder_is_proven_and_without_a_proof_only_an_audit_sees_it() -> None:
-    """State read after the encoder, on a component, reaches no key: a hit's proof sees what it does to the output
-    where the cache recognises the encoder; where it does not, a hit is served on its key, stale: what the audit
-    is for."""
+def test_a_factor_read_after_the_encoder_is_read_on_every_call_and_a_method_cached_whole_serves_it_stale() -> None:
+    """State read after the encoder, on a component, is read on every call: the method runs, its encoder's call is
+    answered. Where the cache recognises no encoder the method is cached whole, as upstream does: served stale."""
     pipeline = RescaledPipeline(build_qwen2_encoder())
     cache = install_prompt_embed_cache(pipeline)
     before = pipeline.encode_prompt(IDS)
     pipeline.output_scale = 2.0
     again = pipeline.encode_prompt(IDS)
-    assert torch.equal(again[0], before[0] * 2) and pipeline.encoder_runs == 2
-    assert cache.stats()["unproven_reasons"] == {DIFFERED_AFTER: 1}
+    assert torch.equal(again[0], before[0] * 2) and pipeline.encoder_runs == 1
+    assert (cache.stats()["misses"], cache.stats()["hits"]) == (1, 1)
     unwatched = RescaledPipeline(OneHotEncoder())
     cache = install_prompt_embed_cache(unwatched)
     before = unwatched.encode_prompt(IDS)
@@ -107,30 +115,44 @@ def test_a_factor_read_after_the_encoder_is_proven_and_without_a_proof_only_an_a
     assert cache.stats()["key_only_hits"] == 1
 
 
-def test_an_audit_serves_the_fresh_encode_and_turns_the_class_off(caplog) -> None:
-    encoder = OneHotEncoder()
-    pipeline = RescaledPipeline(encoder)
+def test_an_audit_encodes_an_answered_encoder_call_again_and_finds_it_equal() -> None:
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    reference = TokenIdTextPipeline(build_qwen2_encoder())
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(audit=1.0))
+    expected = reference.encode_prompt(IDS)
+    for _ in range(4):  # a miss, then hits that agree with a fresh encode: served from the cache
+        assert same(pipeline.encode_prompt(IDS), expected)
+    stats = cache.snapshot()
+    assert (stats.misses, stats.hits, stats.audits, stats.audit_mismatches) == (1, 3, 3, 0)
+    assert pipeline.encoder_runs == 1 + 3  # each hit's encoder call encoded again
+    assert stats.enabled and stats.size == 1
+    assert cache.stats()["methods"]["encode_prompt"]["audits"] == 3
+
+
+def test_an_encoder_changed_unseen_is_caught_by_an_audit_served_fresh_and_the_class_turned_off(caplog) -> None:
+    """Weights written through ``.data``: no key, no version counter sees it. The audit's encode differs from the
+    entry: the call is served the fresh output, the cache turns off for the pipeline's class."""
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder())
+    reference = TokenIdTextPipeline(build_qwen2_encoder())
     cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(audit=1.0))
     first = pipeline.encode_prompt(IDS)
-    for _ in range(3):  # hits that agree with a fresh encode: served from the cache
-        assert same(pipeline.encode_prompt(IDS), first)
-    stats = cache.snapshot()
-    assert (stats.hits, stats.audits, stats.audit_mismatches, pipeline.encoder_runs) == (3, 3, 0, 4)
+    assert same(pipeline.encode_prompt(IDS), first)
+    assert (cache.snapshot().audits, cache.snapshot().audit_mismatches) == (1, 0)
     caplog.set_level(logging.WARNING, logger="vllm_omni_prompt_cache")
-    pipeline.output_scale = 2.0
-    expected = RescaledPipeline(encoder)
-    expected.output_scale = pipeline.output_scale
-    fresh = expected.encode_prompt(IDS)
+    written_unseen(pipeline.text_encoder)
+    written_unseen(reference.text_encoder)
+    fresh = reference.encode_prompt(IDS)
+    assert not same(fresh, first)
     assert same(pipeline.encode_prompt(IDS), fresh)  # the audit's encode, not the stale entry
     stats = cache.snapshot()
-    assert (stats.audits, stats.audit_mismatches, stats.enabled, stats.size) == (4, 1, False, 0)
+    assert (stats.audits, stats.audit_mismatches, stats.enabled, stats.size) == (2, 1, False, 0)
     runs = pipeline.encoder_runs
     assert same(pipeline.encode_prompt(IDS), fresh) and pipeline.encoder_runs == runs + 1  # off: encoded
     (reason,) = cache.snapshot().bypass_reasons
     assert reason.startswith("an audit found a served entry differing from a fresh encode")
     warned = [record.message for record in caplog.records if "an audit re-encoded a hit" in record.message]
-    assert len(warned) == 1 and "RescaledPipeline" in warned[0]
-    later = install_prompt_embed_cache(RescaledPipeline(encoder))  # the class stays off in this process
+    assert len(warned) == 1 and "TokenIdTextPipeline" in warned[0]
+    later = install_prompt_embed_cache(TokenIdTextPipeline(build_qwen2_encoder()))  # the class stays off
     assert not later.enabled and later.off_reason == reason
 
 
@@ -159,8 +181,7 @@ def test_a_bad_audit_share_is_refused_naming_the_setting(monkeypatch, bad) -> No
 
 def test_ranks_that_see_the_same_calls_audit_the_same_hits() -> None:
     """An encoder with collectives must run on every rank of a stage or on none."""
-    encoder = build_qwen2_encoder()
-    ranks = [RescaledPipeline(encoder) for _ in range(2)]
+    ranks = [RescaledPipeline(build_qwen2_encoder()) for _ in range(2)]
     caches = [install_prompt_embed_cache(rank, settings=PromptEmbedCacheSettings(audit=0.3)) for rank in ranks]
     runs = []
     for rank in ranks:
@@ -173,23 +194,37 @@ def test_ranks_that_see_the_same_calls_audit_the_same_hits() -> None:
     assert runs[0] == runs[1] and 0 < caches[0].snapshot().audits < 59
 
 
-class MaskedPipeline(RescaledPipeline):
-    """Returns an additive attention mask with -inf where padding is, as some pipelines do."""
+class MaskingEncoder(torch.nn.Module):
+    """A text encoder that returns an additive attention mask beside its hidden states, -inf where padding is (and
+    at one more position, so the output holds an infinity)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = build_qwen2_encoder()
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        additive = torch.zeros(attention_mask.shape, dtype=hidden.dtype).masked_fill(attention_mask == 0, float("-inf"))
+        additive[..., 0] = float("-inf")
+        return hidden, additive
+
+
+class MaskedPipeline(TokenIdTextPipeline):
     def encode_prompt(self, prompt_ids, attention_mask=None):
-        embeds, mask = super().encode_prompt(prompt_ids, attention_mask)
-        additive = torch.zeros(mask.shape, dtype=embeds.dtype).masked_fill(mask == 0, float("-inf"))
-        additive[..., 0] = float("-inf")  # one masked position, so the output holds an infinity
-        return embeds, additive
+        mask = torch.ones_like(prompt_ids) if attention_mask is None else attention_mask
+        return self.text_encoder(input_ids=prompt_ids, attention_mask=mask.long())
 
 
 def test_infinities_in_the_same_places_are_no_mismatch() -> None:
-    pipeline = MaskedPipeline(build_qwen2_encoder())
+    pipeline = MaskedPipeline(MaskingEncoder())
     cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(audit=1.0))
-    for _ in range(3):
-        pipeline.encode_prompt(IDS)
+    outputs = [pipeline.encode_prompt(IDS) for _ in range(3)]
+    assert all(bool(output[1].isinf().any()) and same(output, outputs[0]) for output in outputs)
     stats = cache.snapshot()
-    assert (stats.audits, stats.audit_mismatches, stats.enabled) == (2, 0, True)
+    assert (stats.hits, stats.audits, stats.audit_mismatches, stats.enabled) == (2, 2, 0, True)
 
 
 def test_an_audit_whose_encode_fails_leaves_the_hit_served() -> None:
@@ -210,7 +245,6 @@ def test_an_audit_whose_encode_fails_leaves_the_hit_served() -> None:
 
 
 def test_a_stage_of_several_ranks_keeps_audits_off() -> None:
-    from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
     from vllm_omni_prompt_cache.vllm_omni import runner
 
     settings = PromptEmbedCacheSettings(enabled=True, audit=1.0)

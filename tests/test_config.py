@@ -8,6 +8,7 @@ from vllm_omni_prompt_cache.settings.resolved import (
     PromptEmbedCacheSettings,
     resolve_prompt_embed_cache_config,
     resolve_prompt_embed_cache_settings,
+    resolve_settings,
 )
 from vllm_omni_prompt_cache.settings.schema import (
     AUDIT,
@@ -23,7 +24,7 @@ from vllm_omni_prompt_cache.settings.schema import (
     MAX_BYTES,
     MAX_SIZE,
     METHODS,
-    ROW_LAYOUTS,
+    REMOVED,
     VERIFY,
     PromptEmbedCacheConfigError,
     carried_settings,
@@ -163,7 +164,6 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         max_size=8,
         verify=False,
         backend="vllm-omni",
-        row_layouts="pkg.mod.Adapter=token-ids",
         methods="pkg.mod.Adapter=encode_ids+_encode_negative",
         encoder_on_miss="on",
         audit="5%",
@@ -176,7 +176,6 @@ def test_settings_survive_the_trip_to_the_worker_whole(monkeypatch) -> None:
         MAX_BYTES.name: 1024,
         VERIFY.name: False,
         BACKEND.name: "vllm-omni",
-        ROW_LAYOUTS.name: {"pkg.mod.Adapter": "token-ids"},
         METHODS.name: {"pkg.mod.Adapter": "encode_ids+_encode_negative"},
         FIND_ENCODES.name: False,
         HOST_BYTES.name: "auto",  # the default: what a level-1 sleep drops waits in host memory
@@ -226,28 +225,36 @@ def test_a_carried_value_that_went_bad_or_unknown_is_refused() -> None:
         PromptEmbedCacheSettings.from_dict({"size": 3, "sources": {}}, "the stage config")
 
 
-@pytest.mark.parametrize(
-    "value",
-    ["abc", "pkg.Adapter", "Adapter=token-ids", "pkg.Adapter=", "pkg.Adapter=Token IDs", "a.B=x,a.B=y", "a.B=x=y", 3],
-)
-def test_a_malformed_row_layout_declaration_names_the_setting_and_the_form(value) -> None:
+#: The row-layout setting was removed (a batched call's rows are cut where they reach the text encoder).
+ROW_LAYOUTS_NAME = "prompt_embed_cache_row_layouts"
+ROW_LAYOUTS_ENV = "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_ROW_LAYOUTS"
+
+
+def test_the_removed_row_layout_setting_is_refused_by_name_wherever_it_is_given() -> None:
+    assert {ROW_LAYOUTS_NAME, ROW_LAYOUTS_ENV, "row_layouts"} <= set(REMOVED)
+    for value in ("pkg.mod.A=token-ids", {"pkg.mod.A": "token-ids"}):
+        with pytest.raises(PromptEmbedCacheConfigError) as raised:
+            resolve_settings({ROW_LAYOUTS_NAME: value}, source="keyword argument", environ={})
+        assert f"keyword argument {ROW_LAYOUTS_NAME}" in str(raised.value) and "removed" in str(raised.value)
     with pytest.raises(PromptEmbedCacheConfigError) as raised:
-        resolve_prompt_embed_cache_settings(row_layouts=value, environ={})
-    message = str(raised.value)
-    assert f"invalid {ROW_LAYOUTS.name}={value!r} from keyword argument {ROW_LAYOUTS.name}" in message
-    assert "CLASS=LAYOUT pairs" in message
+        resolve_prompt_embed_cache_settings(environ={ROW_LAYOUTS_ENV: "pkg.mod.C=token-ids"})
+    assert f"environment variable {ROW_LAYOUTS_ENV}" in str(raised.value) and "removed" in str(raised.value)
+    with pytest.raises(PromptEmbedCacheConfigError, match="the setting row_layouts given as a keyword argument was"):
+        PromptEmbedCacheSettings(row_layouts={"pkg.mod.A": "token-ids"})
 
 
-def test_row_layout_declarations_parse_from_text_and_mappings_and_the_env_wins() -> None:
-    text = " pkg.mod.A = token-ids , pkg.mod.B=my.layouts:MINE "
-    settings = resolve_prompt_embed_cache_settings(row_layouts=text, environ={})
-    assert settings.row_layouts == {"pkg.mod.A": "token-ids", "pkg.mod.B": "my.layouts:MINE"}
-    mapping = resolve_prompt_embed_cache_settings(row_layouts={"pkg.mod.A": "qwen-image-token-ids"}, environ={})
-    assert mapping.row_layouts == {"pkg.mod.A": "qwen-image-token-ids"}
-    env = {ROW_LAYOUTS.env: "pkg.mod.C=token-ids"}
-    from_env = resolve_prompt_embed_cache_settings(row_layouts=text, environ=env)
-    assert from_env.row_layouts == {"pkg.mod.C": "token-ids"}
-    assert from_env.sources[ROW_LAYOUTS.name] == f"environment variable {ROW_LAYOUTS.env}"
+def test_the_removed_row_layout_env_var_is_refused_even_when_the_cache_is_off(monkeypatch) -> None:
+    monkeypatch.setenv(ROW_LAYOUTS_ENV, "pkg.mod.A=token-ids")
+    with pytest.raises(PromptEmbedCacheConfigError, match=ROW_LAYOUTS_ENV):
+        resolve_prompt_embed_cache_config()
+    monkeypatch.delenv(ROW_LAYOUTS_ENV)
+    assert resolve_prompt_embed_cache_config() == (False, 32)
+
+
+def test_a_stage_config_carrying_the_removed_row_layouts_is_refused_naming_it() -> None:
+    carried = {**PromptEmbedCacheSettings().as_dict(), ROW_LAYOUTS_NAME: {"pkg.mod.A": "token-ids"}}
+    with pytest.raises(PromptEmbedCacheConfigError, match=ROW_LAYOUTS_NAME):
+        PromptEmbedCacheSettings.from_dict(carried, "the stage config")
 
 
 @pytest.mark.parametrize(
@@ -373,13 +380,6 @@ def test_the_settings_object_pickles_and_copies_as_it_holds(tmp_path) -> None:
     for copied in (pickle.loads(pickle.dumps(settings)), copy.copy(settings), copy.deepcopy(settings)):
         assert copied == settings and copied is not settings and copied.max_bytes == 512 * 2**20
     assert copied.replace(max_bytes=None).max_bytes is None and settings.max_bytes == 512 * 2**20
-
-
-def test_a_row_layout_object_stays_in_the_process() -> None:
-    from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
-
-    with pytest.raises(PromptEmbedCacheConfigError, match="RowLayout object, which cannot travel"):
-        PromptEmbedCacheSettings(row_layouts={"pkg.mod.A": TOKEN_IDS}).as_dict()
 
 
 def test_install_refuses_a_resolved_size_its_keyword_would_override_and_reads_the_signing_key(tmp_path) -> None:

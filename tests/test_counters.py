@@ -293,10 +293,10 @@ DASHBOARD_FAMILIES = {
         "queries hits misses row_hits row_misses rows_encoded evictions oversize_rejections audits host_hits "
         "host_misses host_demotions host_evictions dir_hits dir_misses dir_writes dir_write_errors dir_evictions "
         "dir_waits dir_stale_claims dir_wait_timeouts dir_leftovers_removed encoder_placements encoder_evictions "
-        "dit_placements dit_evictions bytes_moved placements_avoided bytes_not_moved proven_hits key_only_hits "
+        "dit_placements dit_evictions bytes_moved placements_avoided bytes_not_moved key_only_hits "
         "changed_entries"
     ),
-    ("reason",): "bypassed row_bypassed whole_calls dir_rejections unproven",
+    ("reason",): "bypassed row_bypassed whole_calls dir_rejections",
     ("check",): "verification_failures",
     ("method",): "method_queries method_hits method_misses method_rows_encoded",
     ("method", "reason"): "method_bypassed",

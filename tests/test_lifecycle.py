@@ -106,7 +106,7 @@ def test_stats_line_is_rate_limited_and_names_bypass_reasons(caplog) -> None:
     ids = torch.tensor([[1, 2, 3]])
     for _ in range(5):
         pipeline.encode_prompt(ids, ids != 0)
-    pipeline.encode_prompt(ids, (ids != 0).as_subclass(TracedMask))  # bypasses: tensor subclass
+    pipeline.encode_prompt(ids, (ids != 0).as_subclass(TracedMask))  # bypasses: its mask reaches the encoder
 
     def lines() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.name == LOGGER]
@@ -119,7 +119,7 @@ def test_stats_line_is_rate_limited_and_names_bypass_reasons(caplog) -> None:
     (line,) = lines()
     assert "hit rate 71.4% (5 hits, 1 misses, 1 bypassed)" in line
     assert "1/4 entries" in line
-    assert "argument 'attention_mask': tensor subclass" in line
+    assert "text encoder input: tensor subclass TracedMask" in line
     now[0] += 60  # the call made in the same second is reported on the next line
     logger(cache)
     assert len(lines()) == 2 and "(6 hits, 1 misses, 1 bypassed)" in lines()[1]

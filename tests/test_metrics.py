@@ -18,6 +18,7 @@ CollectorRegistry = prometheus_client.CollectorRegistry
 
 from store_calls import get_or_compute_rows, record_bypass, record_whole_call  # noqa: E402
 
+from vllm_omni_prompt_cache.calls.encoder_calls import ROWS_DEPEND  # noqa: E402
 from vllm_omni_prompt_cache.keys.call_key import CallKeyBuilder  # noqa: E402
 from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings  # noqa: E402
 from vllm_omni_prompt_cache.store.prompt_embed_cache import COLLISION_REASON, UNSPECIFIED_REASON, PromptEmbedCache  # noqa: E402
@@ -58,7 +59,7 @@ def busy_cache() -> PromptEmbedCache:
     cache.get_or_compute(key(1), lambda: pytest.fail("cached"))
     record_bypass(cache, "argument 'prompt_embeds': precomputed")
     get_or_compute_rows(cache, [key(2), key(3), key(2)], lambda row: embedding(row))  # evicts key(1)
-    record_whole_call(cache, "no row layout inferred: one row")
+    record_whole_call(cache, ROWS_DEPEND)
     return cache
 
 
@@ -66,7 +67,7 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
     return registry.get_sample_value(f"vllm_omni:prompt_embed_cache_{name}", {**LABELS, **labels})
 
 
-#: A bypass reason with a colon in it, as refusals name what they read.
+#: A bypass reason with a colon in it, as the reasons that name what an encode was handed do.
 REASON_WITH_COLON = "reads self._h3_prompt_ids (a Holder), which cannot be keyed: none is cached"
 
 
@@ -146,7 +147,7 @@ def test_rows_bypasses_and_whole_calls_are_counted_by_reason() -> None:
     registry = CollectorRegistry()
     PromptEmbedCacheMetrics(registry).record(tuple(LABELS.values()), pop_snapshot(cache_snapshot(busy_cache())))
     assert sample(registry, "bypassed_total", reason="argument 'prompt_embeds': precomputed") == 1.0
-    assert sample(registry, "whole_calls_total", reason="no row layout inferred: one row") == 1.0
+    assert sample(registry, "whole_calls_total", reason=ROWS_DEPEND) == 1.0
     assert (sample(registry, "row_hits_total"), sample(registry, "row_misses_total")) == (1.0, 2.0)
     assert sample(registry, "rows_encoded_total") == 2.0
     assert sample(registry, "queries_total") == 5.0  # 3 get_or_compute + 1 bypass + 1 row call
@@ -158,7 +159,7 @@ def test_failed_exactness_checks_are_verification_failures() -> None:
     cache = PromptEmbedCache()
     cache.get_or_compute(weak.build((torch.tensor([1]),), {}), lambda: embedding(1))
     cache.get_or_compute(weak.build((torch.tensor([2]),), {}), lambda: embedding(2))
-    cache.record_layout_check(rows=2, gap=None)  # a row layout that did not match the uncached call
+    cache.record_layout_check(rows=2, gap=None)  # a batched call whose rows encoded alone differed from it
     cache.record_audit(mismatch=False)
     cache.record_audit(mismatch=True)  # a hit whose fresh encode differed
     registry = CollectorRegistry()

@@ -115,6 +115,25 @@ def test_bad_env_var_fails_at_construction(model, monkeypatch) -> None:
         default_stage({"model": model, "enable_prompt_embed_cache": True})
 
 
+#: The row-layout setting was removed: rows are cut where a batched call reaches the text encoder.
+ROW_LAYOUTS_KWARG = "prompt_embed_cache_row_layouts"
+ROW_LAYOUTS_ENV = "OMNI_DIFFUSION_PROMPT_EMBED_CACHE_ROW_LAYOUTS"
+
+
+@pytest.mark.release
+def test_the_removed_row_layouts_kwarg_fails_at_construction_naming_it(model) -> None:
+    """Refused by name, not dropped without a word (vLLM-Omni 0.27 and 0.28 drop kwargs they do not know)."""
+    with pytest.raises(PromptEmbedCacheConfigError, match=f"AsyncOmni/Omni keyword argument {ROW_LAYOUTS_KWARG}"):
+        default_stage({"model": model, "enable_prompt_embed_cache": True, ROW_LAYOUTS_KWARG: "pkg.mod.A=token-ids"})
+
+
+@pytest.mark.release
+def test_the_removed_row_layouts_env_var_fails_at_construction_naming_it(model, monkeypatch) -> None:
+    monkeypatch.setenv(ROW_LAYOUTS_ENV, "pkg.mod.A=token-ids")
+    with pytest.raises(PromptEmbedCacheConfigError, match=f"environment variable {ROW_LAYOUTS_ENV}"):
+        default_stage({"model": model, "enable_prompt_embed_cache": True})
+
+
 def serve_parser() -> TrackingArgumentParser:
     """vLLM-Omni's real serve parser, built the way its CLI main builds it."""
     parser = TrackingArgumentParser(prog="vllm-omni")

@@ -15,8 +15,9 @@ from vllm_omni_prompt_cache import (
     install_prompt_embed_cache,
     uninstall_prompt_embed_cache,
 )
-from vllm_omni_prompt_cache.calls.found import DISABLED_REASON
+from vllm_omni_prompt_cache.calls.method_calls import DISABLED_REASON
 from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
+from vllm_omni_prompt_cache.settings.schema import PromptEmbedCacheConfigError
 from vllm_omni_prompt_cache.store.prompt_embed_cache import COLLISION_REASON
 from vllm_omni_prompt_cache.tiny.encoder_counters import CountsEncoderRuns
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
@@ -26,8 +27,15 @@ GROUP_SIZE = 16
 LENGTH = 24
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def encoder() -> torch.nn.Module:
+    """A fresh encoder per test: an installed cache intercepts its encoder module's calls, whoever makes them."""
+    return build_qwen2_encoder()
+
+
+@pytest.fixture
+def reference_encoder() -> torch.nn.Module:
+    """The same weights as ``encoder`` in another module, which no cache intercepts: uncached references."""
     return build_qwen2_encoder()
 
 
@@ -96,28 +104,28 @@ def test_an_unreadable_signature_leaves_encode_prompt_alone(caplog) -> None:
     assert pipeline.encode_prompt(iter([7])) == 7
 
 
-@pytest.mark.parametrize("declared_on_class", [True, False])
-def test_a_declared_layout_that_is_not_a_row_layout_keys_calls_whole(encoder, caplog, declared_on_class) -> None:
-    """A layout named by string (a common slip) is refused with a warning; the cache still works whole."""
+def test_a_row_layout_setting_is_refused_by_name_and_a_layout_attribute_changes_nothing(
+    encoder, reference_encoder
+) -> None:
+    """Row layouts were removed: a batched call's rows are cut where they reach the text encoder. The setting
+    given in code is refused naming it; a pipeline class that still declares a layout is served as any other."""
+    with pytest.raises(PromptEmbedCacheConfigError, match="row_layout"):
+        PromptEmbedCacheSettings(row_layout="token-ids")
 
-    class Misdeclared(QwenStyleTokenPipeline):
-        if declared_on_class:
-            prompt_embed_row_layout = "token-ids"
+    class StillDeclared(QwenStyleTokenPipeline):
+        prompt_embed_row_layout = "token-ids"
 
-    pipeline = Misdeclared(encoder)
-    declared = {} if declared_on_class else {"row_layout": "token-ids"}
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_prompt_cache"):
-        cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(**declared))
-    (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("vllm_omni_prompt_cache")]
-    assert warning.endswith("is a str, not a RowLayout; calls are keyed whole.")
+    reference = QwenStyleTokenPipeline(reference_encoder)
+    pipeline = StillDeclared(encoder)
+    cache = install_prompt_embed_cache(pipeline)
     first, second = prompt_token_ids(2, seed=4)
-    pair = collate_rows([first, second])
-    pipeline.encode_prompt(*pair)
-    pipeline.encode_prompt(*collate_rows([first]))  # a row of the pair: not cached as a row
-    pipeline.encode_prompt(*pair)
-    stats = cache.stats()
-    assert (stats["misses"], stats["hits"], stats["rows_encoded"]) == (2, 1, 0)
-    assert pipeline.encoder_rows == 3
+    for rows in ([first, second], [first], [first, second]):
+        served = pipeline.encode_prompt(*collate_rows(rows))
+        expected = reference.encode_prompt(*collate_rows(rows))
+        assert all(torch.equal(got, want) for got, want in zip(served, expected, strict=True))
+    runs = pipeline.encoder_runs
+    pipeline.encode_prompt(*collate_rows([first, second]))  # every row found: the encoder is not reached
+    assert pipeline.encoder_runs == runs and cache.stats()["hits"] >= 2
 
 
 def collate_rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,9 +148,9 @@ def run_rollout(pipeline, token_ids, negative_ids=None):
     return outputs
 
 
-def test_rl_rollout_encodes_each_prompt_once_and_matches_uncached(encoder) -> None:
+def test_rl_rollout_encodes_each_prompt_once_and_matches_uncached(encoder, reference_encoder) -> None:
     token_ids = prompt_token_ids(PROMPTS)
-    reference = TokenIdTextPipeline(encoder)
+    reference = TokenIdTextPipeline(reference_encoder)
     cached = TokenIdTextPipeline(encoder)
     cache = install_prompt_embed_cache(cached, max_size=64)
 
@@ -178,33 +186,41 @@ def test_stock_style_list_calls_still_hit(pipeline) -> None:
 
 
 class HandsInputsToEncoder(CountsEncoderRuns, torch.nn.Module):
-    """Passes its ids and mask to its text encoder untouched. A hit runs an encode up to its encoder call (its
-    proof); the stand-in cuda tensors below cannot run tensor ops without a GPU (``tests/test_cuda.py`` runs
-    a real pipeline on one), so this encode makes none before its encoder."""
+    """Passes its ids and mask to its text encoder untouched (the stand-in cuda tensors below cannot run tensor
+    ops without a GPU; ``tests/test_cuda.py`` runs a real pipeline on one). ``encoder_runs`` counts the
+    encoder's forward runs (a hook on it), not the method's."""
 
     def __init__(self, encoder: torch.nn.Module) -> None:
         super().__init__()
         self.text_encoder = encoder
+        self.count_encoder_calls(encoder)
 
     @torch.inference_mode()
     def encode_prompt(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=attention_mask).last_hidden_state
-        self.encoder_runs += 1
-        return hidden
+        return self.text_encoder(input_ids=prompt_ids, attention_mask=attention_mask).last_hidden_state
 
 
-def test_a_call_from_another_device_hits_the_cpu_callers_entry(encoder, accept_device_reporting_tensors) -> None:
-    """The same ids and mask reported on cuda:0 hit what a CPU caller stored: the device is in neither the key
-    nor the encoder-input record the hit is proven with."""
+def test_a_call_from_another_device_keys_as_the_cpu_callers_call(encoder, accept_device_reporting_tensors) -> None:
+    """The same ids and mask reported on cuda:0 key as what a CPU caller's encoder call stored: the device is not
+    in the key of what reaches the text encoder. (Serving it places the entry on the caller's device, which takes a
+    real GPU: ``tests/test_cuda.py``.)"""
     from device_reporting import ReportsCudaDevice
+
+    from vllm_omni_prompt_cache.keys.call_key import value_key
 
     pipeline = HandsInputsToEncoder(encoder)
     cache = install_prompt_embed_cache(pipeline)
+    seen: list[tuple] = []
+    encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
     ids, mask = collate([4, 5, 6])
-    stored = pipeline.encode_prompt(ids, mask.long())
-    served = pipeline.encode_prompt(ReportsCudaDevice(ids.clone()), ReportsCudaDevice(mask.long()))
-    assert (pipeline.encoder_runs, cache.stats()["hits"], cache.stats()["proven_hits"]) == (1, 1, 1)
-    assert torch.equal(served, stored)
+    pipeline.encode_prompt(ids, mask.long())
+    assert (pipeline.encoder_runs, cache.stats()["misses"]) == (1, 1)
+    ((args, kwargs),) = seen
+    on_cpu = value_key((args, kwargs))
+    on_cuda = value_key((args, {name: ReportsCudaDevice(value.clone()) for name, value in kwargs.items()}))
+    assert ReportsCudaDevice(ids).device.type == "cuda"
+    assert on_cuda[0] == on_cpu[0]  # the identity
+    assert [bytes(part) for part in on_cuda[1]] == [bytes(part) for part in on_cpu[1]]  # the bytes a hit compares
 
 
 def test_disabled_cache_counts_bypasses_and_never_stores(pipeline) -> None:
@@ -222,13 +238,13 @@ def test_unkeyable_argument_bypasses_with_its_reason(pipeline) -> None:
     cache = install_prompt_embed_cache(pipeline)
     ids, mask = collate([1, 2])
     pipeline.encode_prompt(ids, mask.as_subclass(TracedMask))
-    (reason,) = cache.stats()["bypass_reasons"]
-    assert reason.startswith("argument 'attention_mask': tensor subclass")
+    (reason,) = cache.stats()["bypass_reasons"]  # keyed where it reaches the text encoder: its mask
+    assert reason.startswith("text encoder input: tensor subclass")
     assert pipeline.encoder_runs == 1
 
 
-def test_forced_digest_collisions_never_return_a_wrong_embedding(encoder) -> None:
-    reference = TokenIdTextPipeline(encoder)
+def test_forced_digest_collisions_never_return_a_wrong_embedding(encoder, reference_encoder) -> None:
+    reference = TokenIdTextPipeline(reference_encoder)
     pipeline = TokenIdTextPipeline(encoder)
     # Every tensor digests to the same 16 bytes: all ids collide on identity.
     cache = install_prompt_embed_cache(
@@ -247,8 +263,32 @@ def test_forced_digest_collisions_never_return_a_wrong_embedding(encoder) -> Non
     assert stats["hits"] + stats["misses"] + stats["bypassed"] == 60
 
 
-def test_concurrent_threads_get_correct_results_and_stats_add_up(encoder) -> None:
-    reference = TokenIdTextPipeline(encoder)
+def test_forced_collisions_of_encoder_keys_never_return_a_wrong_embedding(
+    encoder, reference_encoder, monkeypatch
+) -> None:
+    """Every tensor of what reaches the text encoder digests to the same 16 bytes: every encoder call's key
+    collides on identity; the bytes compared on a hit keep each call's own embedding."""
+    from vllm_omni_prompt_cache.keys import call_key
+
+    monkeypatch.setattr(call_key, "default_digest", lambda buffer: bytes(16))
+    reference = TokenIdTextPipeline(reference_encoder)
+    pipeline = TokenIdTextPipeline(encoder)
+    cache = install_prompt_embed_cache(pipeline, max_size=64)
+    token_ids = prompt_token_ids(20, seed=3)
+    wrong = 0
+    for _ in range(3):
+        for ids_list in token_ids:
+            embeds, mask = pipeline.encode_prompt(*collate(ids_list))
+            expected, expected_mask = reference.encode_prompt(*collate(ids_list))
+            wrong += not (torch.equal(embeds, expected) and torch.equal(mask, expected_mask))
+    assert wrong == 0
+    stats = cache.stats()
+    assert stats["bypass_reasons"].get(COLLISION_REASON, 0) > 0
+    assert stats["hits"] + stats["misses"] + stats["bypassed"] == 60
+
+
+def test_concurrent_threads_get_correct_results_and_stats_add_up(encoder, reference_encoder) -> None:
+    reference = TokenIdTextPipeline(reference_encoder)
     pipeline = TokenIdTextPipeline(encoder)
     cache = install_prompt_embed_cache(pipeline, max_size=3)  # smaller than the key set: evictions too
     token_ids = prompt_token_ids(5, seed=11)
@@ -280,23 +320,24 @@ def test_concurrent_threads_get_correct_results_and_stats_add_up(encoder) -> Non
 
 
 class GatedPipeline(TokenIdTextPipeline):
-    """Its encoder waits for ``release``, so concurrent callers are sure to overlap one encode."""
+    """Its text encoder waits for ``release`` (a hook on the encoder's forward: the encode method itself runs on
+    every call), so concurrent callers are sure to overlap one encode."""
 
     def __init__(self, text_encoder: torch.nn.Module) -> None:
         super().__init__(text_encoder)
         self.started = threading.Event()
         self.release = threading.Event()
+        text_encoder.register_forward_pre_hook(self._gate)
 
-    def encode_prompt(self, prompt_ids, attention_mask=None, num_images_per_prompt=1, max_sequence_length=512):
+    def _gate(self, module: torch.nn.Module, args: tuple) -> None:
         self.started.set()
         if not self.release.wait(10):
             raise TimeoutError("the test never released the encoder")
-        return super().encode_prompt(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
 
 
-def test_concurrent_identical_calls_share_one_encode_through_the_wrapper(encoder) -> None:
-    """Single-flight seen from encode_prompt: callers that arrive during an encode wait for it."""
-    reference = TokenIdTextPipeline(encoder).encode_prompt(*collate([9, 8, 7]))[0]
+def test_concurrent_identical_calls_share_one_encode_through_the_wrapper(encoder, reference_encoder) -> None:
+    """Single-flight seen from encode_prompt: callers whose encoder call arrives during an encode wait for it."""
+    reference = TokenIdTextPipeline(reference_encoder).encode_prompt(*collate([9, 8, 7]))[0]
     pipeline = GatedPipeline(encoder)
     cache = install_prompt_embed_cache(pipeline)
     results: list[torch.Tensor] = []
@@ -346,8 +387,10 @@ class RequestInfoPipeline(TokenIdTextPipeline):
         return super().encode_prompt(prompt_ids, attention_mask, num_images_per_prompt)
 
 
-def test_hostile_arguments_run_uncached_with_the_same_result(encoder) -> None:
-    reference = RequestInfoPipeline(encoder)
+def test_hostile_arguments_the_encoder_never_sees_do_not_matter(encoder, reference_encoder) -> None:
+    """Arguments that never reach the text encoder (request metadata that points back at itself, or nests deep)
+    are not keyed: the encoder's calls are, and are served."""
+    reference = RequestInfoPipeline(reference_encoder)
     pipeline = RequestInfoPipeline(encoder)
     cache = install_prompt_embed_cache(pipeline)
     loop = {"trace": []}
@@ -361,25 +404,22 @@ def test_hostile_arguments_run_uncached_with_the_same_result(encoder) -> None:
         uncached = reference.encode_prompt(ids, mask, request_info=info)
         assert all(torch.equal(got, want) for got, want in zip(cached, uncached, strict=True))
     stats = cache.stats()
-    assert stats["bypass_reasons"] == {
-        "argument 'request_info': contains itself": 1,
-        "argument 'request_info': nested deeper than 32 levels": 1,
-    }
-    assert (stats["hits"], stats["misses"], stats["bypassed"]) == (0, 0, 2)
-    assert pipeline.encoder_runs == 2
+    assert stats["bypass_reasons"] == {}
+    assert (stats["hits"], stats["misses"], stats["bypassed"]) == (1, 1, 0)
+    assert pipeline.encoder_runs == 1
 
 
 class MaskHandedBack(CountsEncoderRuns):
-    """Returns the attention mask it was given (the caller's tensor), as some encodes do. Its argument
-    names are not ones a row layout is inferred from, so its calls are keyed whole."""
+    """Returns the attention mask it was given (the caller's tensor), as some encodes do. ``encoder_runs``
+    counts the encoder's forward runs (a hook on it), not the method's."""
 
     def __init__(self, encoder: torch.nn.Module) -> None:
         self.encoder = encoder
+        self.count_encoder_calls(encoder)
 
     @torch.inference_mode()
     def encode_prompt(self, tokens, token_mask):
         hidden = self.encoder(input_ids=tokens, attention_mask=token_mask.long()).last_hidden_state
-        self.encoder_runs += 1  # once the encoder ran: a hit runs this method up to the encoder call (its proof)
         return hidden, token_mask
 
 
@@ -388,7 +428,7 @@ def test_an_output_that_is_the_callers_input_is_kept_as_a_copy(encoder) -> None:
     cache = install_prompt_embed_cache(pipeline)
     ids, mask = collate_rows(prompt_token_ids(2))
     expected_embeds, expected_mask = (tensor.clone() for tensor in pipeline.encode_prompt(ids, mask))
-    runs = pipeline.encoder_runs  # the first call may also have tested an inferred row layout
+    runs = pipeline.encoder_runs  # the first batched call also encoded its rows alone, to compare
     mask.fill_(True)  # the adapter reuses its buffer for the next batch
     embeds, cached_mask = pipeline.encode_prompt(ids.clone(), expected_mask.clone())
     assert pipeline.encoder_runs == runs and cache.stats()["hits"] == 1
