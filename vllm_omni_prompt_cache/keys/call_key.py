@@ -26,7 +26,6 @@ Nothing here knows about vLLM-Omni.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import sys
 from collections.abc import Callable, Mapping
@@ -67,9 +66,6 @@ MAX_KEY_ITEMS = 10_000
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 _NONE = ("none",)
-#: Follows the model tag in a row's identity (see :mod:`~vllm_omni_prompt_cache.rows.layout`); no argument value
-#: encodes to it, so a row never shares an entry with a whole call.
-_ROW = ("row",)
 
 
 class CallKey(NamedTuple):
@@ -83,16 +79,6 @@ class Bypass(NamedTuple):
     """Why a call was not cached; ``reason`` is short and bounded in variety."""
 
     reason: str
-
-
-class ReadCall(NamedTuple):
-    """A call as :meth:`CallKeyBuilder.read` found it: everything its key rests on, read once."""
-
-    arguments: dict[str, Any]  # by name in signature order, defaults applied
-    learning: bool  # its method is learning: nothing else was read
-    precomputed: Bypass | None  # why it is a pass-through (it gives precomputed embeddings), if it is
-    held: tuple | Bypass | None  # the pipeline state its key holds; a Bypass: a component was replaced
-    key: CallKey | Bypass | None  # the whole call's key, when asked for and the rest allows one
 
 
 class _Uncacheable(Exception):
@@ -122,11 +108,10 @@ def witness_matches(stored: tuple[bytes, ...], probe: tuple) -> bool:
 class _Encoder:
     """Turns one call's argument values into identity tuples, collecting the witness."""
 
-    __slots__ = ("digest", "host_views", "items_left", "open_ids", "witness")
+    __slots__ = ("digest", "items_left", "open_ids", "witness")
 
-    def __init__(self, digest: Callable[[Any], bytes], host_views: Mapping[int, np.ndarray] | None = None) -> None:
+    def __init__(self, digest: Callable[[Any], bytes]) -> None:
         self.digest = digest
-        self.host_views = host_views  # numpy views of contiguous CPU tensors already read, by id(tensor)
         self.witness: list = []
         self.items_left = MAX_KEY_ITEMS
         self.open_ids: set[int] = set()  # containers being encoded: the path from the argument down
@@ -208,9 +193,8 @@ class _Encoder:
         # .numpy() raises for requires_grad, conj/neg bits and bf16/fp8, which
         # then take the general path below.
         if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.layout is _STRIDED and tensor.is_contiguous():
-            views = self.host_views
             try:
-                array = views[id(tensor)] if views and id(tensor) in views else tensor.numpy()
+                array = tensor.numpy()
             except (RuntimeError, TypeError):
                 array = self._tensor_bytes(tensor)
         else:
@@ -278,6 +262,10 @@ def value_key(value: Any, digest: Callable[[Any], bytes] | None = None) -> tuple
         return Bypass(f"{type(error).__qualname__} raised while keying")
 
 
+#: The name under which a key holds the instance data of a method cached whole (an extra bound argument).
+STATE = "self"
+
+
 def value_identity(value: Any) -> Any | Bypass:
     """Return ``value``'s identity as a call key spells it, or a Bypass saying why it has none.
 
@@ -290,53 +278,6 @@ def value_identity(value: Any) -> Any | Bypass:
         return Bypass(str(why))
     except Exception as error:
         return Bypass(f"{type(error).__qualname__} raised while keying")
-
-
-#: The name under which a key holds what its call read from the pipeline (an extra bound argument).
-STATE = "self"
-
-
-def _comparable(value: Any, depth: int = 0) -> Any:
-    """Return ``value`` with each part no key can read (an object of the adapter's own) replaced by its type's name:
-    what a proof compares of it (a stand-in cannot have shaped such an object's identity, and it is served as kept)."""
-    if depth > 32 or isinstance(value, torch.Tensor) or value is None or type(value) in (bool, int, float, str, bytes):
-        return value
-    if type(value) in (tuple, list):
-        return type(value)(_comparable(item, depth + 1) for item in value)
-    if type(value) is dict:
-        return {key: _comparable(item, depth + 1) for key, item in value.items()}
-    name = (type(value).__module__, type(value).__qualname__)
-    if isinstance(value, tuple):  # a NamedTuple: its fields, and its type
-        return (name, tuple(_comparable(item, depth + 1) for item in value))
-    if isinstance(value, Mapping):  # a ModelOutput, an OrderedDict: its items, and its type
-        return (name, {str(key): _comparable(item, depth + 1) for key, item in value.items()})
-    if type(value_identity(value)) is not Bypass:
-        return value
-    if hasattr(value, "__dict__") and not callable(value):  # an object of the adapter's own: its attributes
-        return (name, {key: _comparable(item, depth + 1) for key, item in vars(value).items()})
-    return ("opaque", *name)
-
-
-def result_digest(value: Any) -> str | Bypass:
-    """Return the digest of what a stand-in run returned (its values are the stand-ins' own: xxh3 digests do)."""
-    with torch.inference_mode(False):
-        identity = value_identity(_comparable(value))
-    return identity if type(identity) is Bypass else _digest(identity, ())
-
-
-def input_digest(value: Any) -> str | Bypass:
-    """Return the digest of what reached a text-encoder call (its module path, arguments and keyword arguments), or
-    why it has none: its identity and the bytes themselves (the identity's xxh3 digests are not collision resistant)."""
-    with torch.inference_mode(False):  # read as the call's arguments are, whatever mode the encode runs in
-        key = value_key(value)
-    return key if type(key) is Bypass else _digest(*key)
-
-
-def _digest(identity: Any, witness: tuple) -> str:
-    digest = hashlib.blake2b(repr(identity).encode("utf-8", "surrogatepass"), digest_size=32)
-    for part in witness:
-        digest.update(part)
-    return digest.hexdigest()
 
 
 class CallKeyBuilder:
@@ -355,25 +296,6 @@ class CallKeyBuilder:
         # Only the precomputed-embedding arguments this signature can receive need a check.
         self._precomputed_names = tuple(name for name in PRECOMPUTED_EMBED_ARGS if name in signature.parameters)
         self._var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-
-    def read(
-        self, args: tuple, kwargs: Mapping[str, Any], state: Any, instance: Any, *, whole: bool
-    ) -> ReadCall | Bypass:
-        """Read a call of the method whose :class:`~.method_state.MethodState` is ``state``, bound to ``instance``: its
-        arguments, whether it is a pass-through, the state its key holds, and with ``whole`` its whole-call key;
-        a Bypass when its arguments do not bind."""
-        arguments = self.bind(args, kwargs)
-        if type(arguments) is Bypass:
-            return arguments
-        if state.learning:
-            return ReadCall(arguments, True, None, None, None)
-        precomputed = self.precomputed(arguments)
-        if precomputed is not None:
-            return ReadCall(arguments, False, precomputed, None, None)
-        held = state.state_argument(instance)
-        if not whole or type(held) is Bypass:
-            return ReadCall(arguments, False, None, held, None)
-        return ReadCall(arguments, False, None, held, self._key(arguments, held, False, None))
 
     def build(self, args: tuple, kwargs: Mapping[str, Any]) -> CallKey | Bypass:
         """Return the call's key, or a Bypass saying why it has none."""
@@ -403,37 +325,18 @@ class CallKeyBuilder:
                     return Bypass(f"precomputed {name} given")
         return None
 
-    def build_from_arguments(
-        self,
-        arguments: Mapping[str, Any],
-        *,
-        held: tuple | None = None,
-        row: bool = False,
-        host_views: Mapping[int, np.ndarray] | None = None,
-    ) -> CallKey | Bypass:
-        """Return the key for already-bound arguments (defaults applied).
-
-        ``held``: what the call read from the pipeline that its key also holds (see :mod:`.reads`), keyed as
-        one more argument named :data:`STATE`. ``row``: the key of one row of a call whose arguments
-        :meth:`precomputed` already cleared (the check is per call, not per row). ``host_views``: numpy
-        views of contiguous CPU tensors among the arguments that the caller already made, by
-        ``id(tensor)``: read, not made again.
-        """
-        if not row:
-            precomputed = self.precomputed(arguments)
-            if precomputed is not None:
-                return precomputed
-        return self._key(arguments, held, row, host_views)
-
-    def _key(
-        self, arguments: Mapping[str, Any], held: tuple | None, row: bool, host_views: Mapping[int, np.ndarray] | None
-    ) -> CallKey | Bypass:
+    def build_from_arguments(self, arguments: Mapping[str, Any], *, held: tuple | None = None) -> CallKey | Bypass:
+        """Return the key for already-bound arguments (defaults applied); ``held``: the instance data the key of a
+        call cached whole also holds, keyed as one more argument named :data:`STATE`."""
+        precomputed = self.precomputed(arguments)
+        if precomputed is not None:
+            return precomputed
         if held is not None:
             arguments = {**arguments, STATE: held}
-        encoder = _Encoder(self.digest, host_views)
+        encoder = _Encoder(self.digest)
         encode = encoder.encode
         # Bound arguments come in signature order, so values alone identify the call.
-        parts = [self.model_tag, _ROW] if row else [self.model_tag]
+        parts = [self.model_tag]
         for name, value in arguments.items():
             try:
                 parts.append(encode(value))
@@ -444,26 +347,3 @@ class CallKeyBuilder:
                 # another thread) or the stack ran out: the call may still work uncached.
                 return Bypass(f"argument {name!r}: {type(error).__qualname__} raised while keying")
         return CallKey(tuple(parts), tuple(encoder.witness))
-
-
-#: Marks an entry whose value carries its encoder-input record: ``(SEALED, record, value)``.
-SEALED = "prompt-embed-cache:encoder-input"
-
-
-def seal(value: Any, record: str | None) -> Any:
-    """Return what an entry holds for ``value`` encoded with record ``record`` (None: no record)."""
-    return value if record is None else (SEALED, record, value)
-
-
-def unseal(value: Any) -> tuple[Any, str | None]:
-    """Return an entry's value and its record (None: it has none)."""
-    if type(value) is tuple and len(value) == 3 and type(value[0]) is str and value[0] == SEALED:
-        return value[2], value[1]
-    return value, None
-
-
-def with_encoder_input(key: CallKey, first_input: str) -> CallKey:
-    """Return the key of the entry for ``key``'s call made with ``first_input`` reaching its first encoder call: a
-    call whose key holds the same arguments and pipeline state while hidden state feeds its encoder another input
-    is kept beside the first entry, not over it, so that each input is encoded once."""
-    return CallKey((*key.identity, (SEALED, first_input)), key.witness)

@@ -1,5 +1,5 @@
-"""Rows of a batched call: how a call splits into rows and its output is assembled (``layout``), and the
-proof on first use that a layout matches what the function really does (``layout_proofs``).
+"""Rows of a batched text-encoder call: which inputs carry them, one row's (or a sub-batch's) inputs, and how rows
+encoded apart are compared with the batch (``encoder_rows``).
 
 May import ``counts``, ``keys`` and the base modules.
 """
