@@ -33,7 +33,16 @@ from vllm_omni_prompt_cache.counts.counters import ROW_HIT as ONE_ROW_HIT
 from vllm_omni_prompt_cache.counts.counters import Count, Outcome, tally
 from vllm_omni_prompt_cache.encoders.encoder_state import EncoderState
 from vllm_omni_prompt_cache.encoders.fingerprint import ENCODE_DEVICE
-from vllm_omni_prompt_cache.encoders.outputs import ENTRY_TAG, Reads, Unkeepable, kept, reading, served, take_apart
+from vllm_omni_prompt_cache.encoders.outputs import (
+    ENTRY_TAG,
+    Reads,
+    Unkeepable,
+    is_entry,
+    kept,
+    reading,
+    served,
+    take_apart,
+)
 from vllm_omni_prompt_cache.encoders.text_encoders import (
     TABLES_NOTED,
     modules_held_by,
@@ -232,10 +241,10 @@ class EncoderCalls:
             with self._lock:
                 site.keep = set(reads.leaves) if site.keep is None else site.keep | reads.leaves
                 keep = site.keep
-            trimmed = (ENTRY_TAG, value[1], tuple(leaf if i in keep else None for i, leaf in enumerate(value[2])))
-            found, current = self.lookups.get(key, method)
-            if found and current is value:
-                self.lookups.put(key, trimmed, method)
+            found, current = self.lookups.get(key, method)  # the entry as kept (detached), if still there
+            if found and is_entry(current) and current[1] == value[1]:
+                leaves = tuple(leaf if index in keep else None for index, leaf in enumerate(current[2]))
+                self.lookups.put(key, (ENTRY_TAG, current[1], leaves), method)
 
     def count(self, method: str, update: Callable[[EncodeTally], None]) -> None:
         """Add to the open call's tally, or count an encoder call made outside every wrapped method on its own."""

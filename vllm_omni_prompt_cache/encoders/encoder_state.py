@@ -3,7 +3,7 @@
 An entry is what the encoder returned for those inputs *with its weights and settings then*. Some go into each call's
 key: train or eval mode (dropout), the dtype of its parameters, and a digest of its ``config`` (an attribute its
 forward reads, such as ``output_hidden_states`` or the attention implementation), made again only when the
-configuration is seen to differ from a copy kept of it. The rest is checked on every call and empties the cache when
+configuration is seen to differ from what it held (each attribute by identity, containers by a copy). The rest is checked on every call and empties the cache when
 it moved: a parameter written in place (its version counter: ``copy_`` under ``no_grad``, ``load_state_dict``; a
 buffer a forward writes is a cache of its own, such as a rotary table), a parameter or submodule of it replaced or
 added (torch's global registration hooks: a weight replaced, a LoRA layer injected), and a buffer replaced by one of
@@ -55,7 +55,7 @@ class EncoderState:
         self._parameters: list[torch.Tensor] = []
         self._buffers: dict[str, torch.Tensor] = {}
         self._versions = -1
-        self._config: Any = None
+        self._config: _ConfigSeen | None = None
         self._config_digest = ""
         self._lock = threading.Lock()
         self._changed()
@@ -88,8 +88,8 @@ class EncoderState:
                 why = why or "its weights were written in place"
             self._versions = versions
             config = getattr(self.module, "config", None)
-            if config is not None and not _same(config, self._config):
-                self._config = _copied(config)
+            if config is not None and (self._config is None or not self._config.holds(config)):
+                self._config = _ConfigSeen(config)
                 self._config_digest = _digest(config)
             return why
 
@@ -104,11 +104,44 @@ def _same_tensor(tensor: torch.Tensor, kept: torch.Tensor) -> bool:
         return bool(torch.equal(tensor.to(kept.dtype), kept))
 
 
-def _same(config: Any, kept: Any) -> bool:
+_PLAIN = (int, float, str, bool)
+
+
+class _ConfigSeen:
+    """What a configuration held when it was last seen, to tell on every call, cheaply, whether it changed: each
+    attribute's value by identity (a number or string rebound to an equal one is the same), a container by a copy of
+    its contents, a nested configuration (``text_config``) the same way."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        values = _attributes(config)
+        self.names = tuple(values)
+        self.values = tuple(values.values())
+        self.copies = {name: _copied(value) for name, value in values.items() if isinstance(value, (list, dict, set))}
+        self.nested = {name: _ConfigSeen(value) for name, value in values.items() if _attributes(value) is not None}
+
+    def holds(self, config: Any) -> bool:
+        if config is not self.config:
+            return False
+        values = _attributes(config)
+        if values is None or tuple(values) != self.names:
+            return False
+        for now, then in zip(values.values(), self.values, strict=True):
+            if now is not then and not (type(now) in _PLAIN and type(then) is type(now) and now == then):
+                return False
+        if any(values[name] != copy for name, copy in self.copies.items()):
+            return False
+        return all(seen.holds(values[name]) for name, seen in self.nested.items())
+
+
+def _attributes(value: Any) -> dict[str, Any] | None:
+    """Return a configuration object's attribute dict (a ``PretrainedConfig``, or any object with ``to_dict``)."""
+    if not callable(getattr(type(value), "to_dict", None)):
+        return None
     try:
-        return kept is not None and type(config) is type(kept) and vars(config) == vars(kept)
-    except Exception:  # a configuration that cannot be compared is taken as unchanged only if it is the same object
-        return config is kept
+        return object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return None
 
 
 def _digest(config: Any) -> str:
@@ -121,8 +154,8 @@ def _digest(config: Any) -> str:
     return hashlib.blake2b(spelled.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def _copied(config: Any) -> Any:
+def _copied(value: Any) -> Any:
     try:
-        return copy.deepcopy(config)
-    except Exception:
-        return config
+        return copy.deepcopy(value)
+    except Exception:  # a value that cannot be copied is compared with itself: taken as unchanged
+        return value

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 #: The tag of an entry's value (its form, then its kept leaves): a value without it was not made here.
 ENTRY_TAG = "encoder-output/1"
@@ -293,8 +292,7 @@ class Deferred(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        real = tree_map(lambda value: value._fetch() if isinstance(value, Deferred) else value, (args, kwargs or {}))
-        return func(*real[0], **real[1])
+        return func(*_fetched(args), **_fetched(kwargs or {}))
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -302,6 +300,19 @@ class Deferred(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return repr(self._fetch())
+
+
+def _fetched(value: Any) -> Any:
+    """Return ``value`` with each :class:`Deferred` in it fetched (tuples of any class, lists and dicts walked)."""
+    if isinstance(value, Deferred):
+        return value._fetch()
+    if isinstance(value, tuple):
+        return tuple(_fetched(item) for item in tuple.__iter__(value))
+    if isinstance(value, list):
+        return [_fetched(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _fetched(item) for key, item in value.items()}
+    return value
 
 
 _METADATA = {
