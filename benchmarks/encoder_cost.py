@@ -116,13 +116,14 @@ def _tiny_engine(calls: int) -> dict[str, dict[str, float]]:
                 after = cache.snapshot()
                 cached["bytes_per_entry"] = (after.bytes - before.bytes) / max(after.size - before.size, 1)
                 prompt = text(30_000)
-                stock = QwenImagePipeline.encode_prompt
-                stock(pipeline, prompt=[prompt], max_sequence_length=256)
-                texts = {"hit_us": _median_us(lambda _: stock(pipeline, prompt=[prompt], max_sequence_length=256), calls)}
+
+                def stock(_: int) -> Any:  # the stock text path, called on the class: not wrapped, its encoder is
+                    return QwenImagePipeline.encode_prompt(pipeline, prompt=[prompt], max_sequence_length=256)
+
+                stock(0)
+                texts = {"hit_us": _median_us(stock, calls)}
                 with cache.disabled():
-                    texts["uncached_us"] = _median_us(
-                        lambda _: stock(pipeline, prompt=[prompt], max_sequence_length=256), max(calls // 4, 20)
-                    )
+                    texts["uncached_us"] = _median_us(stock, max(calls // 4, 20))
             return {"tiny Qwen-Image": cached, "tiny Qwen-Image, text": texts}
 
     return asyncio.run(measure())

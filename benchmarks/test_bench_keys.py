@@ -137,7 +137,6 @@ class FoundByWatching(TokenIdTextPipeline):
         self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.text_encoder(input_ids=prompt_ids, attention_mask=attention_mask.long()).last_hidden_state
-        self.encoder_runs += 1  # once the encoder ran: a hit runs this up to its encoder call (its proof)
         return hidden, attention_mask
 
     def forward(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
