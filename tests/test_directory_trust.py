@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tiers import _key_of, _write, encode, files, process, reference, same
+from test_tiers import _key_and_entry_of, _key_of, _write, encode, files, process, reference, same
 
 from vllm_omni_prompt_cache.keys.call_key import CallKey, freeze_witness
 from vllm_omni_prompt_cache.settings.resolved import resolve_prompt_embed_cache_settings
@@ -51,12 +51,15 @@ def no_key_in_the_environment(monkeypatch) -> None:
 
 
 def plant(root: Path, index: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write a wrong embedding (zeros) under prompt ``index``'s name, key bytes and checksum right."""
+    """Write a wrong entry (the text encoder's output, zeros) under the name of prompt ``index``'s encoder call,
+    key bytes and checksum right; return what an encode served from it returns (zero embeddings, the real mask)."""
     planter, cache = process(root, **kwargs)
-    identity, witness = _key_of(planter, index)
-    wrong = tuple(torch.zeros_like(tensor) for tensor in reference(index))
+    (identity, witness), entry = _key_and_entry_of(planter, index)
+    tag, form, leaves = entry
+    wrong = (tag, form, tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves))
     _write(cache.directory, identity, freeze_witness(witness), wrong)
-    return wrong
+    embeds, mask = reference(index)
+    return torch.zeros_like(embeds), mask
 
 
 def test_a_planted_embedding_is_served_without_a_key_and_refused_with_one(tmp_path) -> None:

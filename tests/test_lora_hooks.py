@@ -67,8 +67,11 @@ class TinyEncoder(torch.nn.Module):
         self.embed = torch.nn.Embedding(32, WIDTH)
         self.q_proj = vllm_linear()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> SimpleNamespace:
-        return SimpleNamespace(last_hidden_state=self.q_proj(self.embed(input_ids)))
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        # A model output, as transformers encoders return: what an entry can keep (a SimpleNamespace is not).
+        return BaseModelOutput(last_hidden_state=self.q_proj(self.embed(input_ids)))
 
 
 class TinyPipeline(TokenIdTextPipeline):

@@ -201,11 +201,15 @@ def test_two_text_encoders_share_one_dit_swap_in_the_bytes_not_moved() -> None:
     cache = runner.install_for_stage(pipeline, settings(), "tiny")
     nbytes = {module: sum(t.nbytes for t in (*module.parameters(), *module.buffers())) for module in encoders}
     dit_bytes = sum(t.nbytes for t in pipeline.transformer.parameters())
+    moved_by_encodes = []
     for ids in (IDS, IDS):  # a miss, then a hit
+        before = cache.stats()["bytes_moved"]
         embeds, _ = pipeline.encode_prompt(ids)
+        moved_by_encodes.append(cache.stats()["bytes_moved"] - before)
         with torch.inference_mode():
             pipeline.transformer(embeds)
     stats = cache.stats()
+    assert moved_by_encodes[0] > 0 and moved_by_encodes[1] == 0  # the hit's encoder calls, all answered, moved nothing
     assert stats["placements_avoided"] == 2  # both encoders would have been placed
     assert stats["bytes_not_moved"] == 2 * sum(nbytes.values()) + 2 * dit_bytes  # the DiT once, not per encoder
 
@@ -341,11 +345,21 @@ class ReadsTheEncoderDeviceFirst(TokenIdTextPipeline):
         return super().encode_prompt(prompt_ids.to(self.text_encoder.device), *args, **kwargs)
 
 
-def test_the_encoders_are_placed_before_the_original_runs_not_at_their_first_forward() -> None:
+def test_an_encode_that_reads_the_encoders_device_first_is_placed_only_for_its_miss() -> None:
+    """The method runs for real on every call: it sees the encoder waiting in host memory, its miss's encoder call
+    is placed (the inputs it put there follow the encoder), and its hit places nothing."""
+    reference = TokenIdTextPipeline(build_qwen2_encoder())
     pipeline = ReadsTheEncoderDeviceFirst(build_qwen2_encoder())
-    runner.install_for_stage(pipeline, settings(prompt_embed_cache_encoder_on_miss=True), "tiny")
-    pipeline.encode_prompt(IDS)  # a miss, and its reference run (the encoders still placed for the miss)
-    pipeline.encode_prompt(IDS)  # a hit: its proof runs the original with the encoder answered, unplaced
+    cache = runner.install_for_stage(pipeline, settings(prompt_embed_cache_encoder_on_miss=True), "tiny")
     placement = getattr(pipeline, PLACEMENT_ATTRIBUTE)
-    assert pipeline.placed_at_entry == [placement.host_bytes(), placement.host_bytes(), 0]
-    assert placement.device_bytes() == 0
+    during: list[int] = []
+    pipeline.text_encoder.register_forward_hook(lambda *_: during.append(placement.device_bytes()))
+    first = pipeline.encode_prompt(IDS)  # a miss: the encoder is placed for its forward
+    again = pipeline.encode_prompt(IDS)  # a hit: no forward, nothing placed
+    expected = reference.encode_prompt(IDS)
+    assert all(torch.equal(a, b) for a, b in zip(first, expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(again, expected, strict=True))
+    assert pipeline.placed_at_entry == [0, 0]  # placed at the miss's encoder call, not at the method's entry
+    assert during == [placement.host_bytes()] and placement.device_bytes() == 0
+    stats = cache.stats()
+    assert (stats["encoder_placements"], stats["encoder_evictions"], stats["placements_avoided"]) == (1, 1, 1)

@@ -1,26 +1,30 @@
-"""A component an encode reads (a text encoder, a tokenizer) replaced on the pipeline after install.
+"""A text encoder replaced on the pipeline after install (``pipeline.text_encoder = new``).
 
-The key holds a component by name, guarded by its identity: the entries were made with the old one, and a
-hit's proof would find the same token ids reaching the new encoder and serve what the old one computed.
-So a replacement drops every entry and the method is learned again; the call that sees it encodes (a miss),
-and the calls after are served what the new encoder computes.
+An encoder call's key holds the encoder's path on the pipeline, its mode and dtype and its inputs, not its weights:
+the entries were made with the old encoder, and the same token ids reaching the new one would find them. So a
+replacement re-hooks the new encoder and drops every entry; the call that sees it encodes (a miss), and the calls
+after are served what the new encoder computes. An encode of the old encoder still running when the entries are
+dropped must not be kept after the drop, as a whole call or as the rows of a batched call.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
-from vllm_omni_prompt_cache.calls.row_calls import RowCalls
 from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.tiny.text_encoder import QwenStyleTokenPipeline, TokenIdTextPipeline, build_qwen2_encoder
 
+#: How long a thread of a race waits for the other before the test fails instead of hanging.
+WAIT_S = 30
 
-def _ids() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+
+def _ids(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(seed))
     return ids, ids != 0
 
 
@@ -29,36 +33,43 @@ def _uncached(encoder: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -
 
 
 def _counts(pipeline: TokenIdTextPipeline) -> tuple[int, int, int]:
+    """Real runs of the pipeline's encoders' forwards (hooks on each), the cache's hits and misses."""
     stats = pipeline._prompt_embed_cache.stats()
     return pipeline.encoder_runs, stats["hits"], stats["misses"]
 
 
-def _replace_encoder_after_hits(pipeline: TokenIdTextPipeline) -> tuple[torch.nn.Module, tuple]:
-    """Serve one prompt three times (a miss, two hits), then put another encoder (other weights) in its place."""
+def _replace(pipeline: TokenIdTextPipeline, replacement: torch.nn.Module) -> None:
+    pipeline.count_encoder_calls(replacement)  # its runs are counted with the old one's
+    pipeline.text_encoder = replacement
+
+
+def _replace_encoder_after_hits(pipeline: TokenIdTextPipeline) -> tuple[torch.Tensor, torch.Tensor]:
+    """Serve one prompt three times (a miss, two hits), then put another encoder (weights from seed 1) in its
+    place; return the prompt."""
     ids, mask = _ids()
     for _ in range(3):
         pipeline.encode_prompt(ids.clone(), mask.clone())
     assert _counts(pipeline) == (1, 2, 1)
-    replacement = build_qwen2_encoder(seed=1)
-    pipeline.text_encoder = replacement
-    return replacement, (ids, mask)
+    _replace(pipeline, build_qwen2_encoder(seed=1))
+    return ids, mask
 
 
 def test_a_replaced_text_encoder_is_never_served_the_old_encoders_embedding(caplog) -> None:
     pipeline = TokenIdTextPipeline(build_qwen2_encoder(seed=0))
     old = _uncached(build_qwen2_encoder(seed=0), *_ids())
     install_prompt_embed_cache(pipeline, max_size=8)
-    replacement, (ids, mask) = _replace_encoder_after_hits(pipeline)
-    expected = _uncached(replacement, ids, mask)
+    ids, mask = _replace_encoder_after_hits(pipeline)
+    expected = _uncached(build_qwen2_encoder(seed=1), ids, mask)  # a twin: the replacement's own runs are counted
     assert not torch.equal(expected[0], old[0]), "the two encoders must differ for this test to mean anything"
 
     with caplog.at_level(logging.INFO, logger="vllm_omni_prompt_cache"):
         first = pipeline.encode_prompt(ids.clone(), mask.clone())
     assert torch.equal(first[0], expected[0])
     assert _counts(pipeline) == (2, 2, 2), "the call that saw the replacement encodes and is counted a miss"
-    assert "TokenIdTextPipeline.encode_prompt: self.text_encoder was replaced" in caplog.text
+    assert "TokenIdTextPipeline.text_encoder: it was replaced" in caplog.text
+    assert pipeline._prompt_embed_cache_installation.encoders == ["text_encoder"]
 
-    # Learned again, guarded by the new encoder: the calls after are hits of what it computed.
+    # Re-hooked: the calls after are hits of what the new encoder computed.
     for _ in range(3):
         served = pipeline.encode_prompt(ids.clone(), mask.clone())
         assert torch.equal(served[0], expected[0])
@@ -68,8 +79,8 @@ def test_a_replaced_text_encoder_is_never_served_the_old_encoders_embedding(capl
 def test_the_directory_tier_files_the_new_encoders_entry_under_its_own_weights(tmp_path) -> None:
     pipeline = TokenIdTextPipeline(build_qwen2_encoder(seed=0))
     install_prompt_embed_cache(pipeline, max_size=8, settings=PromptEmbedCacheSettings(directory=tmp_path))
-    replacement, (ids, mask) = _replace_encoder_after_hits(pipeline)
-    expected = _uncached(replacement, ids, mask)
+    ids, mask = _replace_encoder_after_hits(pipeline)
+    expected = _uncached(build_qwen2_encoder(seed=1), ids, mask)  # a twin: the replacement's own runs are counted
 
     served = pipeline.encode_prompt(ids.clone(), mask.clone())
     assert torch.equal(served[0], expected[0])
@@ -87,118 +98,105 @@ def test_the_same_component_set_again_keeps_the_entries() -> None:
     install_prompt_embed_cache(pipeline, max_size=8)
     ids, mask = _ids()
     pipeline.encode_prompt(ids, mask)
-    pipeline.text_encoder = pipeline.text_encoder  # the same object: nothing to relearn
+    pipeline.text_encoder = pipeline.text_encoder  # the same object: nothing to drop
 
     pipeline.encode_prompt(ids.clone(), mask.clone())
 
     assert _counts(pipeline) == (1, 1, 1)
 
 
-def test_an_encode_of_the_replaced_encoder_that_ends_after_the_clear_is_not_kept(monkeypatch) -> None:
-    """Two threads, the replacement between them: call X learns with encoder E1; after its encode, before it
-    keeps the result, E1 is replaced by E2 and call Y sees it and drops every entry. X's result was made with
-    E1: kept after the clear, the calls after would be served it (the same token ids reach E2, so their proof
-    passes). Made to happen: X waits until Y has cleared, and Y waits there until X has kept."""
-    import threading
+def _when_it_runs(module: torch.nn.Module, forward: int, then: Callable[[], None]) -> None:
+    """Call ``then()`` once, at the end of ``module``'s ``forward``-th forward (1: its first)."""
+    runs = [0]
 
+    def hook(*_: object) -> None:
+        runs[0] += 1
+        if runs[0] == forward:
+            then()
+
+    module.register_forward_hook(hook)
+
+
+def test_an_encode_of_the_replaced_encoder_that_ends_after_the_clear_is_not_kept(monkeypatch) -> None:
+    """Two threads, the replacement between them: call X's encoder call runs E1; before its result is kept, E1
+    is replaced by E2 and call Y sees it and drops every entry. X's result was made with E1 under the key E2's
+    call of the same ids has: kept after the drop, Y and the calls after would be served it. Made to happen: X
+    waits, inside E1's forward, until Y has dropped the entries, and Y waits there until X has returned."""
     pipeline = TokenIdTextPipeline(build_qwen2_encoder(seed=0))
     install_prompt_embed_cache(pipeline, max_size=8)
     ids, mask = _ids()
     pipeline.encode_prompt(ids.clone(), mask.clone())
-    pipeline.text_encoder = build_qwen2_encoder(seed=1)  # E1: the next call (X) learns the method again with it
-    e2 = build_qwen2_encoder(seed=2)
-    expected = _uncached(e2, ids, mask)
+    e1, e2 = build_qwen2_encoder(seed=1), build_qwen2_encoder(seed=2)
+    _replace(pipeline, e1)  # the next call (X) sees E1, drops the entries, and encodes with it
+    expected = _uncached(build_qwen2_encoder(seed=2), ids, mask)  # a twin of E2: E2's own calls will be served
+    assert not torch.equal(expected[0], _uncached(build_qwen2_encoder(seed=1), ids, mask)[0])
 
-    installation = pipeline._prompt_embed_cache_installation
-    state = installation.methods["encode_prompt"].state
     cache = pipeline._prompt_embed_cache
-    y_cleared, x_kept = threading.Event(), threading.Event()
-    finish_learning, clear = state.finish_learning, cache.clear
+    clear = cache.clear
+    y_cleared, x_returned = threading.Event(), threading.Event()
     y_served: list = []
 
     def y() -> None:
-        pipeline.text_encoder = e2
+        _replace(pipeline, e2)
         y_served.append(pipeline.encode_prompt(ids.clone(), mask.clone()))
 
-    y_thread = threading.Thread(target=y)
+    y_thread = threading.Thread(target=y, daemon=True)
 
-    def finish_learning_then_replace(*, check: bool) -> bool:
-        ended = finish_learning(check=check)
-        if threading.current_thread() is threading.main_thread():  # X: Y replaces E1 and clears
-            monkeypatch.setattr(state, "finish_learning", finish_learning)
-            y_thread.start()
-            assert y_cleared.wait(10)
-        return ended
-
-    def clear_then_signal() -> None:
+    def clear_then_wait() -> None:
         clear()
-        if threading.current_thread() is not threading.main_thread():  # Y: it goes on once X has kept its result
+        if threading.current_thread() is y_thread:  # Y: it goes on once X has returned
             y_cleared.set()
-            assert x_kept.wait(10)
+            assert x_returned.wait(WAIT_S)
 
-    monkeypatch.setattr(state, "finish_learning", finish_learning_then_replace)
-    monkeypatch.setattr(cache, "clear", clear_then_signal)
+    def start_y_and_wait() -> None:  # X, inside E1's forward: its result is not kept yet
+        y_thread.start()
+        assert y_cleared.wait(WAIT_S), "Y never dropped the entries"
+
+    monkeypatch.setattr(cache, "clear", clear_then_wait)
+    _when_it_runs(e1, 1, start_y_and_wait)
 
     pipeline.encode_prompt(ids.clone(), mask.clone())  # X
     assert y_cleared.is_set(), "the race did not happen"
-    x_kept.set()
-    y_thread.join(60)  # Y ends once its encode is served; the bound only keeps a hang from blocking the suite
-    assert torch.equal(y_served[0][0], expected[0])
+    x_returned.set()
+    y_thread.join(WAIT_S)
+    assert not y_thread.is_alive(), "Y hung"
+    assert torch.equal(y_served[0][0], expected[0]), "Y was served the embedding of the encoder that was replaced"
     served = pipeline.encode_prompt(ids.clone(), mask.clone())
     assert torch.equal(served[0], expected[0]), "served the embedding of the encoder that was replaced"
 
 
-class ScaledRows(QwenStyleTokenPipeline):
-    """Qwen-Image's token-id encode (as ``QwenStyleTokenPipeline``) scaled by ``self.scale``, pipeline data its
-    rows' keys come to hold once an encode has read it (their first rows are moved to the grown keys)."""
-
-    def __init__(self, text_encoder: torch.nn.Module) -> None:
-        super().__init__(text_encoder)
-        self.scale = 0.5
-
-    def encode_prompt(
-        self,
-        prompt_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        num_images_per_prompt: int = 1,
-        max_sequence_length: int = 1024,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        embeds, mask = super().encode_prompt(prompt_ids, attention_mask, num_images_per_prompt, max_sequence_length)
-        return embeds * self.scale, mask
-
-
-def test_rows_moved_to_their_grown_keys_after_a_clear_are_not_kept(monkeypatch) -> None:
-    """Call X encodes two rows with encoder E1; their encodes read ``self.scale``, so they are moved to keys that
-    hold it. Before X moves them, E1 is replaced by E2 and call Y sees it and drops every entry. X's rows were
-    made with E1: moved after the clear, a later call of one of them would be served E1's embedding (the same
-    token ids reach E2, so its proof passes). Made to happen: X's move waits until Y has run to its end."""
-    import threading
-
-    pipeline = ScaledRows(build_qwen2_encoder(seed=0))
-    install_prompt_embed_cache(pipeline, max_size=16, settings=PromptEmbedCacheSettings(row_layout=TOKEN_IDS))
-    e2 = build_qwen2_encoder(seed=2)
-    first = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
-    second = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(1))
-    batch = torch.cat([first, second])
-    keep_rows = RowCalls.keep_rows
+def test_rows_of_the_replaced_encoder_kept_after_the_clear_are_not_served(monkeypatch) -> None:
+    """Call X is E1's first batched call (two rows): served uncached, each row encoded alone to check that rows
+    are independent, then kept as row entries. Before X keeps them, E1 is replaced by E2 and call Y sees it and
+    drops every entry. X's rows were made with E1 under the keys E2's rows of the same ids have: kept after the
+    drop, a later batch holding one of them would be served E1's row. Made to happen: at the end of E1's last
+    forward in X, Y runs to its end."""
+    e1, e2 = build_qwen2_encoder(seed=1), build_qwen2_encoder(seed=2)
+    pipeline = QwenStyleTokenPipeline(e1)
+    install_prompt_embed_cache(pipeline, max_size=16)
+    first, second, third = (_ids(seed)[0] for seed in (0, 1, 2))
     raced: list[bool] = []
 
     def y() -> None:  # Y: the replacement, seen by a call of the first row alone
-        pipeline.text_encoder = e2
+        _replace(pipeline, e2)
         pipeline.encode_prompt(first.clone(), first != 0)
+        raced.append(True)
 
-    def replace_then_keep_rows(*args, **kwargs) -> None:
-        if not raced:
-            raced.append(True)
-            thread = threading.Thread(target=y)
-            thread.start()
-            thread.join(30)
-        keep_rows(*args, **kwargs)
+    def run_y() -> None:
+        thread = threading.Thread(target=y, daemon=True)
+        thread.start()
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "Y hung"
 
-    monkeypatch.setattr(RowCalls, "keep_rows", replace_then_keep_rows)
-    pipeline.encode_prompt(batch.clone(), batch != 0)  # X
-    assert raced, "the race did not happen: X's rows were not moved"
+    _when_it_runs(e1, 3, run_y)  # the batch, then each of its two rows alone: the third is the last
+    batch = torch.cat([first, second])
+    x = pipeline.encode_prompt(batch.clone(), batch != 0)  # X
+    assert raced, "the race did not happen"
+    # The references run twins of E1 and E2 (same seeds): E2's own calls are served by the cache.
+    assert torch.equal(x[0], QwenStyleTokenPipeline(build_qwen2_encoder(seed=1)).encode_prompt(batch, batch != 0)[0])
 
-    expected = ScaledRows(e2).encode_prompt(second, second != 0)
-    served = pipeline.encode_prompt(second.clone(), second != 0)
-    assert torch.equal(served[0], expected[0]), "served the row the replaced encoder made"
+    later = torch.cat([third, second])
+    expected = QwenStyleTokenPipeline(build_qwen2_encoder(seed=2)).encode_prompt(later, later != 0)
+    served = pipeline.encode_prompt(later.clone(), later != 0)
+    assert torch.equal(served[0][1], expected[0][1]), "served the row the replaced encoder made"
+    assert torch.equal(served[0], expected[0])

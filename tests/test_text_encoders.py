@@ -1,4 +1,4 @@
-"""Which child modules are text encoders: decided by what they are, the same answer for the watch, the
+"""Which child modules are text encoders: decided by what they are, the same answer for the encoder calls served, the
 directory tier's fingerprint and the encoder placed on a miss; attribute names play no part.
 
 Real modules throughout: tiny transformers encoders, the tiny checkpoints' own components (DiTs,
@@ -48,19 +48,18 @@ class PromptTowerPipeline(CountsEncoderRuns, torch.nn.Module):
         super().__init__()
         self.prompt_tower = build_qwen2_encoder(seed=seed)
         self.transformer = ConditionedDiT()
+        self.count_encoder_calls(self.prompt_tower)  # real runs of the encoder's forward: a hit makes none
 
     @torch.inference_mode()
     def encode_prompt(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.prompt_tower(input_ids=prompt_ids).last_hidden_state
-        self.encoder_runs += 1  # counted once the encoder ran: a hit's proof stops before it
-        return hidden
+        return self.prompt_tower(input_ids=prompt_ids).last_hidden_state
 
 
 def test_a_text_encoder_under_any_name_is_found_and_a_dit_holding_an_embedding_is_not() -> None:
     pipeline = PromptTowerPipeline()
     assert list(text_encoders(pipeline)) == ["prompt_tower"]
     install_prompt_embed_cache(pipeline)
-    assert getattr(pipeline, INSTALLATION_ATTRIBUTE).encoders == ["prompt_tower"]  # what the watch watches
+    assert getattr(pipeline, INSTALLATION_ATTRIBUTE).encoders == ["prompt_tower"]  # whose calls are served
 
 
 def test_the_fingerprint_covers_a_text_encoder_under_any_name(tmp_path) -> None:

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from vllm_omni_prompt_cache import PromptEmbedCache, install_prompt_embed_cache
-from vllm_omni_prompt_cache.calls.layouts import TOKEN_IDS
 from vllm_omni_prompt_cache.counts.counters import DIR_REJECTIONS, HOST_DEMOTIONS
 from vllm_omni_prompt_cache.keys.call_key import CallKey, CallKeyBuilder
 from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
@@ -210,7 +209,9 @@ def test_new_encoder_weights_move_the_process_to_another_namespace(tmp_path) -> 
     with torch.no_grad():
         pipeline.text_encoder.embed_tokens.weight.mul_(2.0)  # as a weight sync would
     cache.clear()  # what the lifecycle hook does after an encoder weight load
-    assert same(encode(pipeline, 0), encode(TokenIdTextPipeline(pipeline.text_encoder), 0))
+    twin = build_qwen2_encoder()  # the loaded weights in an encoder of its own: the pipeline's calls are served
+    twin.load_state_dict(pipeline.text_encoder.state_dict())
+    assert same(encode(pipeline, 0), encode(TokenIdTextPipeline(twin), 0))
     assert pipeline.encoder_runs == 2 and cache.snapshot().dir_hits == 0
 
 
@@ -316,18 +317,18 @@ def test_a_full_disk_is_counted_and_the_cache_keeps_serving(tmp_path, monkeypatc
 
 def test_concurrent_writers_and_readers_of_one_key_never_see_a_partial_file(tmp_path) -> None:
     encoder = build_qwen2_encoder()
-    expected = encode(TokenIdTextPipeline(encoder), 0)
     first = TokenIdTextPipeline(encoder)
-    install_prompt_embed_cache(first, settings=PromptEmbedCacheSettings(directory=tmp_path))
+    first_cache = install_prompt_embed_cache(first, settings=PromptEmbedCacheSettings(directory=tmp_path))
     encode(first, 0)  # a file exists; now four writers rewrite it and read it back, all at once
+    key = _key_of(first, 0)
+    found, expected = first_cache.lookups.get(key, "encode_prompt")  # the entry: what the text encoder returned
+    assert found and len(files(tmp_path)) == 1
     tiers = [
         install_prompt_embed_cache(
             TokenIdTextPipeline(encoder), settings=PromptEmbedCacheSettings(directory=tmp_path)
         ).directory
         for _ in range(4)
     ]
-    builder = CallKeyBuilder(inspect.signature(first._prompt_embed_cache_original_fn), "TokenIdTextPipeline")
-    key = builder.build((PROMPTS[0], torch.ones_like(PROMPTS[0])), {})
     witness = tuple(part.tobytes() for part in key.witness)
     failures: list[str] = []
 
@@ -335,7 +336,7 @@ def test_concurrent_writers_and_readers_of_one_key_never_see_a_partial_file(tmp_
         for _ in range(40):
             _write(tier, key.identity, witness, expected)
             found, value = tier.get(key)
-            if not found or not same(value, expected):
+            if not found or not same_entry(value, expected):
                 failures.append("a writer's own read missed or differed")
 
     threads = [threading.Thread(target=hammer, args=(tier,)) for tier in tiers]
@@ -370,7 +371,10 @@ def test_the_directory_budget_removes_the_least_recently_used_files(tmp_path) ->
     assert survivor.encoder_runs == 1  # evicted
 
 
-def test_a_value_no_file_can_hold_turns_the_directory_off_with_a_reason(tmp_path) -> None:
+def test_a_method_returning_an_object_no_file_can_hold_still_files_its_encoders_output(tmp_path) -> None:
+    """What is kept is what the text encoder returned; the method runs on every call and makes its object anew,
+    as uncached."""
+
     class Opaque:
         pass
 
@@ -382,10 +386,22 @@ def test_a_value_no_file_can_hold_turns_the_directory_off_with_a_reason(tmp_path
     cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(directory=tmp_path))
     first = pipeline.encode_prompt(PROMPTS[0], torch.ones_like(PROMPTS[0]))
     again = pipeline.encode_prompt(PROMPTS[0], torch.ones_like(PROMPTS[0]))
-    assert pipeline.encoder_runs == 1 and again[1] is first[1]  # memory still serves it
-    stats = cache.snapshot()
-    assert "which a file cannot hold" in stats.dir_off_reason
-    assert files(tmp_path) == []
+    assert pipeline.encoder_runs == 1 and same(again[0], first[0]) and same(first[0], reference(0))
+    assert isinstance(again[1], Opaque) and again[1] is not first[1]  # made by the method, on every call
+    assert cache.snapshot().dir_off_reason is None and len(files(tmp_path)) == 1
+
+
+def test_a_value_no_file_can_hold_turns_the_directory_off_with_a_reason(tmp_path) -> None:
+    class Opaque:
+        pass
+
+    pipeline, cache = process(tmp_path)
+    encode(pipeline, 0)
+    _write(cache.directory, ("opaque",), (b"",), (Opaque(),))
+    assert "which a file cannot hold" in cache.snapshot().dir_off_reason
+    assert same(encode(pipeline, 0), reference(0)) and same(encode(pipeline, 1), reference(1))
+    assert pipeline.encoder_runs == 2  # memory still serves
+    assert len(files(tmp_path)) == 1  # nothing written since
 
 
 def test_a_pipeline_without_a_text_encoder_module_does_not_use_the_directory(tmp_path) -> None:
@@ -401,46 +417,66 @@ def test_a_pipeline_without_a_text_encoder_module_does_not_use_the_directory(tmp
 
 
 def test_rows_of_a_batched_call_are_files_of_their_own(tmp_path) -> None:
-    encoder = build_qwen2_encoder()
+    """Each row of a batched encoder call (cut as given, padding included) is an entry, and a file, of its own."""
     ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    writer = QwenStyleTokenPipeline(encoder)
-    install_prompt_embed_cache(writer, settings=PromptEmbedCacheSettings(directory=tmp_path, row_layout=TOKEN_IDS))
+    uncached = QwenStyleTokenPipeline(build_qwen2_encoder()).encode_prompt(ids, mask)
+    writer = QwenStyleTokenPipeline(build_qwen2_encoder())
+    install_prompt_embed_cache(writer, settings=PromptEmbedCacheSettings(directory=tmp_path))
     expected = writer.encode_prompt(ids, mask)
-    reader = QwenStyleTokenPipeline(encoder)
-    cache = install_prompt_embed_cache(
-        reader, settings=PromptEmbedCacheSettings(directory=tmp_path, row_layout=TOKEN_IDS)
-    )
+    assert same(expected, uncached)
+    reader = QwenStyleTokenPipeline(build_qwen2_encoder())  # another process, the same weights
+    cache = install_prompt_embed_cache(reader, settings=PromptEmbedCacheSettings(directory=tmp_path))
     swapped = reader.encode_prompt(ids.flip(0), mask.flip(0))  # the same rows, in the other order
+    assert torch.equal(swapped[0][0, :2], expected[0][1, :2]) and torch.equal(swapped[0][1], expected[0][0])
+    assert reader.encoder_rows == 0 and cache.snapshot().dir_hits == 2
+
+
+def test_rows_found_in_the_directory_are_not_encoded_once_the_readers_rows_were_checked(tmp_path) -> None:
+    """A process checks that its encoder's rows are independent on its first batched call (served uncached);
+    from then on the rows another process filed are read, not encoded."""
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    writer = QwenStyleTokenPipeline(build_qwen2_encoder())
+    install_prompt_embed_cache(writer, settings=PromptEmbedCacheSettings(directory=tmp_path))
+    expected = writer.encode_prompt(ids, mask)
+    reader = QwenStyleTokenPipeline(build_qwen2_encoder())  # another process, the same weights
+    cache = install_prompt_embed_cache(reader, settings=PromptEmbedCacheSettings(directory=tmp_path))
+    other = torch.tensor([[11, 12, 13, 14], [15, 16, 17, 0]])
+    reader.encode_prompt(other, (other != 0).long())  # its first batched call: the rows check
+    assert cache.snapshot().layout_checks == 1
+    reader.encoder_rows = 0
+    swapped = reader.encode_prompt(ids.flip(0), mask.flip(0))
     assert reader.encoder_rows == 0 and cache.snapshot().dir_hits == 2
     assert torch.equal(swapped[0][0, :2], expected[0][1, :2]) and torch.equal(swapped[0][1], expected[0][0])
 
 
-class WaitingPipeline(TokenIdTextPipeline):
-    """Encodes only once ``other_waits`` is set: the other "process" is waiting for this one's file."""
+def _waits_for_the_other(encoder: torch.nn.Module, other_waits: threading.Event) -> None:
+    """Let ``encoder``'s forward begin only once ``other_waits`` is set: the other "process" is waiting for this
+    one's file (the encode method runs on every call; the encoder call is what the directory's claim guards)."""
 
-    other_waits = threading.Event()
+    def wait(*_: object) -> None:
+        assert other_waits.wait(10), "the other process never waited"
 
-    def encode_prompt(self, prompt_ids, attention_mask=None):
-        assert self.other_waits.wait(10), "the other process never waited"
-        return super().encode_prompt(prompt_ids, attention_mask)
+    encoder.register_forward_pre_hook(wait)
 
 
 def test_two_processes_missing_one_prompt_at_once_encode_it_once(tmp_path, monkeypatch) -> None:
     from vllm_omni_prompt_cache.store.tiers import directory_claims
 
     real_sleep = time.sleep
+    other_waits = threading.Event()
 
     def sleep_and_say(seconds: float) -> None:  # only the claim wait sleeps in directory_claims
-        WaitingPipeline.other_waits.set()
+        other_waits.set()
         real_sleep(seconds)
 
     monkeypatch.setattr(
         directory_claims, "time", SimpleNamespace(time=time.time, monotonic=time.monotonic, sleep=sleep_and_say)
     )
-    WaitingPipeline.other_waits.clear()
-    encoder = build_qwen2_encoder()
-    pipelines = [WaitingPipeline(encoder) for _ in range(2)]
+    pipelines = [TokenIdTextPipeline(build_qwen2_encoder()) for _ in range(2)]  # the same weights, as two processes
+    for pipeline in pipelines:
+        _waits_for_the_other(pipeline.text_encoder, other_waits)
     caches = [
         install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(directory=tmp_path))
         for pipeline in pipelines
@@ -450,13 +486,14 @@ def test_two_processes_missing_one_prompt_at_once_encode_it_once(tmp_path, monke
     def one(index: int) -> None:
         results[index] = encode(pipelines[index], 0)
 
-    threads = [threading.Thread(target=one, args=(index,)) for index in range(2)]
+    threads = [threading.Thread(target=one, args=(index,), daemon=True) for index in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a call hung"
     assert sum(pipeline.encoder_runs for pipeline in pipelines) == 1
-    assert same(results[0], results[1])
+    assert same(results[0], results[1]) and same(results[0], reference(0))
     assert sum(cache.snapshot().dir_waits for cache in caches) == 1
     assert not list(tmp_path.glob("*/*.claim"))  # released once written
 
@@ -483,8 +520,36 @@ def test_a_claim_that_is_never_released_delays_a_miss_but_never_blocks_it(tmp_pa
 
 
 def _key_of(pipeline: TokenIdTextPipeline, index: int) -> CallKey:
-    builder = CallKeyBuilder(inspect.signature(pipeline._prompt_embed_cache_original_fn), "TokenIdTextPipeline")
-    return builder.build((PROMPTS[index], torch.ones_like(PROMPTS[index])), {})
+    """Return the key of the text-encoder call that encoding prompt ``index`` makes (entries are keyed per encoder
+    call): the same in every process of this pipeline class, seen on a probe of it."""
+    return _key_and_entry_of(pipeline, index)[0]
+
+
+def _key_and_entry_of(pipeline: TokenIdTextPipeline, index: int, seed: int = 0) -> tuple[CallKey, tuple]:
+    """Return that key and its entry (what the text encoder returned), made by a probe (weights from ``seed``)."""
+    probe = type(pipeline)(build_qwen2_encoder(seed=seed))
+    cache = install_prompt_embed_cache(probe)
+    keys: list[CallKey] = []
+    serve = cache.lookups.serve
+    cache.lookups.serve = lambda key, *args, **kwargs: (keys.append(key), serve(key, *args, **kwargs))[1]
+    encode(probe, index)
+    (key,) = keys
+    found, entry = cache.lookups.get(key, "probe")
+    assert found
+    return key, entry
+
+
+def same_entry(left: tuple, right: tuple) -> bool:
+    """Whether two entries (what a text encoder returned: tag, form, leaves) hold the same leaves, bit for bit."""
+    return (
+        left[:2] == right[:2]
+        and len(left[2]) == len(right[2])
+        and all(
+            (a is None and b is None)
+            or (a is not None and b is not None and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+            for a, b in zip(left[2], right[2], strict=True)
+        )
+    )
 
 
 def _write(
@@ -743,7 +808,9 @@ def test_load_weights_suspends_the_directory_until_the_load_ends(tmp_path) -> No
     assert seen_during_load == [None]  # no namespace while weights change: nothing read or written
     after = cache.directory.namespace
     assert after is not None and after != before  # the new weights' own namespace
-    assert same(encode(pipeline, 0), encode(TokenIdTextPipeline(pipeline.text_encoder), 0))
+    twin = build_qwen2_encoder()  # the loaded weights in an encoder of its own: the pipeline's calls are served
+    twin.load_state_dict(pipeline.text_encoder.state_dict())
+    assert same(encode(pipeline, 0), encode(TokenIdTextPipeline(twin), 0))
 
 
 def test_weights_offloaded_layer_by_layer_are_not_fingerprinted(tmp_path) -> None:
