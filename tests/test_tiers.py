@@ -428,8 +428,14 @@ def test_rows_of_a_batched_call_are_files_of_their_own(tmp_path) -> None:
     reader = QwenStyleTokenPipeline(build_qwen2_encoder())  # another process, the same weights
     cache = install_prompt_embed_cache(reader, settings=PromptEmbedCacheSettings(directory=tmp_path))
     swapped = reader.encode_prompt(ids.flip(0), mask.flip(0))  # the same rows, in the other order
-    assert torch.equal(swapped[0][0, :2], expected[0][1, :2]) and torch.equal(swapped[0][1], expected[0][0])
+    # The rows kept are each row encoded alone (the writer's check): the reader is served those, bit for bit.
+    alone = [
+        QwenStyleTokenPipeline(build_qwen2_encoder()).encode_prompt(ids[row : row + 1], mask[row : row + 1])
+        for row in (1, 0)
+    ]
+    assert torch.equal(swapped[0][0, :2], alone[0][0][0, :2]) and torch.equal(swapped[0][1, :3], alone[1][0][0, :3])
     assert reader.encoder_rows == 0 and cache.snapshot().dir_hits == 2
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(swapped[0].flip(0), expected[0], strict=True))
 
 
 def test_rows_found_in_the_directory_are_not_encoded_once_the_readers_rows_were_checked(tmp_path) -> None:
@@ -448,7 +454,13 @@ def test_rows_found_in_the_directory_are_not_encoded_once_the_readers_rows_were_
     reader.encoder_rows = 0
     swapped = reader.encode_prompt(ids.flip(0), mask.flip(0))
     assert reader.encoder_rows == 0 and cache.snapshot().dir_hits == 2
-    assert torch.equal(swapped[0][0, :2], expected[0][1, :2]) and torch.equal(swapped[0][1], expected[0][0])
+    # The rows kept are each row encoded alone (the writer's check): the reader is served those, bit for bit.
+    alone = [
+        QwenStyleTokenPipeline(build_qwen2_encoder()).encode_prompt(ids[row : row + 1], mask[row : row + 1])
+        for row in (1, 0)
+    ]
+    assert torch.equal(swapped[0][0, :2], alone[0][0][0, :2]) and torch.equal(swapped[0][1, :3], alone[1][0][0, :3])
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(swapped[0].flip(0), expected[0], strict=True))
 
 
 def _waits_for_the_other(encoder: torch.nn.Module, other_waits: threading.Event) -> None:

@@ -6,13 +6,9 @@ the encoder computes, under the content of its inputs (the module's path, its mo
 value: :func:`~.call_key.value_key`, the bytes compared on every hit), and lets the encode method run as written: its
 tokenizer, its template, its random draws, its writes and branches are its own, on every call, as uncached.
 
-While a cache is installed each text encoder (and each module between it and its token tables, which code may call
-directly: ``text_encoder.model``) has its class swapped for a same-named subclass whose ``__call__`` hands the
-*outermost* call on each thread to :class:`EncoderCalls`, before any hook (vLLM-Omni's offload, a placement) or the
-forward runs; a call made while another intercepted call runs on the thread (the encoder's own layers) goes through.
-A plain method of the encoder's own classes that code calls from outside (MiniMax-H3's ``encode_ids``) is served the
-same way once it was seen to reach a hooked module. A batched call is served row by row (:mod:`.row_calls`). What an
-entry keeps of an output is what encodes read of it (:mod:`.outputs`). Design: docs/design.md, "Encoder calls".
+Each text encoder's outermost calls reach :class:`EncoderCalls` before any hook or forward (:mod:`.intercepted`). A
+batched call is served row by row (:mod:`.row_calls`). What an entry keeps of an output is what encodes read of it
+(:mod:`.outputs`). Design: docs/design.md, "Encoder calls".
 """
 
 from __future__ import annotations
@@ -20,19 +16,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import types
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from vllm_omni_prompt_cache.counts.counters import ROW_HIT as ONE_ROW_HIT
 from vllm_omni_prompt_cache.counts.counters import Count, Outcome, tally
-from vllm_omni_prompt_cache.encoders.encoder_state import EncoderState
 from vllm_omni_prompt_cache.encoders.fingerprint import ENCODE_DEVICE
+from vllm_omni_prompt_cache.encoders.intercepted import EncoderState, intercept, release
 from vllm_omni_prompt_cache.encoders.outputs import (
     ENTRY_TAG,
     Reads,
@@ -41,8 +34,10 @@ from vllm_omni_prompt_cache.encoders.outputs import (
     kept,
     reading,
     served,
+    skeleton,
     take_apart,
 )
+from vllm_omni_prompt_cache.encoders.residency import on_encode_device
 from vllm_omni_prompt_cache.encoders.text_encoders import (
     TABLES_NOTED,
     modules_held_by,
@@ -237,14 +232,18 @@ class EncoderCalls:
     def settle(self) -> None:
         """Trim the entries this thread made before their site's reads were known to what was read since."""
         pending, self.local.pending = self.local.pending, []
-        for key, value, reads, site, method in pending:
+        for key, value, reads, site, method, ticket in pending:
             with self._lock:
                 site.keep = set(reads.leaves) if site.keep is None else site.keep | reads.leaves
                 keep = site.keep
             found, current = self.lookups.get(key, method)  # the entry as kept (detached), if still there
             if found and is_entry(current) and current[1] == value[1]:
                 leaves = tuple(leaf if index in keep else None for index, leaf in enumerate(current[2]))
-                self.lookups.put(key, (ENTRY_TAG, current[1], leaves), method)
+                self.lookups.put(key, (ENTRY_TAG, current[1], leaves), method, ticket)  # written through now
+
+    def reached(self, method: str | None, args: tuple, kwargs: dict) -> None:
+        """Count a call of an encoder's own method that, run for the first time, reached the encoder."""
+        self.count(method or "", lambda tally_now: tally_now.add(encoded=_rows_of(args, kwargs)))
 
     def count(self, method: str, update: Callable[[EncodeTally], None]) -> None:
         """Add to the open call's tally, or count an encoder call made outside every wrapped method on its own."""
@@ -280,7 +279,7 @@ class EncoderCalls:
                 self._state_changed(path, changed)
             placed_on = getattr(state.module, ENCODE_DEVICE, None)
             if placed_on is not None:
-                run = _on_device(run, placed_on)
+                run = on_encode_device(run, placed_on)
         with torch.inference_mode(False):
             keyed = value_key((self.tag, path, state_key, args, kwargs), self.digest)
         if type(keyed) is Bypass:
@@ -299,7 +298,7 @@ class EncoderCalls:
 
     def site(self, path: str, form: tuple) -> Site:
         """Return what is known of the calls of ``path`` whose outputs have ``form``'s shape (any sizes)."""
-        shape = (path, _skeleton(form))
+        shape = (path, skeleton(form))
         found = self.sites.get(shape)
         if found is None:
             with self._lock:
@@ -317,6 +316,8 @@ class EncoderCalls:
             except Unkeepable as why:
                 raise _Unkept(output, str(why)) from None
             site = self.site(path, form)
+            if site.keep is None:  # the lower tiers get it once trimmed to what the encode read (settle)
+                self.lookups.withhold_write_through()
             value = kept(form, leaves, site.keep)
             encoded.update(output=output, form=form, site=site, value=value)
             return value
@@ -355,7 +356,8 @@ class EncoderCalls:
             pending = getattr(self.local, "pending", None)
             if pending is None:
                 pending = self.local.pending = []
-            pending.extend((key, value, reads, site, method) for key, value in made)
+            ticket = self.lookups.ticket  # a clear() meanwhile voids the trimmed entry as it voided the first
+            pending.extend((key, value, reads, site, method, ticket) for key, value in made)
         return reading(output, form, reads)
 
     def served(
@@ -368,6 +370,7 @@ class EncoderCalls:
             return served(value, device, _never)
         inputs = _owned(args, kwargs)
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())  # the call's: a fetch runs in them
+        ticket = self.lookups.ticket  # a clear() before the fetch voids what it keeps
         fresh: list[Any] = []
 
         def fetch(index: int) -> Any:
@@ -379,7 +382,7 @@ class EncoderCalls:
                 with self._lock:
                     site.keep = {index} if site.keep is None else site.keep | {index}
                 if key is not None:
-                    self.lookups.put(key, kept(form, leaves, site.keep), method)
+                    self.lookups.put(key, kept(form, leaves, site.keep), method, ticket)
             return fresh[0][1][index]
 
         return served(value, device, fetch)
@@ -433,20 +436,6 @@ def _maybe_batched(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _skeleton(form: tuple) -> tuple:
-    """Return ``form`` without its tensors' sizes: what calls of one kind share."""
-    tag = form[0]
-    if tag == "tensor":
-        return ("tensor", form[1], len(form[2]), form[3])
-    if tag in ("tuple", "list"):
-        return (tag, tuple(_skeleton(item) for item in form[1]))
-    if tag == "dict":
-        return (tag, tuple((key, _skeleton(item)) for key, item in form[1]))
-    if tag == "output":
-        return (tag, form[1], tuple((key, _skeleton(item)) for key, item in form[2]))
-    return form
-
-
 def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -454,149 +443,7 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
     return None
 
 
-def _on_device(run: Run, device: torch.device) -> Run:
-    """Return ``run`` for an encoder that waits off its device between calls (an offload, a placement on a miss):
-    inputs that code put where the encoder waited go where it runs, and its output comes back beside them."""
-
-    def placed(args: tuple, kwargs: dict) -> Any:
-        given = _device_of(args, kwargs)
-        if given is None or given == device:
-            return run(args, kwargs)
-        moved = tree_map(lambda value: value.to(device) if isinstance(value, torch.Tensor) else value, (args, kwargs))
-        output = run(*moved)
-        return tree_map(lambda value: value.to(given) if isinstance(value, torch.Tensor) else value, output)
-
-    return placed
-
-
 def _owned(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Return the call's inputs with each tensor copied: a fetch later runs on what the call was given."""
     copy = lambda value: value.clone() if isinstance(value, torch.Tensor) else value  # noqa: E731
     return tuple(copy(value) for value in args), {name: copy(value) for name, value in kwargs.items()}
-
-
-# --- Interception: each hooked module's class swapped for the length of the installation --------------------------
-
-_local = threading.local()  # .depth: how many intercepted calls run on this thread now
-_swap_lock = threading.Lock()
-#: id of an intercepted module -> (a weak reference to it, its class before the swap, {id of a server: (a weak reference
-#: to it, the module's path there)}). A module two pipelines share is served by the one whose wrapped call runs on the
-#: thread, else by the one installed last. Weak: a pipeline dropped without an uninstall leaves nothing alive here.
-_targets: dict[int, tuple[weakref.ref, type, dict[int, tuple[weakref.ref, str]]]] = {}
-_classes: dict[type, type] = {}
-#: which own methods of an encoder class were seen to reach a hooked module (True), or not (False)
-_encodes: dict[tuple[type, str], bool] = {}
-
-
-def run_inside(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``call`` as an intercepted call's real run: the calls it makes of hooked modules go through."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        return call(*args, **kwargs)
-    finally:
-        _local.depth -= 1
-
-
-def intercept(modules: list[tuple[str, torch.nn.Module, bool]], server: EncoderCalls) -> None:
-    """Hand the outermost calls of each ``(path, module, is_encoder)`` to ``server`` until :func:`release`; an
-    encoder's own methods too."""
-    with _swap_lock:
-        for path, module, encoder in modules:
-            held = _targets.get(id(module))
-            if held is None or held[0]() is not module:
-                kind = type(module)
-                kind = next((original for original, made in _classes.items() if made is kind), kind)
-                held = _targets[id(module)] = (weakref.ref(module), kind, {})
-                object.__setattr__(module, "__class__", _intercepting_class(kind, encoder))
-            held[2].pop(id(server), None)
-            held[2][id(server)] = (weakref.ref(server), path)  # the last installed comes last
-
-
-def release(modules: list[torch.nn.Module], server: EncoderCalls) -> None:
-    """Stop handing each module's calls to ``server``; give it its class back when no server is left."""
-    with _swap_lock:
-        for module in modules:
-            held = _targets.get(id(module))
-            if held is None or held[0]() is not module:
-                continue
-            held[2].pop(id(server), None)
-            if not any(ref() is not None for ref, _ in held[2].values()):
-                del _targets[id(module)]
-                if type(module) is _classes.get(held[1]):
-                    object.__setattr__(module, "__class__", held[1])
-
-
-def _server_of(module: torch.nn.Module) -> tuple[EncoderCalls, str] | None:
-    held = _targets.get(id(module))
-    if held is None:
-        return None
-    servers = [(ref(), path) for ref, path in list(held[2].values())]
-    servers = [(server, path) for server, path in servers if server is not None]
-    if len(servers) > 1:
-        for server, path in servers:
-            if getattr(server.local, "tally", None) is not None:
-                return server, path
-    return servers[-1] if servers else None
-
-
-def _intercepting_class(kind: type, encoder: bool) -> type:
-    found = _classes.get(kind)
-    if found is not None:
-        return found
-    call = kind.__call__
-
-    def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        target = None if getattr(_local, "depth", 0) else _server_of(self)
-        if target is None:
-            return call(self, *args, **kwargs)
-        server, path = target
-        return server(path, self, lambda given, named: run_inside(call, self, *given, **named), args, kwargs)
-
-    namespace: dict[str, Any] = {"__call__": __call__, "__slots__": (), "__module__": kind.__module__}
-    if encoder:
-        namespace.update((name, _intercepting_method(kind, name)) for name in _own_methods(kind))
-    found = type(kind.__name__, (kind,), namespace)
-    found.__qualname__ = kind.__qualname__
-    _classes[kind] = found
-    return found
-
-
-def _own_methods(kind: type) -> list[str]:
-    """Return the names of the plain methods ``kind`` and its bases define below ``torch.nn.Module``."""
-    names: dict[str, None] = {}
-    for base in kind.__mro__:
-        if base is torch.nn.Module or base is object:
-            break
-        for name, value in vars(base).items():
-            if not name.startswith("__") and type(value) is types.FunctionType:
-                names.setdefault(name)
-    return list(names)
-
-
-def _intercepting_method(kind: type, name: str) -> Callable[..., Any]:
-    original = getattr(kind, name)
-
-    def method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        target = None if getattr(_local, "depth", 0) or _encodes.get((kind, name)) is False else _server_of(self)
-        if target is None:
-            return original(self, *args, **kwargs)
-        server, path = target
-        if _encodes.get((kind, name)):
-            real = lambda given, named: run_inside(original, self, *given, **named)  # noqa: E731
-            return server(f"{path}:{name}", self, real, args, kwargs)
-        _local.reached = False  # its first call: does it reach a hooked module?
-        handles = [part.register_forward_pre_hook(_reach) for part in self.modules() if id(part) in _targets]
-        try:
-            result = run_inside(original, self, *args, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
-        _encodes[(kind, name)] = bool(getattr(_local, "reached", False))
-        return result
-
-    method.__name__ = name
-    return method
-
-
-def _reach(module: torch.nn.Module, args: tuple) -> None:
-    _local.reached = True

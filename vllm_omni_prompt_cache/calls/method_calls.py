@@ -102,6 +102,10 @@ class MethodCalls:
             self.reaches_encoder = True
             self.count(counts)
             return result
+        if _several_ranks():  # cached whole, a rank would skip the collectives its method runs with the others
+            self.reaches_encoder = True
+            self.count(tally(Outcome.BYPASS, reason=NOT_REACHED))
+            return result
         after = _data_attributes(self.instance)
         with self._lock:
             # A number the call read and rewrote counts calls (upstream's tests count so): not keyed. Other state it
@@ -109,7 +113,7 @@ class MethodCalls:
             self.instrumentation = frozenset(
                 name
                 for name in before.keys() & after.keys()
-                if before[name] != after[name] and before[name][1] and after[name][1]
+                if before[name][0][0] != after[name][0][0] and before[name][1] and after[name][1]
             )
             self.reaches_encoder = False
         key = self._whole_key(arguments, before)
@@ -188,6 +192,12 @@ class MethodCalls:
             )
             self.count({**tally(Outcome.HIT), KEY_ONLY_HITS: 1})
         return value
+
+
+def _several_ranks() -> bool:
+    """Return True when this process is one of several torch.distributed ranks."""
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
 
 
 def _data_attributes(instance: Any) -> dict[str, tuple[Any, bool]]:

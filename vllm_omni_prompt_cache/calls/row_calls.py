@@ -65,20 +65,25 @@ class RowCalls:
                     return NOT_ROWS
                 keys.append(CallKey(*keyed))
         if rows_site.rows is None:
-            return self._first(path, run, args, kwargs, size, keys, rows_site, method)
+            firsts, _ = _distinct(keys)
+            if not all(self.lookups.get(keys[row], method)[0] for row in firsts):
+                return self._first(path, run, args, kwargs, size, keys, rows_site, method)
+            # Every row is an entry already, which only a check of this encoder (in this process, or another of the
+            # directory's namespace: the same code, configuration and weights) makes: the rows are shown.
+            rows_site.rows = True
         try:
             return self._rows(path, run, args, kwargs, size, keys, method)
         except _Unkept:  # a sub-batch's output did not split: this encoder's calls are keyed whole from now on
             rows_site.rows = False
             return NOT_ROWS
 
-    def _rows(self, path: str, run: Run, args: tuple, kwargs: dict, size: int, keys: list[CallKey], method: str) -> Any:
-        calls, lookups = self.calls, self.lookups
-        firsts, copies = _distinct(keys)
+    def _claims(self, keys: list[CallKey], firsts: list[int], method: str) -> tuple[dict, list, list, list]:
+        """Claim each distinct row: return the rows found (by row), and those owned, joined and to encode uncached."""
         values: dict[int, tuple] = {}
-        claims = lookups.claim([keys[row] for row in firsts], method)
         owned, joined, direct = [], [], []
-        for row, (decision, claimed) in zip(firsts, claims, strict=True):
+        for row, (decision, claimed) in zip(
+            firsts, self.lookups.claim([keys[row] for row in firsts], method), strict=True
+        ):
             if decision is Claim.HIT:
                 values[row] = claimed
             elif decision is Claim.OWN:
@@ -87,13 +92,22 @@ class RowCalls:
                 joined.append((row, claimed))
             else:
                 direct.append(row)
+        return values, owned, joined, direct
+
+    def _rows(self, path: str, run: Run, args: tuple, kwargs: dict, size: int, keys: list[CallKey], method: str) -> Any:
+        calls, lookups = self.calls, self.lookups
+        firsts, copies = _distinct(keys)
+        values, owned, joined, direct = self._claims(keys, firsts, method)
         fresh: dict[int, tuple] = {}  # rows this call encoded and offered to the store
         encoded = [0]
+        withheld: list[bool] = []  # not written through yet
         hit = len(values) + len(copies)  # found, and rows repeating another of this call
         bypassed: list[str] = []
 
         def encode(row: int, remaining: list[int]) -> tuple:
             """Encode ``remaining`` (owned rows not served yet, ``row`` first) as one sub-batch, once."""
+            if withheld:  # the lower tiers get these rows once trimmed to what the encode read (settle)
+                lookups.withhold_write_through()
             if row not in fresh:
                 output = run(*rows_of(args, kwargs, remaining))
                 encoded[0] += len(remaining)
@@ -102,6 +116,9 @@ class RowCalls:
                     raise _Unkept(output, "its output does not split into rows")
                 one = row_form(form, 1)
                 keep = calls.site(path, one).keep
+                if keep is None:
+                    withheld.append(True)
+                    lookups.withhold_write_through()
                 for position, each in enumerate(remaining):
                     cut = [leaf[position : position + 1] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
                     fresh[each] = kept(one, cut, keep)
@@ -166,6 +183,7 @@ class RowCalls:
     ) -> Any:
         """The first batched call of an encoder: served uncached, its distinct rows encoded alone and compared."""
         calls = self.calls
+        ticket = self.lookups.ticket  # a clear() meanwhile (a replaced encoder) voids the rows kept below
         output = run(args, kwargs)
         firsts, _ = _distinct(keys)
         try:
@@ -199,8 +217,9 @@ class RowCalls:
         if why is None:
             for row in firsts:
                 one_form, one_leaves = alone[row]
-                value = kept(one_form, one_leaves, calls.site(path, one_form).keep)
-                self.lookups.put(keys[row], value, method)
+                keep = calls.site(path, one_form).keep
+                value = kept(one_form, one_leaves, keep)
+                self.lookups.put(keys[row], value, method, ticket, write=keep is not None)  # else once trimmed
                 made.append((keys[row], value))
 
         def update(tally_now: EncodeTally) -> None:

@@ -104,6 +104,20 @@ def row_form(form: tuple, rows: int) -> tuple:
     return form
 
 
+def skeleton(form: tuple) -> tuple:
+    """Return ``form`` without its tensors' sizes: what calls of one kind share."""
+    tag = form[0]
+    if tag == "tensor":
+        return ("tensor", form[1], len(form[2]), form[3])
+    if tag in ("tuple", "list"):
+        return (tag, tuple(skeleton(item) for item in form[1]))
+    if tag == "dict":
+        return (tag, tuple((key, skeleton(item)) for key, item in form[1]))
+    if tag == "output":
+        return (tag, form[1], tuple((key, skeleton(item)) for key, item in form[2]))
+    return form
+
+
 class Reads:
     """Which leaves of one encoder output its encode took out of their containers (thread-safe enough: a set)."""
 

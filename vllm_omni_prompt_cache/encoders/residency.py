@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from vllm_omni_prompt_cache.counts.counters import (
     BYTES_MOVED,
@@ -236,7 +237,8 @@ class EncoderPlacement:
         tensors = self._tensors()
         current = {id(tensor) for tensor in tensors}
         self._masters = {key: master for key, master in self._masters.items() if key in current}
-        with torch.no_grad():
+        # Placed by an encoder forward that may run under inference mode: the weights must stay normal tensors.
+        with torch.inference_mode(False), torch.no_grad():
             for tensor in tensors:
                 master = self._masters.get(id(tensor))
                 if master is None or tensor.data_ptr() != master.data_ptr():
@@ -256,7 +258,7 @@ class EncoderPlacement:
         """Point every placed tensor back at its master; one whose data was replaced while placed (a write
         that did not go through :meth:`settle` first) is copied to the host as its new master. Lock held."""
         copied = 0
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():
             for tensor, placed_ptr in self._placed.values():
                 if tensor.data_ptr() == placed_ptr:
                     tensor.data = self._masters[id(tensor)]
@@ -292,3 +294,18 @@ class EncoderPlacement:
                     object.__delattr__(module, ENCODE_DEVICE)
             self._masters.clear()
             self._placed.clear()
+
+
+def on_encode_device(run: Callable[[tuple, dict], Any], device: torch.device) -> Callable[[tuple, dict], Any]:
+    """Return ``run`` for an encoder that waits off its device between calls (an offload, a placement on a miss):
+    inputs that code put where the encoder waited go where it runs, and its output comes back beside them."""
+
+    def placed(args: tuple, kwargs: dict) -> Any:
+        given = next((value.device for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)), None)
+        if given is None or given == device:
+            return run(args, kwargs)
+        moved = tree_map(lambda value: value.to(device) if isinstance(value, torch.Tensor) else value, (args, kwargs))
+        output = run(*moved)
+        return tree_map(lambda value: value.to(given) if isinstance(value, torch.Tensor) else value, output)
+
+    return placed

@@ -90,15 +90,18 @@ class Lookups:
             self._keep(identity, Entry.of(value, freeze_witness(witness) if self.verify else None), method, stamp)
         return found, value
 
-    def put(self, key: CallKey | Hashable, value: Any, method: str, made_under: Ticket | None = None) -> None:
-        """Keep ``value`` under ``key`` as given (insert or overwrite) and write it through (a :class:`CallKey`'s);
-        ``made_under``: the ticket it was computed under (None: now), void if a clear() or a sleep came since."""
+    def put(
+        self, key: CallKey | Hashable, value: Any, method: str, made_under: Ticket | None = None, *, write: bool = True
+    ) -> None:
+        """Keep ``value`` under ``key`` as given (insert or overwrite) and, with ``write``, write it through (a
+        :class:`CallKey`'s); ``made_under``: the ticket it was computed under (None: now), void if a clear() or a
+        sleep came since."""
         keyed = type(key) is CallKey
         entry = Entry.of(value, freeze_witness(key.witness) if keyed and self.verify else None, keyed=keyed)
         stamp = None if made_under is None else Stamp(made_under, self.tiers.epoch())
         stamp = self._keep(key.identity if keyed else key, entry, method, stamp)
         # A clear() or a sleep since voids the write, as it voids an encode's.
-        if keyed and stamp.ticket is self.ticket:
+        if write and keyed and stamp.ticket is self.ticket:
             self.tiers.write(key, entry, stamp)
 
     def forget(self, identity: Hashable) -> None:
