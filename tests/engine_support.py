@@ -174,9 +174,8 @@ class MessageCollector(logging.Handler):
 
 
 def found_method(methods: dict[str, dict[str, Any]]) -> str:
-    """Return the one encode method in a snapshot's ``methods`` that is not ``encode_prompt`` and was called:
-    the one the cache found by watching the encoders (which one it is follows from the adapter's code)."""
-    (name,) = [
-        name for name, counts in methods.items() if name != "encode_prompt" and counts["hits"] + counts["misses"]
-    ]
-    return name
+    """Return the encode method in a snapshot's ``methods``, other than ``encode_prompt``, that the most calls went
+    through: the one the cache found by watching the encoders (which one it is follows from the adapter's code; the
+    engine's warm-up may reveal another, through the stock text path, with a call or two)."""
+    called = {name: counts["hits"] + counts["misses"] for name, counts in methods.items() if name != "encode_prompt"}
+    return max((name for name, calls in called.items() if calls), key=called.__getitem__)

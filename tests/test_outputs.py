@@ -72,3 +72,18 @@ def test_a_layer_read_whole_by_c_code_is_fetched_too() -> None:
         out = cached.text_encoder(input_ids=IDS, attention_mask=torch.ones_like(IDS), output_hidden_states=True)
         expected = twin.text_encoder(input_ids=IDS, attention_mask=torch.ones_like(IDS), output_hidden_states=True)
         assert torch.equal(torch.stack(out.hidden_states), torch.stack(expected.hidden_states))
+
+
+def test_a_served_model_output_reads_by_key_and_position_as_the_real_one() -> None:
+    encoder = build_qwen2_encoder(seed=4, num_layers=4)
+    twin = copy.deepcopy(encoder)
+    cached = LastLayer(encoder)
+    install_prompt_embed_cache(cached)
+    cached.encode_prompt(IDS)
+    with torch.inference_mode():
+        out = cached.text_encoder(input_ids=IDS, attention_mask=torch.ones_like(IDS), output_hidden_states=True)
+        real = twin(input_ids=IDS, attention_mask=torch.ones_like(IDS), output_hidden_states=True)
+        assert list(out.keys()) == list(real.keys())
+        assert torch.equal(out["last_hidden_state"], real["last_hidden_state"]) and torch.equal(out[0], real[0])
+        assert all(torch.equal(a, b) for a, b in zip(out["hidden_states"], real["hidden_states"], strict=True))
+        assert len(out.to_tuple()) == len(real.to_tuple())

@@ -37,8 +37,6 @@ REQUESTS = len(PROMPTS) * GROUP_SIZE
 DISTINCT_ROWS = len(PROMPTS) + 1  # each prompt, and the empty negative
 #: Rows encoded before the token path's method is wrapped: the first token-ID request's prompt row.
 DISCOVERY_ROWS = 1
-#: Rows encoded again because the method's first (observed) call is kept whole and its later calls by rows.
-LEARNED_WHOLE = 1
 
 
 def engine_kwargs(cache: bool, max_num_seqs: int, pipeline: str = SD3_FLOW_GRPO_PIPELINE) -> dict[str, Any]:
@@ -125,15 +123,15 @@ def test_without_a_cache_every_prompt_and_negative_row_reaches_the_encoder(uncac
 def test_with_the_cache_each_distinct_row_is_encoded_once(cached, cached_batched) -> None:
     stats = cached.stats
     assert stats is not None and stats.enabled, stats
-    # The warm-up request encodes text through encode_prompt; the token path is first taken by the
-    # rollout's first request, whose encoder calls (CLIP-L, CLIP-G, T5) share encode_prompt_from_token_ids
-    # as their deepest method: found there, and wrapped when the DiT ran. Its first call after that was
-    # observed and kept whole; its calls after were served by rows (its proven layout), so that first
-    # prompt was encoded once more as a row. The empty negative goes through the text encode_prompt.
+    # The warm-up request encodes text through encode_prompt; the token path is first taken by the rollout's first
+    # request, whose encoder calls (CLIP-L, CLIP-G, T5) share encode_prompt_from_token_ids as their deepest method:
+    # found there (counted under the helpers its first calls went through until then), and its calls counted as
+    # its own from the next request on. The encoder's calls are cached from the first on: each distinct row once,
+    # nothing more (0.2.x encoded the revealing request's row and the first observed call's again: 5 rows).
     assert found_method(stats.methods) == "encode_prompt_from_token_ids", stats.methods
     found = stats.methods["encode_prompt_from_token_ids"]
-    assert cached.encoder_rows == DISTINCT_ROWS + DISCOVERY_ROWS + LEARNED_WHOLE, stats
-    assert (found["misses"], found["hits"]) == (len(PROMPTS) + LEARNED_WHOLE, REQUESTS - DISCOVERY_ROWS - 3), stats
+    assert cached.encoder_rows == DISTINCT_ROWS, stats
+    assert found["misses"] + found["hits"] == REQUESTS - DISCOVERY_ROWS and found["misses"] <= len(PROMPTS), stats
     assert (stats.methods["encode_prompt"]["misses"], stats.methods["encode_prompt"]["hits"]) == (1, REQUESTS - 1)
     # Batched: each encode method's first batched call is checked against its rows, uncached, once.
     stats = cached_batched.stats
@@ -185,8 +183,8 @@ def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached, ca
     one request per forward is keyed whole and no row is encoded twice."""
     assert found_method(renamed.stats.methods) == "embed_clip_t5_ids", renamed.stats.methods
     found = renamed.stats.methods["embed_clip_t5_ids"]
-    assert (found["misses"], found["hits"]) == (len(PROMPTS), REQUESTS - DISCOVERY_ROWS - len(PROMPTS))
-    assert renamed.encoder_rows == DISTINCT_ROWS + DISCOVERY_ROWS + found["audits"], renamed.stats
-    assert found["audits"] == 1 and found["audit_mismatches"] == 0
+    assert found["misses"] + found["hits"] == REQUESTS - DISCOVERY_ROWS and found["misses"] <= len(PROMPTS)
+    assert renamed.encoder_rows == DISTINCT_ROWS + found["audits"], renamed.stats
+    assert found["audits"] == 0 and found["audit_mismatches"] == 0  # a hit answers the encoder's calls: no check
     for index, latents in uncached.latents.items():
         assert torch.equal(renamed.latents[index], latents), index

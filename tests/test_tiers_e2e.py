@@ -112,10 +112,9 @@ def test_precompute_then_a_restarted_engine_on_the_directory_encodes_nothing(tmp
         rollout({**engine_kwargs(spec, "ours", 16, None), "prompt_embed_cache_dir": str(directory)})
     )
     assert rows == 0
-    # The prompts and the negative prompt. The engine's warm-up prompt (the precompute engine wrote it too)
-    # is encode_prompt's first call, made before this process has seen what the encode reads, so its key
-    # holds less than the file's and it encodes; from then on keys match the files.
-    assert stats["dir_hits"] == len(STEP_1) + 1 and stats["dir_rejections"] == {}
+    # The prompts, the negative prompt and the engine's warm-up prompt (the precompute engine wrote it too): an
+    # encoder call's key is what reaches the encoder, the same in every process from the first call on.
+    assert stats["dir_hits"] == len(STEP_1) + 2 and stats["dir_rejections"] == {}
     reference, reference_rows, _ = run(rollout(reference_kwargs))
     assert reference_rows == len(spec.requests()) * 2  # no cache: a prompt and a negative prompt per request
     assert all(torch.equal(restarted.latents[index], reference.latents[index]) for index in reference.latents)

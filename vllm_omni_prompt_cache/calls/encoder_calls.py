@@ -129,7 +129,7 @@ class EncoderCalls:
         pipeline: Any,
         store: PromptEmbedCache,
         tag: str,
-        found: Callable[[], str | None] | None = None,
+        found: Callable[[str], str | None] | None = None,
         digest: Callable[[Any], bytes] | None = None,
     ) -> None:
         self.pipeline = pipeline
@@ -230,16 +230,22 @@ class EncoderCalls:
             self.local.passing = outer
 
     def settle(self) -> None:
-        """Trim the entries this thread made before their site's reads were known to what was read since."""
+        """Make what this thread's encodes read the leaves their sites keep from now on, and trim the entries made
+        before that was known (in memory: the lower tiers keep the file written with the encode)."""
         pending, self.local.pending = self.local.pending, []
         for key, value, reads, site, method, ticket in pending:
             with self._lock:
-                site.keep = set(reads.leaves) if site.keep is None else site.keep | reads.leaves
+                was = site.keep
+                site.keep = reads.kept() if was is None else was | reads.kept()
                 keep = site.keep
+            if was is not None:
+                continue
+            if key is None:
+                continue
             found, current = self.lookups.get(key, method)  # the entry as kept (detached), if still there
             if found and is_entry(current) and current[1] == value[1]:
                 leaves = tuple(leaf if index in keep else None for index, leaf in enumerate(current[2]))
-                self.lookups.put(key, (ENTRY_TAG, current[1], leaves), method, ticket)  # written through now
+                self.lookups.put(key, (ENTRY_TAG, current[1], leaves), method, ticket, write=False)
 
     def reached(self, method: str | None, args: tuple, kwargs: dict) -> None:
         """Count a call of an encoder's own method that, run for the first time, reached the encoder."""
@@ -264,7 +270,7 @@ class EncoderCalls:
         if getattr(local, "tally", None) is None:  # outside every wrapped method
             if getattr(local, "pending", None):
                 self.settle()
-            method = (self.found() if self.found is not None else None) or path
+            method = (self.found(path) if self.found is not None else None) or path
         else:
             method = local.method
         store = self.store
@@ -316,8 +322,6 @@ class EncoderCalls:
             except Unkeepable as why:
                 raise _Unkept(output, str(why)) from None
             site = self.site(path, form)
-            if site.keep is None:  # the lower tiers get it once trimmed to what the encode read (settle)
-                self.lookups.withhold_write_through()
             value = kept(form, leaves, site.keep)
             encoded.update(output=output, form=form, site=site, value=value)
             return value
@@ -343,21 +347,18 @@ class EncoderCalls:
         output = self.served(value, args, kwargs, run, path, key, method)
         audit = self.store.audit
         if audit is not None and audit.due():
-            return self._audited(output, value, run, args, kwargs, method)
+            return self.audited(output, value, run, args, kwargs, method)
         return output
 
     def read(self, output: Any, form: tuple, site: Site, made: list[tuple[CallKey, tuple]], method: str) -> Any:
-        """Hand the encode the real output, noting what it reads; entries made before their site's reads were known
-        keep only those once the call ends (:meth:`settle`)."""
+        """Hand the encode the real output, noting what it reads: the site keeps that from the call's end on, and
+        entries made before it was known are trimmed then (:meth:`settle`)."""
         reads = Reads()
-        if site.keep is not None:
-            reads.leaves = site.keep  # later reads grow what the site keeps
-        else:
-            pending = getattr(self.local, "pending", None)
-            if pending is None:
-                pending = self.local.pending = []
-            ticket = self.lookups.ticket  # a clear() meanwhile voids the trimmed entry as it voided the first
-            pending.extend((key, value, reads, site, method, ticket) for key, value in made)
+        pending = getattr(self.local, "pending", None)
+        if pending is None:
+            pending = self.local.pending = []
+        ticket = self.lookups.ticket  # a clear() meanwhile voids the trimmed entry as it voided the first
+        pending.extend((key, value, reads, site, method, ticket) for key, value in made or [(None, None)])
         return reading(output, form, reads)
 
     def served(
@@ -377,17 +378,18 @@ class EncoderCalls:
             if not fresh:
                 with torch.inference_mode(modes[1]), torch.set_grad_enabled(modes[0]):
                     fresh.append(take_apart(run(*inputs)))
-                form, leaves = fresh[0]
-                site = self.site(path, form)
-                with self._lock:
-                    site.keep = {index} if site.keep is None else site.keep | {index}
-                if key is not None:
-                    self.lookups.put(key, kept(form, leaves, site.keep), method, ticket)
-            return fresh[0][1][index]
+            form, leaves = fresh[0]
+            site = self.site(path, form)
+            with self._lock:
+                grown = site.keep is None or index not in site.keep
+                site.keep = {index} if site.keep is None else site.keep | {index}
+            if grown and key is not None:  # kept from now on
+                self.lookups.put(key, kept(form, leaves, site.keep), method, ticket, write=False)
+            return leaves[index]
 
         return served(value, device, fetch)
 
-    def _audited(self, output: Any, value: tuple, run: Run, args: tuple, kwargs: dict, method: str) -> Any:
+    def audited(self, output: Any, value: tuple, run: Run, args: tuple, kwargs: dict, method: str) -> Any:
         """Encode an answered call again and compare what the entry keeps; on a difference serve the fresh output
         and turn the cache off for the pipeline's class (see :mod:`.audit`)."""
         try:

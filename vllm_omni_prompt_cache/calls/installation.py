@@ -56,6 +56,9 @@ class Installation:
         self.originals: dict[str, Callable[..., Any]] = {}  # each wrapped method's original, by name
         self.methods: dict[str, MethodCalls] = {}  # what serves each wrapped method's calls, by name
         self._lock = threading.RLock()
+        #: the encode being gathered from encoder calls outside every wrapped method: its shared frames (outermost
+        #: first) and the encoders it called
+        self._open: tuple[list[tuple[str, Any]], set[str]] | None = None
         self.encoder_calls = EncoderCalls(pipeline, cache, tag, self._found if find_encodes else None, digest)
         self.encoder_calls.rows = RowCalls(self.encoder_calls)
 
@@ -86,28 +89,40 @@ class Installation:
         self.originals[name] = encode_fn
         self.methods[name] = calls
 
-    def _found(self) -> str | None:
-        """An encoder runs outside every wrapped method: wrap the deepest method of the pipeline that called it, and
-        return its name (None: no method of the pipeline called it)."""
-        frame = sys._getframe(2)
-        names = [name for name in calling_methods(self.pipeline, frame) if name not in ("__call__", "forward")]
-        if not names:
+    def _found(self, encoder: str) -> str | None:
+        """An encoder runs outside every wrapped method: return the method it is counted under (None: no method of
+        the pipeline called it). The calls of different encoders under shared frames belong to one encode (SD3's
+        CLIP-L, CLIP-G and T5); a second call of an encoder already seen, or one under other frames, begins the next.
+        The deepest method an encode's calls share so far is wrapped, to count its later calls as its own."""
+        frames = [
+            (name, frame)
+            for name, frame in calling_methods(self.pipeline, sys._getframe(2))
+            if name not in ("__call__", "forward")
+        ]
+        if not frames:
             return None
-        name = names[-1]
         with self._lock:
-            if name in self.methods:  # wrapped on another thread meanwhile, or called unwrapped by a bound reference
-                return name
-            encode_fn = getattr(self.pipeline, name, None)
-            try:
-                signature = inspect.signature(encode_fn)
-            except (TypeError, ValueError):
-                return name
-            encoders = ", ".join(self.encoders)
-            self.wrap(name, f"found: it calls {encoders}", encode_fn, signature, found=True)
-            logger.info(
-                "Prompt-embed cache: %s.%s calls %s; its calls are counted as its own.", self.tag, name, encoders
-            )
-        return name
+            opened = self._open
+            if opened is not None:
+                shared = _shared(opened[0], frames)
+                opened = None if encoder in opened[1] or not shared else (shared, opened[1] | {encoder})
+            self._open = opened = opened or (frames, {encoder})
+            name = opened[0][-1][0]
+            self._settle(name)  # a shallower one, wrapped later, is the outer call: it counts, the inner runs through
+            return name
+
+    def _settle(self, name: str) -> None:
+        """Wrap ``name``, the deepest method an encode's encoder calls share; the lock is held."""
+        if name in self.methods:  # wrapped meanwhile, or called unwrapped by a bound reference
+            return
+        encode_fn = getattr(self.pipeline, name, None)
+        try:
+            signature = inspect.signature(encode_fn)
+        except (TypeError, ValueError):
+            return
+        encoders = ", ".join(self.encoders)
+        self.wrap(name, f"found: it calls {encoders}", encode_fn, signature, found=True)
+        logger.info("Prompt-embed cache: %s.%s calls %s; its calls are counted as its own.", self.tag, name, encoders)
 
     def describe(self) -> dict[str, Any]:
         """Return what stats() says of the encode methods: how each was found, and what serves its calls."""
@@ -125,19 +140,29 @@ class Installation:
         self.encoder_calls.remove()
 
 
-def calling_methods(pipeline: Any, frame: Any) -> list[str]:
-    """Return the names of ``pipeline``'s methods running on the stack above ``frame``, outermost first: frames
-    whose first argument is the pipeline and whose code is what the pipeline's class resolves that name to."""
+def calling_methods(pipeline: Any, frame: Any) -> list[tuple[str, Any]]:
+    """Return ``(name, frame)`` of ``pipeline``'s methods running on the stack above ``frame``, outermost first:
+    frames whose first argument is the pipeline and whose code is what the pipeline's class resolves that name to."""
     kind = type(pipeline)
-    names: list[str] = []
+    found: list[tuple[str, Any]] = []
     while frame is not None:
         code = frame.f_code
         if code.co_argcount >= 1 and frame.f_locals.get(code.co_varnames[0]) is pipeline:
             name = code.co_name
             if _defines(kind, name, code) and not _defines(torch.nn.Module, name, code):
-                names.append(name)
+                found.append((name, frame))
         frame = frame.f_back
-    return names[::-1]
+    return found[::-1]
+
+
+def _shared(frames: list[tuple[str, Any]], others: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Return the frames two encoder calls share, outermost first (the same frame objects)."""
+    shared = []
+    for mine, theirs in zip(frames, others, strict=False):
+        if mine[1] is not theirs[1]:
+            break
+        shared.append(mine)
+    return shared
 
 
 def _defines(kind: type, name: str, code: Any) -> bool:

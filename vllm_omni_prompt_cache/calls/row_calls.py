@@ -100,14 +100,11 @@ class RowCalls:
         values, owned, joined, direct = self._claims(keys, firsts, method)
         fresh: dict[int, tuple] = {}  # rows this call encoded and offered to the store
         encoded = [0]
-        withheld: list[bool] = []  # not written through yet
         hit = len(values) + len(copies)  # found, and rows repeating another of this call
         bypassed: list[str] = []
 
         def encode(row: int, remaining: list[int]) -> tuple:
             """Encode ``remaining`` (owned rows not served yet, ``row`` first) as one sub-batch, once."""
-            if withheld:  # the lower tiers get these rows once trimmed to what the encode read (settle)
-                lookups.withhold_write_through()
             if row not in fresh:
                 output = run(*rows_of(args, kwargs, remaining))
                 encoded[0] += len(remaining)
@@ -116,9 +113,6 @@ class RowCalls:
                     raise _Unkept(output, "its output does not split into rows")
                 one = row_form(form, 1)
                 keep = calls.site(path, one).keep
-                if keep is None:
-                    withheld.append(True)
-                    lookups.withhold_write_through()
                 for position, each in enumerate(remaining):
                     cut = [leaf[position : position + 1] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
                     fresh[each] = kept(one, cut, keep)
@@ -165,8 +159,11 @@ class RowCalls:
         calls.count(method, update)
         assembled = _assembled([values[row] for row in range(size)])
         output = calls.served(assembled, args, kwargs, run, path, None, method)
+        audit = calls.store.audit
+        if hit and audit is not None and audit.due():  # rows found: the batch encoded again and compared
+            return calls.audited(output, assembled, run, args, kwargs, method)
         site = calls.site(path, values[0][1])
-        if made and site.keep is None:
+        if made:  # what the encode reads of rows it encoded is what the site keeps
             return calls.read(output, assembled[1], site, made, method)
         return output
 
@@ -219,7 +216,7 @@ class RowCalls:
                 one_form, one_leaves = alone[row]
                 keep = calls.site(path, one_form).keep
                 value = kept(one_form, one_leaves, keep)
-                self.lookups.put(keys[row], value, method, ticket, write=keep is not None)  # else once trimmed
+                self.lookups.put(keys[row], value, method, ticket)
                 made.append((keys[row], value))
 
         def update(tally_now: EncodeTally) -> None:

@@ -119,10 +119,19 @@ def skeleton(form: tuple) -> tuple:
 
 
 class Reads:
-    """Which leaves of one encoder output its encode took out of their containers (thread-safe enough: a set)."""
+    """Which leaves of one encoder output its encode took out of their containers. A tuple it was handed but took no
+    item out of (``torch.stack(out.hidden_states)``: C code reads it in place, unseen) counts as read whole."""
 
     def __init__(self) -> None:
         self.leaves: set[int] = set()
+        self.tuples: dict[int, list] = {}  # id of a reading tuple -> [its leaves, handed out, an item taken out]
+
+    def kept(self) -> set[int]:
+        """Return the leaves to keep: those taken out, and every leaf of a tuple handed out whole."""
+        whole = (
+            index for leaves, handed, itemized in self.tuples.values() if handed and not itemized for index in leaves
+        )
+        return self.leaves | set(whole)
 
 
 # --- A miss: the real output, in containers that note what is read ------------------------------------------------
@@ -136,9 +145,10 @@ class ReadingTuple(tuple):
     _indices: tuple[int, ...]
     _reads: Reads
 
-    def __new__(cls, items: tuple, indices: tuple[int | None, ...], reads: Reads) -> ReadingTuple:
+    def __new__(cls, items: tuple, indices: tuple[int | None, ...], reads: Reads, *, handed: bool) -> ReadingTuple:
         made = super().__new__(cls, items)
         _TUPLE_NOTES[id(made)] = (indices, reads)
+        reads.tuples[id(made)] = [[index for index in indices if index is not None], handed, False]
         return made
 
     def _note(self, positions: range | list[int]) -> None:
@@ -146,6 +156,7 @@ class ReadingTuple(tuple):
         if notes is not None:
             indices, reads = notes
             reads.leaves.update(indices[position] for position in positions if indices[position] is not None)
+            reads.tuples[id(self)][2] = True
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
@@ -166,7 +177,7 @@ class ReadingTuple(tuple):
 _TUPLE_NOTES: dict[int, tuple[tuple[int | None, ...], Reads]] = {}
 
 
-def reading(output: Any, form: tuple, reads: Reads) -> Any:
+def reading(output: Any, form: tuple, reads: Reads, *, handed: bool = True) -> Any:
     """Return ``output`` as its encode gets it on a miss: the same leaves, in containers that note in ``reads``
     which of them the encode takes out. A leaf no container hands out (a bare tensor) counts as read."""
     if form[0] == "tensor":
@@ -177,11 +188,11 @@ def reading(output: Any, form: tuple, reads: Reads) -> Any:
         others = [item for item in form[1] if item[0] != "tensor"]
         for item in others:  # nested containers: read whole
             reads.leaves.update(part[1] for part in tensor_leaves(item))
-        return ReadingTuple(output, indices, reads)
+        return ReadingTuple(output, indices, reads, handed=handed)
     if form[0] == "output":
         for name, item in form[2]:
             if item[0] == "tuple" and type(dict.__getitem__(output, name)) is tuple:
-                wrapped = reading(dict.__getitem__(output, name), item, reads)
+                wrapped = reading(dict.__getitem__(output, name), item, reads, handed=False)  # handed when read
                 OrderedDict.__setitem__(output, name, wrapped)
                 object.__setattr__(output, name, wrapped)
         object.__setattr__(output, "__class__", _reading_class(type(output)))
@@ -218,7 +229,11 @@ def _field_read(output: Any, name: str) -> None:
                 fetched = fetch(item[1])
                 OrderedDict.__setitem__(output, name, fetched)
                 object.__setattr__(output, name, fetched)
-        elif item[0] != "tuple":
+        elif item[0] == "tuple":
+            handed = reads.tuples.get(id(dict.__getitem__(output, name)))
+            if handed is not None:
+                handed[1] = True
+        else:
             reads.leaves.update(part[1] for part in tensor_leaves(item))
 
 
@@ -235,13 +250,16 @@ def _reading_class(kind: type) -> type:
         return kind.__getattribute__(self, name)
 
     def __getitem__(self: Any, key: Any) -> Any:
+        # By the ordered dict itself: ModelOutput's own __getitem__ goes through items(), which comes back here.
         if isinstance(key, str):
             _field_read(self, key)
-            return kind.__getitem__(self, key)
+            return dict.__getitem__(self, key)
         names = list(dict.keys(self))
-        for name in names[key] if isinstance(key, slice) else [names[key]]:
+        chosen = names[key] if isinstance(key, slice) else [names[key]]
+        for name in chosen:
             _field_read(self, name)
-        return kind.__getitem__(self, key)
+        found = tuple(dict.__getitem__(self, name) for name in chosen)
+        return found if isinstance(key, slice) else found[0]
 
     def __del__(self: Any) -> None:
         _OUTPUT_NOTES.pop(id(self), None)

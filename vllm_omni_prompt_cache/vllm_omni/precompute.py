@@ -267,9 +267,12 @@ async def _parity(kwargs: dict[str, Any], prompts: Sequence[Any], params: Any, b
             await asyncio.gather(
                 *(_send(engine, prompt, params, f"parity-{start + i}") for i, prompt in enumerate(batch))
             )
-        added = (await cache_stats(engine) or CacheStats()).since(before)
+        after = await cache_stats(engine) or CacheStats()
+    # Audits since the start: the start-up warm-up's prompt is stored too, and its hit is audited (a wrong entry
+    # there turns the cache off before the sample is sent). Encodes only of the sample: the warm-up may not be stored.
+    added = after.since(before)
     return ParityReport(
-        sampled=len(prompts), audits=added.audits, mismatches=added.audit_mismatches, encodes=added.misses
+        sampled=len(prompts), audits=after.audits, mismatches=after.audit_mismatches, encodes=added.misses
     )
 
 
