@@ -320,6 +320,7 @@ class EncoderCalls:
             try:
                 form, leaves = take_apart(output)
             except Unkeepable as why:
+                encoded["unkept"] = True  # counted as a bypass, not a miss
                 raise _Unkept(output, str(why)) from None
             site = self.site(path, form)
             value = kept(form, leaves, site.keep)

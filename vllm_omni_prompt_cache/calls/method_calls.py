@@ -22,7 +22,7 @@ import torch
 from vllm_omni_prompt_cache.calls.encoder_calls import EncoderCalls, EncodeTally
 from vllm_omni_prompt_cache.counts.counters import KEY_ONLY_HITS, Outcome, tally
 from vllm_omni_prompt_cache.encoders.text_encoders import noting_token_tables
-from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, CallKeyBuilder, value_key
+from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, CallKeyBuilder, freeze_witness, value_key
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
 from vllm_omni_prompt_cache.store.values import detach_value, unaliased
@@ -213,8 +213,8 @@ def _data_attributes(instance: Any) -> dict[str, tuple[Any, bool]]:
         if callable(value) or isinstance(value, torch.nn.Module):
             continue
         keyed = value_key(value)
-        if type(keyed) is not Bypass:
-            data[name] = (keyed, type(value) in (int, float))
+        if type(keyed) is not Bypass:  # spelled as plain data: an identity holds sizes (torch.Size) no key reads
+            data[name] = ((repr(keyed[0]), freeze_witness(keyed[1])), type(value) in (int, float))
     return data
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -59,10 +60,32 @@ def _form(value: Any, leaves: list[Any], *, in_fields: bool) -> tuple:
         spelled = f"{_plain_class(kind).__module__}:{_plain_class(kind).__qualname__}"
         fields = tuple((name, _form(item, leaves, in_fields=True)) for name, item in dict.items(value))
         return ("output", spelled, fields)
+    if not in_fields and _is_attributes_output(value):  # vLLM-Omni's MistralEncoderOutput: its fields, as attributes
+        spelled = f"{_plain_class(kind).__module__}:{_plain_class(kind).__qualname__}"
+        fields = tuple((name, _form(item, leaves, in_fields=True)) for name, item in vars(value).items())
+        return ("output", spelled, fields, ATTRIBUTES)
     if in_fields:  # a KV cache, say: never kept, fetched by a hit that reads it
         leaves.append(value)
         return ("object", len(leaves) - 1)
     raise Unkeepable(f"a {kind.__module__}.{kind.__qualname__} outside a model output's fields")
+
+
+#: Marks the form of an output whose fields are plain attributes (an object with a ``__dict__``, no ordered dict).
+ATTRIBUTES = "attributes"
+
+
+def _is_attributes_output(value: Any) -> bool:
+    """An object of a class of Python's that holds its fields as attributes named as its ``__init__``'s parameters,
+    rebuilt by setting them (no torch module, no ordered dict)."""
+    kind = type(value)
+    if isinstance(value, (torch.nn.Module, dict, tuple, list)) or kind.__module__ == "builtins":
+        return False
+    try:
+        names = list(inspect.signature(kind.__init__).parameters)[1:]
+        attributes = vars(value)
+    except (TypeError, ValueError):
+        return False
+    return bool(attributes) and set(attributes) <= set(names)
 
 
 def _plain_class(kind: type) -> type:
@@ -100,7 +123,7 @@ def row_form(form: tuple, rows: int) -> tuple:
     if tag == "dict":
         return (tag, tuple((key, row_form(item, rows)) for key, item in form[1]))
     if tag == "output":
-        return (tag, form[1], tuple((key, row_form(item, rows)) for key, item in form[2]))
+        return (tag, form[1], tuple((key, row_form(item, rows)) for key, item in form[2]), *form[3:])
     return form
 
 
@@ -114,7 +137,7 @@ def skeleton(form: tuple) -> tuple:
     if tag == "dict":
         return (tag, tuple((key, skeleton(item)) for key, item in form[1]))
     if tag == "output":
-        return (tag, form[1], tuple((key, skeleton(item)) for key, item in form[2]))
+        return (tag, form[1], tuple((key, skeleton(item)) for key, item in form[2]), *form[3:])
     return form
 
 
@@ -191,11 +214,9 @@ def reading(output: Any, form: tuple, reads: Reads, *, handed: bool = True) -> A
         return ReadingTuple(output, indices, reads, handed=handed)
     if form[0] == "output":
         for name, item in form[2]:
-            if item[0] == "tuple" and type(dict.__getitem__(output, name)) is tuple:
-                wrapped = reading(dict.__getitem__(output, name), item, reads, handed=False)  # handed when read
-                OrderedDict.__setitem__(output, name, wrapped)
-                object.__setattr__(output, name, wrapped)
-        object.__setattr__(output, "__class__", _reading_class(type(output)))
+            if item[0] == "tuple" and type(_field(output, name)) is tuple:
+                _set_field(output, name, reading(_field(output, name), item, reads, handed=False))  # handed when read
+        object.__setattr__(output, "__class__", _reading_class(type(output), tuple(name for name, _ in form[2])))
         _OUTPUT_NOTES[id(output)] = (form, reads, None)
         return output
     reads.leaves.update(part[1] for part in tensor_leaves(form))  # lists and dicts: read whole
@@ -204,8 +225,18 @@ def reading(output: Any, form: tuple, reads: Reads, *, handed: bool = True) -> A
 
 #: A reading model output's form, reads and fetch, by its id.
 _OUTPUT_NOTES: dict[int, tuple[tuple, Reads, Callable[[int], Any] | None]] = {}
-_reading_classes: dict[type, type] = {}
+_reading_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 _classes_lock = threading.Lock()
+
+
+def _field(output: Any, name: str) -> Any:
+    return dict.__getitem__(output, name) if isinstance(output, dict) else object.__getattribute__(output, name)
+
+
+def _set_field(output: Any, name: str, value: Any) -> None:
+    if isinstance(output, dict):
+        OrderedDict.__setitem__(output, name, value)
+    object.__setattr__(output, name, value)
 
 
 def _field_read(output: Any, name: str) -> None:
@@ -218,31 +249,27 @@ def _field_read(output: Any, name: str) -> None:
             continue
         if item[0] == "tensor":
             reads.leaves.add(item[1])
-            current = dict.__getitem__(output, name)
+            current = _field(output, name)
             if isinstance(current, Deferred):  # a hit's: fetched where the encode reads it, in its mode
-                fetched = current._fetch()
-                OrderedDict.__setitem__(output, name, fetched)
-                object.__setattr__(output, name, fetched)
+                _set_field(output, name, current._fetch())
         elif item[0] == "object":
             reads.leaves.add(item[1])
-            if fetch is not None and dict.__getitem__(output, name) is _ABSENT:
-                fetched = fetch(item[1])
-                OrderedDict.__setitem__(output, name, fetched)
-                object.__setattr__(output, name, fetched)
+            if fetch is not None and _field(output, name) is _ABSENT:
+                _set_field(output, name, fetch(item[1]))
         elif item[0] == "tuple":
-            handed = reads.tuples.get(id(dict.__getitem__(output, name)))
+            handed = reads.tuples.get(id(_field(output, name)))
             if handed is not None:
                 handed[1] = True
         else:
             reads.leaves.update(part[1] for part in tensor_leaves(item))
 
 
-def _reading_class(kind: type) -> type:
-    """Return the subclass of a model output class whose field reads are noted (and absent objects fetched)."""
-    found = _reading_classes.get(kind)
+def _reading_class(kind: type, names: tuple[str, ...]) -> type:
+    """Return the subclass of an output class whose field reads are noted (and absent objects fetched)."""
+    found = _reading_classes.get((kind, names))
     if found is not None:
         return found
-    fields = {field.name for field in dataclasses.fields(kind)}
+    fields = set(names)
 
     def __getattribute__(self: Any, name: str) -> Any:
         if name in fields:
@@ -273,21 +300,19 @@ def _reading_class(kind: type) -> type:
     def items(self: Any) -> Any:
         return [(name, self[name]) for name in dict.keys(self)]
 
-    namespace = {
+    namespace: dict[str, Any] = {
         "__getattribute__": __getattribute__,
-        "__getitem__": __getitem__,
         "__del__": __del__,
-        "to_tuple": to_tuple,
-        "values": values,
-        "items": items,
         "_plain_class": kind,
         "__module__": kind.__module__,
         "__qualname__": kind.__qualname__,
     }
+    if issubclass(kind, dict):  # a ModelOutput: read by key and position too
+        namespace.update(__getitem__=__getitem__, to_tuple=to_tuple, values=values, items=items)
     with _classes_lock:
-        found = _reading_classes.get(kind)
+        found = _reading_classes.get((kind, names))
         if found is None:
-            found = _reading_classes[kind] = type(kind.__name__, (kind,), namespace)
+            found = _reading_classes[(kind, names)] = type(kind.__name__, (kind,), namespace)
     return found
 
 
@@ -405,17 +430,21 @@ def _rebuilt_output(form: tuple, stored: tuple, device: torch.device | None, fet
     for part in name.split("."):
         kind = getattr(kind, part)
     fields = {
-        field: (_ABSENT if item[0] == "object" else _rebuilt(item, stored, device, fetch)) for field, item in form[2]
+        field: _ABSENT if item[0] == "object" else _rebuilt(item, stored, device, fetch) for field, item in form[2]
     }
-    absent = [field for field, value in fields.items() if value is _ABSENT]
-    output = kind(**{field: value for field, value in fields.items() if value is not _ABSENT})
-    if not absent and not any(isinstance(value, Deferred) for value in fields.values()):
+    if form[3:] == (ATTRIBUTES,):  # its attributes set as they were: its __init__ may compute
+        output = object.__new__(kind)
+        for field, value in fields.items():
+            object.__setattr__(output, field, value)
+    else:
+        output = kind(**{field: value for field, value in fields.items() if value is not _ABSENT})
+        for field, value in fields.items():  # in its place, so that positions and keys are the real output's
+            if value is _ABSENT:
+                _set_field(output, field, _ABSENT)
+        _reorder(output, [field for field, _ in form[2]])
+    if not any(value is _ABSENT or isinstance(value, Deferred) for value in fields.values()):
         return output
-    for field in absent:  # in its place, so that positions and keys are the real output's
-        OrderedDict.__setitem__(output, field, _ABSENT)
-        object.__setattr__(output, field, _ABSENT)
-    _reorder(output, [field for field, _ in form[2]])
-    object.__setattr__(output, "__class__", _reading_class(kind))
+    object.__setattr__(output, "__class__", _reading_class(kind, tuple(fields)))
     _OUTPUT_NOTES[id(output)] = (form, Reads(), fetch)
     return output
 
