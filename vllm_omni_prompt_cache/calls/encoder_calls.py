@@ -30,6 +30,7 @@ from vllm_omni_prompt_cache.encoders.outputs import (
     ENTRY_TAG,
     Reads,
     Unkeepable,
+    form_of,
     is_entry,
     kept,
     reading,
@@ -398,7 +399,7 @@ class EncoderCalls:
             form, leaves = take_apart(fresh)
             pairs = [(value[2][index], leaf) for index, leaf in enumerate(leaves) if value[2][index] is not None]
             why = compare_outputs([stored for stored, _ in pairs], [leaf for _, leaf in pairs])[0]
-            if why is None and form != value[1]:
+            if why is None and form != form_of(value[1]):
                 why = "its output has another form"
         except Exception as error:  # out of memory, say: the call was served; the audit is what failed
             warn_once(f"an audit's encode failed ({type(error).__qualname__}: {error}); the hit was served")

@@ -26,7 +26,16 @@ from vllm_omni_prompt_cache.calls.encoder_calls import (
     Site,
     _Unkept,
 )
-from vllm_omni_prompt_cache.encoders.outputs import ENTRY_TAG, Unkeepable, kept, row_form, splits, take_apart
+from vllm_omni_prompt_cache.encoders.outputs import (
+    ENTRY_TAG,
+    Unkeepable,
+    form_of,
+    kept,
+    row_form,
+    spelled,
+    splits,
+    take_apart,
+)
 from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, value_key
 from vllm_omni_prompt_cache.logs import logger
 from vllm_omni_prompt_cache.rows.encoder_rows import batch_size, compare_outputs, rows_of
@@ -162,9 +171,9 @@ class RowCalls:
         audit = calls.store.audit
         if hit and audit is not None and audit.due():  # rows found: the batch encoded again and compared
             return calls.audited(output, assembled, run, args, kwargs, method)
-        site = calls.site(path, values[0][1])
+        site = calls.site(path, form_of(values[0][1]))
         if made:  # what the encode reads of rows it encoded is what the site keeps
-            return calls.read(output, assembled[1], site, made, method)
+            return calls.read(output, form_of(assembled[1]), site, made, method)
         return output
 
     def _first(
@@ -263,7 +272,7 @@ def _distinct(keys: list[CallKey]) -> tuple[list[int], list[tuple[int, int]]]:
 
 def _assembled(values: list[tuple]) -> tuple:
     """Return the entry value a batched call's rows stand for: their tensors stacked along the first dimension."""
-    form = row_form(values[0][1], len(values))
+    form = spelled(row_form(form_of(values[0][1]), len(values)))
     leaves = []
     for index in range(len(values[0][2])):
         parts = [value[2][index] for value in values]

@@ -13,8 +13,10 @@ entry lacks therefore costs an encode, never a wrong value. Nothing here knows a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -320,12 +322,29 @@ def _reading_class(kind: type, names: tuple[str, ...]) -> type:
 
 
 def kept(form: tuple, leaves: list[Any], keep: set[int] | None) -> tuple:
-    """Return an entry's value: the form and a copy of each tensor leaf in ``keep`` (None: every tensor)."""
+    """Return an entry's value: the form (spelled as one string: what a store walks stays three items) and a copy of
+    each tensor leaf in ``keep`` (None: every tensor)."""
     stored = tuple(
         leaf.detach().clone() if isinstance(leaf, torch.Tensor) and (keep is None or index in keep) else None
         for index, leaf in enumerate(leaves)
     )
-    return (ENTRY_TAG, form, stored)
+    return (ENTRY_TAG, spelled(form), stored)
+
+
+@functools.lru_cache(maxsize=1024)
+def spelled(form: tuple) -> str:
+    """Return ``form`` as the string an entry keeps."""
+    return json.dumps(form, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=1024)
+def form_of(spelled_form: str) -> tuple:
+    """Return the form an entry's string spells (parsed once per form)."""
+    return _tuples(json.loads(spelled_form))
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
 
 
 def is_entry(value: Any) -> bool:
@@ -395,7 +414,7 @@ def served(value: tuple, device: torch.device | None, fetch: Callable[[int], Any
     tensor a fresh copy (what the caller does to it never reaches the entry), every other leaf fetched on use by
     ``fetch(index)``."""
     _, form, stored = value
-    return _rebuilt(form, stored, device, fetch)
+    return _rebuilt(form_of(form), stored, device, fetch)
 
 
 def _rebuilt(form: tuple, stored: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> Any:
