@@ -131,7 +131,8 @@ def test_with_the_cache_each_distinct_row_is_encoded_once(cached, cached_batched
     assert found_method(stats.methods) == "encode_prompt_from_token_ids", stats.methods
     found = stats.methods["encode_prompt_from_token_ids"]
     assert cached.encoder_rows == DISTINCT_ROWS, stats
-    assert found["misses"] + found["hits"] == REQUESTS - DISCOVERY_ROWS and found["misses"] <= len(PROMPTS), stats
+    assert REQUESTS - DISCOVERY_ROWS <= found["misses"] + found["hits"] <= REQUESTS, stats
+    assert found["misses"] <= len(PROMPTS), stats
     assert (stats.methods["encode_prompt"]["misses"], stats.methods["encode_prompt"]["hits"]) == (1, REQUESTS - 1)
     # Batched: each encode method's first batched call is checked against its rows, uncached, once.
     stats = cached_batched.stats
@@ -183,7 +184,7 @@ def test_renamed_the_adapter_gets_the_cache_by_what_its_encode_does(uncached, ca
     one request per forward is keyed whole and no row is encoded twice."""
     assert found_method(renamed.stats.methods) == "embed_clip_t5_ids", renamed.stats.methods
     found = renamed.stats.methods["embed_clip_t5_ids"]
-    assert found["misses"] + found["hits"] == REQUESTS - DISCOVERY_ROWS and found["misses"] <= len(PROMPTS)
+    assert REQUESTS - DISCOVERY_ROWS <= found["misses"] + found["hits"] <= REQUESTS and found["misses"] <= len(PROMPTS)
     assert renamed.encoder_rows == DISTINCT_ROWS + found["audits"], renamed.stats
     assert found["audits"] == 0 and found["audit_mismatches"] == 0  # a hit answers the encoder's calls: no check
     for index, latents in uncached.latents.items():
