@@ -369,7 +369,7 @@ class EncoderCalls:
         """Return the output an entry stands for, on the device of the call's inputs; a leaf it does not keep is
         fetched by running the encoder on (a copy of) this call's inputs, and kept from then on."""
         device = _device_of(args, kwargs)
-        if None not in value[2]:
+        if not any(leaf is None for leaf in value[2]):  # by identity: ``in`` would compare tensors with None
             return served(value, device, _never)
         inputs = _owned(args, kwargs)
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())  # the call's: a fetch runs in them

@@ -62,9 +62,6 @@ class Lookups:
         self.verify = verify
         self.lock = threading.Lock()  # guards entries, flights and the ticket
         self.ticket = Ticket()  # replaced at each clear() and sleep
-        #: Set by a compute on its thread when its result must not be written through under its key (the
-        #: encode read state the key does not hold; the caller keeps it under a key that does).
-        self.withheld = threading.local()
         self._record = record
 
     def get(self, key: CallKey | Hashable, method: str) -> tuple[bool, Any]:
@@ -108,10 +105,6 @@ class Lookups:
         """Drop ``identity``'s entry from device memory, if any (the lower tiers keep theirs)."""
         with self.lock:
             self.entries.pop(identity)
-
-    def withhold_write_through(self) -> None:
-        """Keep the result being computed on this thread out of the lower tiers (see :meth:`complete`)."""
-        self.withheld.active = True
 
     def serve(
         self, key: CallKey, compute: Callable[[], T], count: CountCall, method: str, made_under: Ticket | None = None
@@ -203,14 +196,11 @@ class Lookups:
             value = result if found else detach_value(result)
             entry = Entry.of(value, flight.witness)
         except BaseException:  # the encode raised, or the lookup was interrupted
-            self.withheld.active = False
             self.abandon([(key, flight)])  # waiters try again; nothing is stored
             tiers.release(key, flight.tiers_epoch)  # other processes waiting for it encode it themselves
             raise
         stamp = self._keep(key.identity, entry, method, Stamp(flight.ticket, flight.tiers_epoch), flight)
-        withheld = getattr(self.withheld, "active", False)
-        self.withheld.active = False
-        if not found and stamp.ticket is self.ticket and not withheld:
+        if not found and stamp.ticket is self.ticket:
             tiers.write(key, entry, stamp)
         elif not found:
             tiers.release(key, flight.tiers_epoch)

@@ -49,7 +49,7 @@ from vllm_omni_prompt_cache.encoders.residency import EncoderMoves
 from vllm_omni_prompt_cache.keys.call_key import CallKey
 from vllm_omni_prompt_cache.store.audit import Audit
 from vllm_omni_prompt_cache.store.entries import LRU
-from vllm_omni_prompt_cache.store.flights import Flights, Ticket
+from vllm_omni_prompt_cache.store.flights import Flights
 from vllm_omni_prompt_cache.store.lookups import COLLISION_REASON, REENTRANT_REASON, Lookups
 from vllm_omni_prompt_cache.store.tiers.directory import DirectoryTier
 from vllm_omni_prompt_cache.store.tiers.host import HOST_AT_SLEEP, HostTier
@@ -197,17 +197,6 @@ class PromptEmbedCache:
         """
         self.lookups.put(key, value, ENCODE_PROMPT)
 
-    def withhold_write_through(self) -> None:
-        """Keep the result being computed on this thread out of the lower tiers under the key it was looked up
-        with: its encode read state that key does not hold (the caller keeps it under one that does)."""
-        self.lookups.withhold_write_through()
-
-    def rekey(self, old: CallKey, new: CallKey, value: Any, made_under: Ticket, method: str) -> None:
-        """Keep ``value`` under ``new`` instead of ``old`` (a key that came to hold more than it was built with),
-        unless a clear() or a sleep came since ``made_under`` (the lookups' ticket before it was looked up)."""
-        self.keep(new, value, made_under, method)
-        self.lookups.forget(old.identity)
-
     def get_or_compute(self, key: CallKey, compute: Callable[[], T], *, method: str = ENCODE_PROMPT) -> T:
         """Return the cached value for ``key``, or run ``compute`` once and cache its result; count the
         call under ``method`` (the pipeline method whose call it is)."""
@@ -221,11 +210,6 @@ class PromptEmbedCache:
         if not counted:  # served without computing: a hit
             self.record(method, WHOLE_HIT)
         return value
-
-    def keep(self, key: CallKey, value: Any, made_under: Ticket, method: str = ENCODE_PROMPT) -> None:
-        """:meth:`put` for a value computed under ``made_under`` (the lookups' ticket then), counted under
-        ``method``: not kept if a clear() or a sleep came since."""
-        self.lookups.put(key, value, method, made_under)
 
     def register(self, method: str) -> None:
         """List ``method`` in the stats from now on, at zero."""
