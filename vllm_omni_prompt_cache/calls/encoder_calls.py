@@ -50,6 +50,7 @@ from vllm_omni_prompt_cache.logs import logger, warn_once
 from vllm_omni_prompt_cache.rows.encoder_rows import compare_outputs
 from vllm_omni_prompt_cache.store.audit import turn_off
 from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
+from vllm_omni_prompt_cache.store.shared_heads import whole
 
 #: Why an encoder call runs uncached (the ``reason`` label of ``bypass_reasons``).
 UNKEEPABLE = "the text encoder's output holds an object no entry can keep"
@@ -284,7 +285,7 @@ class EncoderCalls:
             state_key, changed = state.key()
             if changed is not None:
                 self._state_changed(path, changed)
-            placed_on = getattr(state.module, ENCODE_DEVICE, None)
+            placed_on = vars(state.module).get(ENCODE_DEVICE)  # set as a plain attribute (no module lookup)
             if placed_on is not None:
                 run = on_encode_device(run, placed_on)
         with torch.inference_mode(False):
@@ -345,7 +346,11 @@ class EncoderCalls:
             return unkept.output
         if encoded:
             return self.read(encoded["output"], encoded["form"], encoded["site"], [(key, encoded["value"])], method)
-        self.count(method, lambda t: t.add(answered=rows))
+        open_tally = getattr(self.local, "tally", None)
+        if open_tally is not None:
+            open_tally.add(answered=rows)
+        else:
+            self.count(method, lambda t: t.add(answered=rows))
         output = self.served(value, args, kwargs, run, path, key, method)
         audit = self.store.audit
         if audit is not None and audit.due():
@@ -397,7 +402,7 @@ class EncoderCalls:
         try:
             fresh = run(args, kwargs)
             form, leaves = take_apart(fresh)
-            pairs = [(value[2][index], leaf) for index, leaf in enumerate(leaves) if value[2][index] is not None]
+            pairs = [(whole(value[2][index]), leaf) for index, leaf in enumerate(leaves) if value[2][index] is not None]
             why = compare_outputs([stored for stored, _ in pairs], [leaf for _, leaf in pairs])[0]
             if why is None and form != form_of(value[1]):
                 why = "its output has another form"

@@ -41,6 +41,7 @@ from vllm_omni_prompt_cache.logs import logger
 from vllm_omni_prompt_cache.rows.encoder_rows import batch_size, compare_outputs, rows_of
 from vllm_omni_prompt_cache.store.flights import Claim
 from vllm_omni_prompt_cache.store.lookups import COLLISION_REASON
+from vllm_omni_prompt_cache.store.shared_heads import whole
 
 #: What a row of a call is spelled with in its key, after the module path: no argument encodes to it.
 _ROW = ("row",)
@@ -275,6 +276,6 @@ def _assembled(values: list[tuple]) -> tuple:
     form = spelled(row_form(form_of(values[0][1]), len(values)))
     leaves = []
     for index in range(len(values[0][2])):
-        parts = [value[2][index] for value in values]
+        parts = [whole(value[2][index]) for value in values]
         leaves.append(None if any(part is None for part in parts) else torch.cat(parts))
     return (ENTRY_TAG, form, tuple(leaves))

@@ -274,6 +274,8 @@ class _ConfigSeen:
         values = _attributes(config)
         self.names = tuple(values)
         self.values = tuple(values.values())
+        self.types = tuple(map(type, self.values))
+        self.objects = tuple(position for position, value in enumerate(self.values) if type(value) not in _PLAIN)
         self.copies = {name: _copied(value) for name, value in values.items() if isinstance(value, (list, dict, set))}
         self.nested = {name: _ConfigSeen(value) for name, value in values.items() if _attributes(value) is not None}
 
@@ -283,9 +285,14 @@ class _ConfigSeen:
         values = _attributes(config)
         if values is None or tuple(values) != self.names:
             return False
-        for now, then in zip(values.values(), self.values, strict=True):
-            if now is not then and not (type(now) in _PLAIN and type(then) is type(now) and now == then):
+        now = tuple(values.values())
+        try:  # in C: each value the same object or equal, of the same type; objects of other types the same ones
+            if now != self.values or tuple(map(type, now)) != self.types:
                 return False
+        except Exception:  # an attribute whose == gives no truth value (an array): it changed
+            return False
+        if not all(now[position] is self.values[position] for position in self.objects):
+            return False
         if any(values[name] != copy for name, copy in self.copies.items()):
             return False
         return all(seen.holds(values[name]) for name, seen in self.nested.items())

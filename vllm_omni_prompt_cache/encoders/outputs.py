@@ -7,7 +7,8 @@ its **leaves** (tensors and other objects). The leaves an encode was seen to tak
 (:class:`Reads`) are kept; a hit hands back an output of the same form with fresh copies of the kept leaves, and
 every other tensor as a :class:`Deferred` tensor, which runs the encoder for real the first time anything but
 its shape is asked of it. Any other object a hit's encode reads (a KV cache) is fetched the same way. What an
-entry lacks therefore costs an encode, never a wrong value. Nothing here knows about vLLM-Omni or the store.
+entry lacks therefore costs an encode, never a wrong value. Nothing here knows about vLLM-Omni; of the store, only
+that a kept tensor may be held as a shared head and its own tail (:mod:`~.store.shared_heads`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from vllm_omni_prompt_cache.store.shared_heads import Joined
 
 #: The tag of an entry's value (its form, then its kept leaves): a value without it was not made here.
 ENTRY_TAG = "encoder-output/1"
@@ -323,11 +326,13 @@ def _reading_class(kind: type, names: tuple[str, ...]) -> type:
 
 def kept(form: tuple, leaves: list[Any], keep: set[int] | None) -> tuple:
     """Return an entry's value: the form (spelled as one string: what a store walks stays three items) and a copy of
-    each tensor leaf in ``keep`` (None: every tensor)."""
-    stored = tuple(
-        leaf.detach().clone() if isinstance(leaf, torch.Tensor) and (keep is None or index in keep) else None
-        for index, leaf in enumerate(leaves)
-    )
+    each tensor leaf in ``keep`` (None: every tensor): normal tensors, whose writes the store sees (an inference-mode
+    copy would be copied again there)."""
+    with torch.inference_mode(False):
+        stored = tuple(
+            leaf.detach().clone() if isinstance(leaf, torch.Tensor) and (keep is None or index in keep) else None
+            for index, leaf in enumerate(leaves)
+        )
     return (ENTRY_TAG, spelled(form), stored)
 
 
@@ -414,58 +419,119 @@ def served(value: tuple, device: torch.device | None, fetch: Callable[[int], Any
     tensor a fresh copy (what the caller does to it never reaches the entry), every other leaf fetched on use by
     ``fetch(index)``."""
     _, form, stored = value
-    return _rebuilt(form_of(form), stored, device, fetch)
+    return _builder(form)(stored, device, fetch)
 
 
-def _rebuilt(form: tuple, stored: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> Any:
+Build = Callable[[tuple, "torch.device | None", Callable[[int], Any]], Any]
+
+
+@functools.lru_cache(maxsize=1024)
+def _builder(spelled_form: str) -> Build:
+    """Return the function that rebuilds outputs of one form from an entry's leaves (made once per form: a hit
+    walks no form)."""
+    return _build(form_of(spelled_form))
+
+
+def _build(form: tuple) -> Build:
     tag = form[0]
     if tag == "tensor":
-        index = form[1]
-        leaf = stored[index]
-        if leaf is not None:
-            return leaf.clone() if device is None or leaf.device == device else leaf.to(device, copy=True)
-        dtype = getattr(torch, form[3])
-        where = device if device is not None else _any_device(stored)
-        return Deferred(torch.Size(form[2]), dtype, where, lambda: fetch(index))
-    if tag == "none":
-        return None
-    if tag == "value":
-        return form[1]
-    if tag == "tuple":
-        items = tuple(_rebuilt(item, stored, device, fetch) for item in form[1])
-        return FetchingTuple(items) if any(isinstance(item, Deferred) for item in items) else items
-    if tag == "list":
-        return [_rebuilt(item, stored, device, fetch) for item in form[1]]
+        index, shape, dtype = form[1], torch.Size(form[2]), getattr(torch, form[3])
+
+        def tensor(stored: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> Any:
+            leaf = stored[index]
+            if type(leaf) is Joined:  # a new tensor already
+                leaf = torch.cat(leaf, dim=1)
+                return leaf if device is None or leaf.device == device else leaf.to(device)
+            if leaf is not None:
+                return leaf.clone() if device is None or leaf.device == device else leaf.to(device, copy=True)
+            where = device if device is not None else _any_device(stored)
+            return Deferred(shape, dtype, where, lambda: fetch(index))
+
+        return tensor
+    if tag in ("none", "value"):
+        plain = form[1] if tag == "value" else None
+        return lambda stored, device, fetch: plain
+    if tag in ("tuple", "list"):
+        parts = tuple(_build(item) for item in form[1])
+        if tag == "list":
+            return lambda stored, device, fetch: [part(stored, device, fetch) for part in parts]
+
+        def items(stored: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> tuple:
+            made = tuple(part(stored, device, fetch) for part in parts)
+            return FetchingTuple(made) if any(type(item) is Deferred for item in made) else made
+
+        return items
     if tag == "dict":
-        return {key: _rebuilt(item, stored, device, fetch) for key, item in form[1]}
+        named = tuple((key, _build(item)) for key, item in form[1])
+        return lambda stored, device, fetch: {key: part(stored, device, fetch) for key, part in named}
     if tag == "output":
-        return _rebuilt_output(form, stored, device, fetch)
+        return _OutputBuilder(form)
     raise ValueError(f"an entry's form holds {tag!r} where no leaf may be")
 
 
-def _rebuilt_output(form: tuple, stored: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> Any:
-    module, _, name = form[1].partition(":")
-    kind: Any = importlib.import_module(module)
-    for part in name.split("."):
-        kind = getattr(kind, part)
-    fields = {
-        field: _ABSENT if item[0] == "object" else _rebuilt(item, stored, device, fetch) for field, item in form[2]
-    }
-    if form[3:] == (ATTRIBUTES,):  # its attributes set as they were: its __init__ may compute
-        output = object.__new__(kind)
-        for field, value in fields.items():
-            object.__setattr__(output, field, value)
-    else:
-        output = kind(**{field: value for field, value in fields.items() if value is not _ABSENT})
-        for field, value in fields.items():  # in its place, so that positions and keys are the real output's
+class _OutputBuilder:
+    """Rebuilds a model output of one form. A ``ModelOutput`` is built by its ``__init__`` until one built by setting
+    its fields directly (no ``__post_init__``: a tenth of the cost) was seen to come out the same."""
+
+    def __init__(self, form: tuple) -> None:
+        module, _, name = form[1].partition(":")
+        kind: Any = importlib.import_module(module)
+        for part in name.split("."):
+            kind = getattr(kind, part)
+        self.kind, self.form = kind, form
+        self.names = tuple(field for field, _ in form[2])
+        self.parts = tuple((field, None if item[0] == "object" else _build(item)) for field, item in form[2])
+        self.attributes = form[3:] == (ATTRIBUTES,)
+        self.declared = (
+            tuple(field.name for field in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else ()
+        )
+        self.direct: bool | None = None if self.declared and not self.attributes else False
+
+    def __call__(self, stored: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> Any:
+        fields = [(field, _ABSENT if part is None else part(stored, device, fetch)) for field, part in self.parts]
+        if self.attributes:  # its attributes set as they were: its __init__ may compute
+            output = object.__new__(self.kind)
+            for field, value in fields:
+                object.__setattr__(output, field, value)
+        elif self.direct:
+            output = self._set_directly(fields)
+        else:
+            output = self._initialized(fields)
+            if self.direct is None:
+                self.direct = _same_output(output, self._set_directly(fields))
+        if not any(value is _ABSENT or type(value) is Deferred for _, value in fields):
+            return output
+        object.__setattr__(output, "__class__", _reading_class(self.kind, self.names))
+        _OUTPUT_NOTES[id(output)] = (self.form, Reads(), fetch)
+        return output
+
+    def _initialized(self, fields: list[tuple[str, Any]]) -> Any:
+        output = self.kind(**{field: value for field, value in fields if value is not _ABSENT})
+        for field, value in fields:  # in its place, so that positions and keys are the real output's
             if value is _ABSENT:
                 _set_field(output, field, _ABSENT)
-        _reorder(output, [field for field, _ in form[2]])
-    if not any(value is _ABSENT or isinstance(value, Deferred) for value in fields.values()):
+        _reorder(output, list(self.names))
         return output
-    object.__setattr__(output, "__class__", _reading_class(kind, tuple(fields)))
-    _OUTPUT_NOTES[id(output)] = (form, Reads(), fetch)
-    return output
+
+    def _set_directly(self, fields: list[tuple[str, Any]]) -> Any:
+        output = self.kind.__new__(self.kind)
+        for field in self.declared:
+            object.__setattr__(output, field, None)
+        for field, value in fields:
+            _set_field(output, field, value)
+        return output
+
+
+def _same_output(built: Any, direct: Any) -> bool:
+    """Whether two rebuilt outputs hold the same objects, under the same keys in the same order (the ordered dict's,
+    which code iterating an output sees), as attributes too."""
+    return (
+        type(built) is type(direct)
+        and list(OrderedDict.keys(built)) == list(OrderedDict.keys(direct))
+        and all(dict.__getitem__(built, key) is dict.__getitem__(direct, key) for key in OrderedDict.keys(built))
+        and vars(built).keys() == vars(direct).keys()
+        and all(value is vars(direct)[name] for name, value in vars(built).items())
+    )
 
 
 class FetchingTuple(tuple):

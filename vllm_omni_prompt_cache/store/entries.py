@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from vllm_omni_prompt_cache.keys.call_key import witness_nbytes
+from vllm_omni_prompt_cache.store.shared_heads import SharedHeads
 from vllm_omni_prompt_cache.store.values import owned_by_cache, tensor_versions, value_nbytes
 
 V = TypeVar("V")
@@ -30,10 +31,14 @@ class Entry(NamedTuple):
     versions: tuple = ()
 
     @classmethod
-    def of(cls, value: Any, witness: tuple[bytes, ...] | None, *, keyed: bool = True) -> Entry:
-        """Return the entry for ``value`` (inference-mode tensors copied, so that writes to them are seen), its
-        size measured and its tensors' versions noted."""
+    def of(
+        cls, value: Any, witness: tuple[bytes, ...] | None, *, keyed: bool = True, heads: SharedHeads | None = None
+    ) -> Entry:
+        """Return the entry for ``value`` (inference-mode tensors copied, so that writes to them are seen; leading
+        positions equal to a head of ``heads`` shared), its size measured and its tensors' versions noted."""
         value = owned_by_cache(value)
+        if heads is not None:
+            value = heads.share(value)
         nbytes = value_nbytes(value) + (0 if witness is None else witness_nbytes(witness))
         return cls(value, witness, nbytes, keyed, tensor_versions(value))
 

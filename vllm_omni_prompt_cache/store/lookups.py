@@ -24,6 +24,7 @@ from vllm_omni_prompt_cache.counts.counters import (
 from vllm_omni_prompt_cache.keys.call_key import CallKey, freeze_witness, witness_matches
 from vllm_omni_prompt_cache.store.entries import LRU, Departures, Entry
 from vllm_omni_prompt_cache.store.flights import Claim, Flight, Flights, Ticket
+from vllm_omni_prompt_cache.store.shared_heads import SharedHeads
 from vllm_omni_prompt_cache.store.tiers.tier import Stamp, Tiers
 from vllm_omni_prompt_cache.store.values import detach_value
 
@@ -62,6 +63,7 @@ class Lookups:
         self.verify = verify
         self.lock = threading.Lock()  # guards entries, flights and the ticket
         self.ticket = Ticket()  # replaced at each clear() and sleep
+        self.heads = SharedHeads()  # the leading positions entries in device memory share
         self._record = record
 
     def get(self, key: CallKey | Hashable, method: str) -> tuple[bool, Any]:
@@ -84,7 +86,8 @@ class Lookups:
             return False, None
         found, value = self.tiers.get(key, claim=False)
         if found:
-            self._keep(identity, Entry.of(value, freeze_witness(witness) if self.verify else None), method, stamp)
+            witness = freeze_witness(witness) if self.verify else None
+            self._keep(identity, Entry.of(value, witness, heads=self.heads), method, stamp)
         return found, value
 
     def put(
@@ -94,7 +97,8 @@ class Lookups:
         :class:`CallKey`'s); ``made_under``: the ticket it was computed under (None: now), void if a clear() or a
         sleep came since."""
         keyed = type(key) is CallKey
-        entry = Entry.of(value, freeze_witness(key.witness) if keyed and self.verify else None, keyed=keyed)
+        witness = freeze_witness(key.witness) if keyed and self.verify else None
+        entry = Entry.of(value, witness, keyed=keyed, heads=self.heads)
         stamp = None if made_under is None else Stamp(made_under, self.tiers.epoch())
         stamp = self._keep(key.identity if keyed else key, entry, method, stamp)
         # A clear() or a sleep since voids the write, as it voids an encode's.
@@ -194,7 +198,7 @@ class Lookups:
             if not found:
                 result = compute()
             value = result if found else detach_value(result)
-            entry = Entry.of(value, flight.witness)
+            entry = Entry.of(value, flight.witness, heads=self.heads)
         except BaseException:  # the encode raised, or the lookup was interrupted
             self.abandon([(key, flight)])  # waiters try again; nothing is stored
             tiers.release(key, flight.tiers_epoch)  # other processes waiting for it encode it themselves
@@ -251,6 +255,7 @@ class Lookups:
         """
         with self.lock:
             self.entries.drain()
+            self.heads.clear()
             self.flights.clear()
             self.ticket.weights.stale = True  # before the host tier empties: a copy still arriving is dropped
             self.ticket = Ticket()
@@ -261,6 +266,7 @@ class Lookups:
         keep departures (oldest first); return how many there were."""
         with self.lock:
             departures = self.entries.drain()
+            self.heads.clear()
             self.flights.clear()
             self.ticket = Ticket(self.ticket.weights)
             stamp = self._stamp()

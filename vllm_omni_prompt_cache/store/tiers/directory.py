@@ -67,6 +67,7 @@ from vllm_omni_prompt_cache.counts.counters import (
 from vllm_omni_prompt_cache.keys.call_key import CallKey
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.store.entries import Entry
+from vllm_omni_prompt_cache.store.shared_heads import whole_value
 from vllm_omni_prompt_cache.store.tiers.directory_budget import LOW_WATER, DirectoryBudget
 from vllm_omni_prompt_cache.store.tiers.directory_claims import Claims, remove_file
 from vllm_omni_prompt_cache.store.tiers.directory_files import (
@@ -350,7 +351,7 @@ class DirectoryTier(Namespaced):
         on since ``stamp.epoch`` (the epoch when its encode began); release its claim. A failure is
         counted, never raised."""
         try:
-            self._write(identity, entry.witness, entry.value, stamp.epoch)
+            self._write(identity, entry.witness, whole_value(entry.value), stamp.epoch)
         except Exception as error:
             self._count(DIR_WRITE_ERRORS)
             warn_once(f"a directory write failed ({type(error).__qualname__}: {error}); it stays in memory")
