@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
+from vllm_omni_prompt_cache.encoders.forms import Joined
 from vllm_omni_prompt_cache.encoders.outputs import ENTRY_TAG
 from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
-from vllm_omni_prompt_cache.store.shared_heads import Joined, SharedHeads
+from vllm_omni_prompt_cache.store.shared_heads import SharedHeads
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
 from vllm_omni_prompt_cache.vllm_omni.lifecycle import release_device_memory
 

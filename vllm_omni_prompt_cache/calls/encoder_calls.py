@@ -37,6 +37,7 @@ from vllm_omni_prompt_cache.encoders.outputs import (
     served,
     skeleton,
     take_apart,
+    whole,
 )
 from vllm_omni_prompt_cache.encoders.residency import on_encode_device
 from vllm_omni_prompt_cache.encoders.text_encoders import (
@@ -50,7 +51,6 @@ from vllm_omni_prompt_cache.logs import logger, warn_once
 from vllm_omni_prompt_cache.rows.encoder_rows import compare_outputs
 from vllm_omni_prompt_cache.store.audit import turn_off
 from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
-from vllm_omni_prompt_cache.store.shared_heads import whole
 
 #: Why an encoder call runs uncached (the ``reason`` label of ``bypass_reasons``).
 UNKEEPABLE = "the text encoder's output holds an object no entry can keep"

@@ -35,13 +35,13 @@ from vllm_omni_prompt_cache.encoders.outputs import (
     spelled,
     splits,
     take_apart,
+    whole,
 )
 from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, value_key
 from vllm_omni_prompt_cache.logs import logger
 from vllm_omni_prompt_cache.rows.encoder_rows import batch_size, compare_outputs, rows_of
 from vllm_omni_prompt_cache.store.flights import Claim
 from vllm_omni_prompt_cache.store.lookups import COLLISION_REASON
-from vllm_omni_prompt_cache.store.shared_heads import whole
 
 #: What a row of a call is spelled with in its key, after the module path: no argument encodes to it.
 _ROW = ("row",)

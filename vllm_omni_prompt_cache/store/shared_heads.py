@@ -12,24 +12,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from vllm_omni_prompt_cache.encoders.forms import Joined, whole
+
 #: The fewest leading positions worth a shared head.
 MIN_HEAD = 4
-
-
-class Joined(NamedTuple):
-    """A kept tensor of one row (``[1, positions, ...]``) as a shared head and the positions of its own."""
-
-    head: torch.Tensor
-    tail: torch.Tensor
-
-
-def whole(leaf: Any) -> Any:
-    """Return a kept leaf as the one tensor it stands for (a new one when it was joined)."""
-    return torch.cat(leaf, dim=1) if type(leaf) is Joined else leaf
 
 
 def whole_value(value: Any) -> Any:

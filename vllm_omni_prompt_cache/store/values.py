@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_omni_prompt_cache.store.shared_heads import Joined
+from vllm_omni_prompt_cache.encoders.forms import Joined
 
 
 def map_tensors(value: Any, convert: Any) -> Any:
