@@ -102,7 +102,8 @@ def test_a_hit_is_handed_back_on_the_device_of_its_inputs() -> None:
     """The device is no part of the key (vLLM-Omni's offload moves the encoder every call): a hit comes back where
     the call's inputs are, as the encoder's output would. No GPU here: the meta device stands in for one, on the
     function that rebuilds a served output (meta inputs themselves cannot be keyed: they hold no bytes)."""
-    from vllm_omni_prompt_cache.encoders.outputs import kept, served, take_apart
+    from vllm_omni_prompt_cache.encoders.forms import kept, take_apart
+    from vllm_omni_prompt_cache.encoders.outputs import served
 
     output = build_qwen2_encoder(seed=3)(input_ids=IDS, attention_mask=torch.ones_like(IDS))
     form, leaves = take_apart(output)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from vllm_omni_prompt_cache import install_prompt_embed_cache
-from vllm_omni_prompt_cache.encoders.forms import Joined
-from vllm_omni_prompt_cache.encoders.outputs import ENTRY_TAG
+from vllm_omni_prompt_cache.encoders.forms import ENTRY_TAG, Joined
 from vllm_omni_prompt_cache.settings.resolved import PromptEmbedCacheSettings
 from vllm_omni_prompt_cache.store.shared_heads import SharedHeads
 from vllm_omni_prompt_cache.tiny.text_encoder import TokenIdTextPipeline, build_qwen2_encoder
@@ -77,3 +76,24 @@ def test_heads_go_with_a_clear_and_lower_tiers_keep_whole_tensors() -> None:
     assert pipeline.encoder_runs == len(PROMPTS)  # served from host memory, shared again on the way up
     cache.clear()
     assert cache.lookups.heads.nbytes == 0
+
+
+def test_a_tensor_of_other_strides_is_kept_whole() -> None:
+    heads = SharedHeads()
+    strided = torch.zeros(1, 4, 6).transpose(1, 2)  # [1, 6, 4], not contiguous: a concatenation would be
+    heads.share((ENTRY_TAG, "", (strided,)))
+    assert type(heads.share((ENTRY_TAG, "", (strided.clone(),)))[2][0]) is torch.Tensor
+
+
+def test_the_byte_budget_counts_each_entrys_head_in_full_and_bounds_what_is_held() -> None:
+    probe = TokenIdTextPipeline(build_qwen2_encoder(seed=3))
+    one = install_prompt_embed_cache(probe)
+    encode(probe, PROMPTS[0])
+    budget = 3 * one.snapshot().bytes  # three entries, each counted whole
+    pipeline = TokenIdTextPipeline(build_qwen2_encoder(seed=3))
+    cache = install_prompt_embed_cache(pipeline, settings=PromptEmbedCacheSettings(max_bytes=budget))
+    for ids in PROMPTS:
+        encode(pipeline, ids)
+    stats = cache.snapshot()
+    assert stats.size == 3 and stats.evictions == len(PROMPTS) - 3  # what sharing saves is not room for more
+    assert stats.bytes < cache.lookups.entries.bytes <= budget  # what is held: the template once

@@ -243,21 +243,24 @@ def test_unkeyable_argument_bypasses_with_its_reason(pipeline) -> None:
     assert pipeline.encoder_runs == 1
 
 
+def _wrong_embeddings(pipeline: TokenIdTextPipeline, reference: TokenIdTextPipeline) -> int:
+    """Encode 20 prompts three times; return how many results differ from the uncached reference's."""
+    wrong = 0
+    for _ in range(3):
+        for ids_list in prompt_token_ids(20, seed=3):
+            embeds, mask = pipeline.encode_prompt(*collate(ids_list))
+            expected, expected_mask = reference.encode_prompt(*collate(ids_list))
+            wrong += not (torch.equal(embeds, expected) and torch.equal(mask, expected_mask))
+    return wrong
+
+
 def test_forced_digest_collisions_never_return_a_wrong_embedding(encoder, reference_encoder) -> None:
-    reference = TokenIdTextPipeline(reference_encoder)
     pipeline = TokenIdTextPipeline(encoder)
     # Every tensor digests to the same 16 bytes: all ids collide on identity.
     cache = install_prompt_embed_cache(
         pipeline, max_size=64, settings=PromptEmbedCacheSettings(digest=lambda buffer: bytes(16))
     )
-    token_ids = prompt_token_ids(20, seed=3)
-    wrong = 0
-    for _ in range(3):
-        for ids_list in token_ids:
-            embeds, _ = pipeline.encode_prompt(*collate(ids_list))
-            expected, _ = reference.encode_prompt(*collate(ids_list))
-            wrong += not torch.equal(embeds, expected)
-    assert wrong == 0
+    assert _wrong_embeddings(pipeline, TokenIdTextPipeline(reference_encoder)) == 0
     stats = cache.stats()
     assert stats["bypass_reasons"].get(COLLISION_REASON, 0) > 0
     assert stats["hits"] + stats["misses"] + stats["bypassed"] == 60
@@ -271,17 +274,9 @@ def test_forced_collisions_of_encoder_keys_never_return_a_wrong_embedding(
     from vllm_omni_prompt_cache.keys import call_key
 
     monkeypatch.setattr(call_key, "default_digest", lambda buffer: bytes(16))
-    reference = TokenIdTextPipeline(reference_encoder)
     pipeline = TokenIdTextPipeline(encoder)
     cache = install_prompt_embed_cache(pipeline, max_size=64)
-    token_ids = prompt_token_ids(20, seed=3)
-    wrong = 0
-    for _ in range(3):
-        for ids_list in token_ids:
-            embeds, mask = pipeline.encode_prompt(*collate(ids_list))
-            expected, expected_mask = reference.encode_prompt(*collate(ids_list))
-            wrong += not (torch.equal(embeds, expected) and torch.equal(mask, expected_mask))
-    assert wrong == 0
+    assert _wrong_embeddings(pipeline, TokenIdTextPipeline(reference_encoder)) == 0
     stats = cache.stats()
     assert stats["bypass_reasons"].get(COLLISION_REASON, 0) > 0
     assert stats["hits"] + stats["misses"] + stats["bypassed"] == 60

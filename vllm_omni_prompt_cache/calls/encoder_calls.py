@@ -25,20 +25,16 @@ import torch
 from vllm_omni_prompt_cache.counts.counters import ROW_HIT as ONE_ROW_HIT
 from vllm_omni_prompt_cache.counts.counters import Count, Outcome, tally
 from vllm_omni_prompt_cache.encoders.fingerprint import ENCODE_DEVICE
-from vllm_omni_prompt_cache.encoders.intercepted import EncoderState, intercept, release
-from vllm_omni_prompt_cache.encoders.outputs import (
+from vllm_omni_prompt_cache.encoders.forms import (
     ENTRY_TAG,
-    Reads,
     Unkeepable,
-    form_of,
     is_entry,
     kept,
-    reading,
-    served,
     skeleton,
     take_apart,
-    whole,
 )
+from vllm_omni_prompt_cache.encoders.intercepted import EncoderState, intercept, release
+from vllm_omni_prompt_cache.encoders.outputs import Reads, reading, served
 from vllm_omni_prompt_cache.encoders.residency import on_encode_device
 from vllm_omni_prompt_cache.encoders.text_encoders import (
     TABLES_NOTED,
@@ -48,8 +44,7 @@ from vllm_omni_prompt_cache.encoders.text_encoders import (
 )
 from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, value_key
 from vllm_omni_prompt_cache.logs import logger, warn_once
-from vllm_omni_prompt_cache.rows.encoder_rows import compare_outputs
-from vllm_omni_prompt_cache.store.audit import turn_off
+from vllm_omni_prompt_cache.store.audit import audited
 from vllm_omni_prompt_cache.store.prompt_embed_cache import PromptEmbedCache
 
 #: Why an encoder call runs uncached (the ``reason`` label of ``bypass_reasons``).
@@ -346,15 +341,11 @@ class EncoderCalls:
             return unkept.output
         if encoded:
             return self.read(encoded["output"], encoded["form"], encoded["site"], [(key, encoded["value"])], method)
-        open_tally = getattr(self.local, "tally", None)
-        if open_tally is not None:
-            open_tally.add(answered=rows)
-        else:
-            self.count(method, lambda t: t.add(answered=rows))
+        self.count(method, lambda t: t.add(answered=rows))
         output = self.served(value, args, kwargs, run, path, key, method)
         audit = self.store.audit
         if audit is not None and audit.due():
-            return self.audited(output, value, run, args, kwargs, method)
+            return audited(self.store, type(self.pipeline), self.tag, output, value, lambda: run(args, kwargs), method)
         return output
 
     def read(self, output: Any, form: tuple, site: Site, made: list[tuple[CallKey, tuple]], method: str) -> Any:
@@ -395,25 +386,6 @@ class EncoderCalls:
             return leaves[index]
 
         return served(value, device, fetch)
-
-    def audited(self, output: Any, value: tuple, run: Run, args: tuple, kwargs: dict, method: str) -> Any:
-        """Encode an answered call again and compare what the entry keeps; on a difference serve the fresh output
-        and turn the cache off for the pipeline's class (see :mod:`.audit`)."""
-        try:
-            fresh = run(args, kwargs)
-            form, leaves = take_apart(fresh)
-            pairs = [(whole(value[2][index]), leaf) for index, leaf in enumerate(leaves) if value[2][index] is not None]
-            why = compare_outputs([stored for stored, _ in pairs], [leaf for _, leaf in pairs])[0]
-            if why is None and form != form_of(value[1]):
-                why = "its output has another form"
-        except Exception as error:  # out of memory, say: the call was served; the audit is what failed
-            warn_once(f"an audit's encode failed ({type(error).__qualname__}: {error}); the hit was served")
-            return output
-        self.store.record_audit(mismatch=why is not None, method=method)
-        if why is None:
-            return output
-        turn_off(self.store, type(self.pipeline), self.tag, why.replace("assembled", "served"))
-        return fresh
 
 
 #: What :attr:`EncoderCalls.rows` returns for a call it does not serve row by row (keyed whole).

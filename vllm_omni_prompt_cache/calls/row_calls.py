@@ -26,7 +26,7 @@ from vllm_omni_prompt_cache.calls.encoder_calls import (
     Site,
     _Unkept,
 )
-from vllm_omni_prompt_cache.encoders.outputs import (
+from vllm_omni_prompt_cache.encoders.forms import (
     ENTRY_TAG,
     Unkeepable,
     form_of,
@@ -40,6 +40,7 @@ from vllm_omni_prompt_cache.encoders.outputs import (
 from vllm_omni_prompt_cache.keys.call_key import Bypass, CallKey, value_key
 from vllm_omni_prompt_cache.logs import logger
 from vllm_omni_prompt_cache.rows.encoder_rows import batch_size, compare_outputs, rows_of
+from vllm_omni_prompt_cache.store.audit import audited
 from vllm_omni_prompt_cache.store.flights import Claim
 from vllm_omni_prompt_cache.store.lookups import COLLISION_REASON
 
@@ -171,7 +172,8 @@ class RowCalls:
         output = calls.served(assembled, args, kwargs, run, path, None, method)
         audit = calls.store.audit
         if hit and audit is not None and audit.due():  # rows found: the batch encoded again and compared
-            return calls.audited(output, assembled, run, args, kwargs, method)
+            kind = type(calls.pipeline)
+            return audited(calls.store, kind, calls.tag, output, assembled, lambda: run(args, kwargs), method)
         site = calls.site(path, form_of(values[0][1]))
         if made:  # what the encode reads of rows it encoded is what the site keeps
             return calls.read(output, form_of(assembled[1]), site, made, method)

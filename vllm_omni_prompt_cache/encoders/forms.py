@@ -164,7 +164,8 @@ def _tuples(value: Any) -> Any:
 
 
 def is_entry(value: Any) -> bool:
-    return type(value) is tuple and len(value) == 3 and value[0] == ENTRY_TAG
+    """Whether a stored value is an encoder output's entry (any other is a method's value: compared with nothing)."""
+    return type(value) is tuple and len(value) == 3 and type(value[0]) is str and value[0] == ENTRY_TAG
 
 
 class Joined(NamedTuple):

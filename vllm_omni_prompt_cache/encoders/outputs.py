@@ -23,45 +23,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.encoders.forms import (
-    ATTRIBUTES,
-    ENTRY_TAG,
-    Joined,
-    Unkeepable,
-    form_of,
-    is_entry,
-    kept,
-    row_form,
-    skeleton,
-    spelled,
-    splits,
-    take_apart,
-    tensor_leaves,
-    whole,
-)
-
-#: Re-exported: what the calls read of an entry's form, from the one module they take outputs from.
-__all__ = [
-    "ATTRIBUTES",
-    "ENTRY_TAG",
-    "Deferred",
-    "FetchingTuple",
-    "Joined",
-    "Reads",
-    "Unkeepable",
-    "form_of",
-    "is_entry",
-    "kept",
-    "reading",
-    "row_form",
-    "served",
-    "skeleton",
-    "spelled",
-    "splits",
-    "take_apart",
-    "tensor_leaves",
-    "whole",
-]
+from vllm_omni_prompt_cache.encoders.forms import ATTRIBUTES, Joined, form_of, tensor_leaves, whole
 
 
 class Reads:
@@ -325,8 +287,8 @@ def _build(form: tuple) -> Build:
 
         def tensor(stored: tuple, device: torch.device | None, fetch: Callable[[int], Any]) -> Any:
             leaf = stored[index]
-            if type(leaf) is Joined:  # a new tensor already
-                leaf = torch.cat(leaf, dim=1)
+            if type(leaf) is Joined:  # made whole: a new tensor already
+                leaf = whole(leaf)
                 return leaf if device is None or leaf.device == device else leaf.to(device)
             if leaf is not None:
                 return leaf.clone() if device is None or leaf.device == device else leaf.to(device, copy=True)

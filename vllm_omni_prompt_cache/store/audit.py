@@ -5,7 +5,7 @@ pipeline attribute, a global), or when weights change by a path no hook sees. Ke
 first-use layout checks cannot see either: they compare inputs, or a layout's first calls. An audit
 compares outputs, at any time: with a fraction ``f``, each call served without encoding is, with
 probability ``f``, encoded again and compared with what was served, within the row checks'
-tolerance (:func:`.layout_proofs.compare_outputs`). A mismatch serves the fresh encode, turns the cache off
+tolerance (:func:`~.encoder_rows.compare_outputs`). A mismatch serves the fresh encode, turns the cache off
 for the pipeline's class in this process (entries dropped, directory tier unused), and says so once.
 """
 
@@ -14,7 +14,12 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
+
+from vllm_omni_prompt_cache.encoders.forms import form_of, take_apart, whole
+from vllm_omni_prompt_cache.logs import warn_once
+from vllm_omni_prompt_cache.rows.encoder_rows import compare_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -68,3 +73,24 @@ def turn_off(cache: Any, kind: type, tag: str, why: str) -> str:
             kind.__qualname__,
         )
     return reason
+
+
+def audited(cache: Any, kind: type, tag: str, output: Any, value: tuple, encode: Callable[[], Any], method: str) -> Any:
+    """Encode an answered encoder call again (``encode()``) and compare it with what its entry ``value`` keeps;
+    return ``output`` (what was served), or on a difference the fresh output, with ``cache`` turned off for the
+    pipeline class ``kind``."""
+    try:
+        fresh = encode()
+        form, leaves = take_apart(fresh)
+        pairs = [(whole(value[2][index]), leaf) for index, leaf in enumerate(leaves) if value[2][index] is not None]
+        why = compare_outputs([stored for stored, _ in pairs], [leaf for _, leaf in pairs])[0]
+        if why is None and form != form_of(value[1]):
+            why = "its output has another form"
+    except Exception as error:  # out of memory, say: the call was served; the audit is what failed
+        warn_once(f"an audit's encode failed ({type(error).__qualname__}: {error}); the hit was served")
+        return output
+    cache.record_audit(mismatch=why is not None, method=method)
+    if why is None:
+        return output
+    turn_off(cache, kind, tag, why.replace("assembled", "served"))
+    return fresh

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from vllm_omni_prompt_cache.keys.call_key import witness_nbytes
-from vllm_omni_prompt_cache.store.shared_heads import SharedHeads
+from vllm_omni_prompt_cache.store.shared_heads import SharedHeads, head_nbytes
 from vllm_omni_prompt_cache.store.values import owned_by_cache, tensor_versions, value_nbytes
 
 V = TypeVar("V")
@@ -24,11 +24,12 @@ class Entry(NamedTuple):
 
     value: Any
     witness: tuple[bytes, ...] | None  # the key's bytes; None when verification is off
-    nbytes: int  # the value's tensor bytes plus the witness bytes
+    nbytes: int  # the value's tensor bytes plus the witness bytes (a shared head's in full: what the budgets count)
     keyed: bool = True  # stored under a CallKey (not a plain key given to put()): lower tiers may hold it
     #: each tensor of the value with its version counter when stored: a caller that writes into a served
     #: tensor (``embeds.mul_(2)``) changes the entry, which is then dropped instead of served
     versions: tuple = ()
+    shared: int = 0  #: the bytes of the shared heads the value is joined to (kept once for all entries joined to them)
 
     @classmethod
     def of(
@@ -40,7 +41,7 @@ class Entry(NamedTuple):
         if heads is not None:
             value = heads.share(value)
         nbytes = value_nbytes(value) + (0 if witness is None else witness_nbytes(witness))
-        return cls(value, witness, nbytes, keyed, tensor_versions(value))
+        return cls(value, witness, nbytes, keyed, tensor_versions(value), head_nbytes(value))
 
 
 #: What left a mapping, oldest first: (identity, entry) pairs.

@@ -105,6 +105,12 @@ class Lookups:
         if write and keyed and stamp.ticket is self.ticket:
             self.tiers.write(key, entry, stamp)
 
+    def held_bytes(self) -> int:
+        """Return the bytes device memory holds: each entry's, a shared head once (the budgets count every entry's
+        heads in full, so they bound what is held). The caller holds :attr:`lock`."""
+        shared = sum(entry.shared for entry in self.entries.values())
+        return self.entries.bytes - shared + self.heads.nbytes
+
     def forget(self, identity: Hashable) -> None:
         """Drop ``identity``'s entry from device memory, if any (the lower tiers keep theirs)."""
         with self.lock:

@@ -304,7 +304,7 @@ class PromptEmbedCache:
                 size=len(lookups.entries),
                 max_size=self.max_size,
                 bypassed=sum(counts[BYPASS_REASONS.name].values()),
-                bytes=lookups.entries.bytes + lookups.heads.nbytes,
+                bytes=lookups.held_bytes(),
                 max_bytes=self.max_bytes,
                 enabled=self.enabled,
                 verify=self.verify,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni_prompt_cache.encoders.forms import Joined, whole
+from vllm_omni_prompt_cache.encoders.forms import Joined, is_entry, whole
 
 #: The fewest leading positions worth a shared head.
 MIN_HEAD = 4
@@ -24,18 +24,14 @@ MIN_HEAD = 4
 
 def whole_value(value: Any) -> Any:
     """Return an entry's value with every joined leaf made whole (what a lower tier keeps)."""
-    if not _is_entry(value) or not any(type(leaf) is Joined for leaf in value[2]):
+    if not is_entry(value) or not any(type(leaf) is Joined for leaf in value[2]):
         return value
     return (value[0], value[1], tuple(whole(leaf) for leaf in value[2]))
 
 
 def head_nbytes(value: Any) -> int:
     """Return the bytes of the shared heads an entry's value is joined to (what its whole tensors add)."""
-    return sum(leaf.head.nbytes for leaf in value[2] if type(leaf) is Joined) if _is_entry(value) else 0
-
-
-def _is_entry(value: Any) -> bool:  # an encoder output's entry: (tag, form, leaves)
-    return type(value) is tuple and len(value) == 3 and type(value[2]) is tuple
+    return sum(leaf.head.nbytes for leaf in value[2] if type(leaf) is Joined) if is_entry(value) else 0
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -64,7 +60,7 @@ class SharedHeads:
 
     def share(self, value: Any) -> Any:
         """Return an entry's value with each row tensor whose leading positions equal a head's joined to it."""
-        if not _is_entry(value):
+        if not is_entry(value):
             return value
         with self._lock, torch.inference_mode(False):  # tails are normal tensors: a write into one is seen
             return (value[0], value[1], tuple(self._leaf(leaf) for leaf in value[2]))
@@ -74,6 +70,8 @@ class SharedHeads:
 
     def _leaf(self, leaf: Any) -> Any:
         if type(leaf) is not torch.Tensor or leaf.dim() < 2 or leaf.shape[0] != 1 or leaf.shape[1] < MIN_HEAD:
+            return leaf
+        if not leaf.is_contiguous():  # rebuilt by concatenation it would be contiguous: served with other strides
             return leaf
         kind = (leaf.device, leaf.dtype, tuple(leaf.shape[2:]))
         heads = [head for ref in self._heads.get(kind, ()) if (head := ref()) is not None]

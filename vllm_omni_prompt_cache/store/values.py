@@ -14,8 +14,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_omni_prompt_cache.encoders.forms import Joined
-
 
 def map_tensors(value: Any, convert: Any) -> Any:
     """Return ``value`` with each tensor replaced by ``convert(tensor)`` (tuples, lists, dicts rebuilt)."""
@@ -70,14 +68,11 @@ def tensor_versions(value: Any) -> tuple[tuple[torch.Tensor, int], ...]:
 
 
 def value_nbytes(value: Any) -> int:
-    """Return the bytes of tensor storage that keeping ``value`` holds alive (shared storage once; a shared head
-    is the store's, counted there)."""
+    """Return the bytes of tensor storage that keeping ``value`` holds alive (shared storage once)."""
     seen: dict[tuple[str, int], int] = {}
 
     def visit(item: Any) -> None:
-        if type(item) is Joined:
-            visit(item.tail)
-        elif isinstance(item, torch.Tensor):
+        if isinstance(item, torch.Tensor):
             storage = item.untyped_storage()
             seen[(str(item.device), storage.data_ptr())] = storage.nbytes()
         elif isinstance(item, (tuple, list)):

@@ -30,7 +30,7 @@ from vllm_omni_prompt_cache.counts.counters import (
 from vllm_omni_prompt_cache.keys.call_key import CallKey, witness_matches
 from vllm_omni_prompt_cache.logs import warn_once
 from vllm_omni_prompt_cache.store.entries import LRU, Entry
-from vllm_omni_prompt_cache.store.shared_heads import head_nbytes, whole_value
+from vllm_omni_prompt_cache.store.shared_heads import whole_value
 from vllm_omni_prompt_cache.store.tiers.tier import Keeps, Stamp
 from vllm_omni_prompt_cache.store.values import map_tensors
 
@@ -117,8 +117,7 @@ class HostTier:
         it stale (before emptying this tier), and the entry is dropped. An entry that cannot be copied
         (no pinned memory left) is dropped too, as without this tier.
         """
-        nbytes = entry.nbytes + head_nbytes(entry.value)  # kept whole here
-        if self.max_bytes is not None and nbytes > self.max_bytes:
+        if self.max_bytes is not None and entry.nbytes > self.max_bytes:
             with self._lock:
                 self._counts[HOST_EVICTIONS] += 1  # larger than the budget: dropped as it arrives
             return
@@ -131,7 +130,7 @@ class HostTier:
             if stamp.ticket.stale:
                 return
             self._counts[HOST_DEMOTIONS] += 1
-            evicted, _ = self._entries.put(identity, HostEntry(host_value, devices, entry.witness, nbytes))
+            evicted, _ = self._entries.put(identity, HostEntry(host_value, devices, entry.witness, entry.nbytes))
             self._counts[HOST_EVICTIONS] += len(evicted)
 
     def release(self, identity: Hashable, epoch: int) -> None:
