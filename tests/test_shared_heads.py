@@ -97,3 +97,15 @@ def test_the_byte_budget_counts_each_entrys_head_in_full_and_bounds_what_is_held
     stats = cache.snapshot()
     assert stats.size == 3 and stats.evictions == len(PROMPTS) - 3  # what sharing saves is not room for more
     assert stats.bytes < cache.lookups.entries.bytes <= budget  # what is held: the template once
+
+
+def test_tensors_without_bytes_to_compare_are_kept_as_they_are() -> None:
+    heads = SharedHeads()
+    for make in (
+        lambda: torch.zeros(1, 6, 0),  # no bytes
+        lambda: torch.zeros(1, 6, 4, device="meta"),  # no values
+        lambda: torch.zeros(1, 6, 4).to_sparse(),  # no strides
+    ):
+        first, second = make(), make()
+        assert heads.share((ENTRY_TAG, "", (first,)))[2][0] is first
+        assert heads.share((ENTRY_TAG, "", (second,)))[2][0] is second

@@ -71,6 +71,8 @@ class SharedHeads:
     def _leaf(self, leaf: Any) -> Any:
         if type(leaf) is not torch.Tensor or leaf.dim() < 2 or leaf.shape[0] != 1 or leaf.shape[1] < MIN_HEAD:
             return leaf
+        if leaf.layout is not torch.strided or leaf.is_meta or not leaf.numel():  # no bytes to compare
+            return leaf
         if not leaf.is_contiguous():  # rebuilt by concatenation it would be contiguous: served with other strides
             return leaf
         kind = (leaf.device, leaf.dtype, tuple(leaf.shape[2:]))
